@@ -124,9 +124,12 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
 def check_causal_lm(config) -> None:
     """Raise TargetError unless `config` describes a decoder-only causal LM."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-    if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # Bidirectional encoders (BERT, RoBERTa, ...) also have a causal-LM class, usable only as a
+    # decoder half; a masked-LM head marks them.
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False) or encoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise TargetError(
             f"model type {config.model_type!r} (architectures {getattr(config, 'architectures', None)}) "
             "is not a decoder-only causal LM; eagletree needs a model AutoModelForCausalLM can load"
@@ -231,6 +234,7 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
     return TreeForwardOutput(logits=out.logits.float(), hidden=states[-1], layer_hidden=layer_hidden)
 
 
+@torch.inference_mode()
 def keep_cache_positions(cache, start: int, keep: torch.Tensor) -> None:
     """Keep cache entries [0, start) plus the entries at `start + keep` (in that order); drop the rest.
 

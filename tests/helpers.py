@@ -1,0 +1,91 @@
+"""Random draft trees and reference computations shared by the tests."""
+
+import torch
+
+from eagletree.verify import DraftTree
+
+
+def tiny_config(kind: str):
+    """A small random-weight config; a wide init keeps logits apart so greedy ties are rare."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str, attn: str = "sdpa", seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation=attn).eval()
+
+
+def random_tree(n: int, max_depth: int, vocab: int, generator: torch.Generator, root_token: int = 0) -> DraftTree:
+    """A random deterministic tree of n nodes and depth <= max_depth with distinct sibling tokens."""
+    parents, depths, tokens, used = [-1], [0], [root_token], {}
+    while len(parents) < n:
+        candidates = [v for v, d in enumerate(depths) if d < max_depth]
+        u = candidates[int(torch.randint(len(candidates), (1,), generator=generator))]
+        taken = used.setdefault(u, set())
+        if len(taken) >= vocab:
+            continue
+        t = int(torch.randint(vocab, (1,), generator=generator))
+        while t in taken:
+            t = (t + 1) % vocab
+        taken.add(t)
+        parents.append(u)
+        depths.append(depths[u] + 1)
+        tokens.append(t)
+    return DraftTree(tokens, parents)
+
+
+def oracle_tree(root: int, truth: list[int], n: int, max_depth: int, vocab: int, generator, hit: float = 0.6) -> DraftTree:
+    """A random tree that, with probability `hit` per level, also contains the true next token.
+
+    `truth` is the target's own continuation after the root; this drives long accepted paths.
+    """
+    parents, tokens = [-1], [root]
+    u = 0
+    for d in range(min(max_depth, len(truth))):
+        if float(torch.rand((), generator=generator)) > hit:
+            break
+        parents.append(u)
+        tokens.append(truth[d])
+        u = len(tokens) - 1
+    kids: dict[int, set] = {}
+    for v, p in enumerate(parents[1:], start=1):
+        kids.setdefault(p, set()).add(tokens[v])
+    depth = {0: 0}
+    for v in range(1, len(parents)):
+        depth[v] = depth[parents[v]] + 1
+    while len(tokens) < n:
+        p = int(torch.randint(len(tokens), (1,), generator=generator))
+        if depth[p] >= max_depth or len(kids.get(p, ())) >= vocab:
+            continue
+        t = int(torch.randint(vocab, (1,), generator=generator))
+        if t in kids.setdefault(p, set()):
+            continue
+        kids[p].add(t)
+        parents.append(p)
+        tokens.append(t)
+        depth[len(tokens) - 1] = depth[p] + 1
+    return DraftTree(tokens, parents)
+
+
+def path_logits_reference(model, prefix: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """[N, vocab] logits of each node from plain causal forwards over prefix + its root path."""
+    out = torch.empty(len(tree), model.config.vocab_size)
+    with torch.no_grad():
+        for leaf_path in tree.paths():
+            ids = torch.cat([prefix, tree.tokens[leaf_path]])[None]
+            logits = model(ids).logits[0].float()
+            out[leaf_path] = logits[prefix.numel():]
+    return out

