@@ -141,3 +141,15 @@ def test_smollm2_answers_a_chat_prompt(smollm2):
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_tree_forward_returns_chosen_layer_states():
+    model = tiny_model("qwen2")
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states
+    out = tree_forward(model, ids, new_cache(model), torch.ones(12, 12, dtype=torch.bool).tril(), torch.arange(12),
+                       layers=[0, 1])
+    assert set(out.layer_hidden) == {0, 1}
+    assert torch.allclose(out.layer_hidden[0], ref[1], atol=1e-5)
+    assert torch.allclose(out.hidden, ref[-1], atol=1e-5)

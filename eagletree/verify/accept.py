@@ -64,16 +64,33 @@ def _normalized(p: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return p / total if total > 0 else fallback
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator=None) -> tuple[list[int], int]:
-    """Lossless multi-candidate speculative sampling over the tree, given target probs [N, vocab]."""
-    probs = probs.detach().to("cpu", torch.float64)
+def _host_probs(logits: torch.Tensor, temperature, top_k, top_p):
+    """Row v -> the target distribution after node v, in float64 on the host.
+
+    On an accelerator all rows are warped there and copied once (one sync per step); on the CPU
+    only the rows the walk visits (at most depth + 1) are warped.
+    """
+    if logits.device.type != "cpu":
+        probs = target_probs(logits, temperature, top_k, top_p).to("cpu", torch.float64)
+        return lambda v: probs[v].clone()
+    return lambda v: target_probs(logits[v : v + 1], temperature, top_k, top_p)[0].double()
+
+
+def accept_sampling(tree: DraftTree, probs, generator=None) -> tuple[list[int], int]:
+    """Lossless multi-candidate speculative sampling over the tree.
+
+    `probs` is the target distributions [N, vocab], or a function v -> distribution after node v.
+    """
+    if isinstance(probs, torch.Tensor):
+        table = probs.detach().to("cpu", torch.float64)
+        probs = lambda v: table[v].clone()  # noqa: E731
     tokens = tree.tokens.tolist()
     children = tree.children()
     dists = tree.draft_dists.to("cpu", torch.float64) if tree.sampled else None
     coin = lambda: float(torch.rand((), generator=generator, dtype=torch.float64))  # noqa: E731
     path, u = [0], 0
     while True:
-        p = probs[u].clone()
+        p = probs(u)
         q = dists[u].clone() if tree.sampled else None
         if tree.sampled:
             q = _normalized(q, q)
@@ -115,4 +132,4 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor, temperature: float = 0.0,
         raise TreeError(f"draft_dists has vocab {tree.draft_dists.shape[1]}, but the logits have {vocab}")
     if temperature is None or temperature == 0.0:
         return accept_greedy(tree, logits)
-    return accept_sampling(tree, target_probs(logits, temperature, top_k, top_p), generator)
+    return accept_sampling(tree, _host_probs(logits, temperature, top_k, top_p), generator)

@@ -28,10 +28,15 @@ def causal_mask(n_new: int, n_cached: int, device=None) -> torch.Tensor:
     return torch.cat([torch.ones(n_new, n_cached, dtype=torch.bool, device=device), chain], dim=1)
 
 
-def prefill(model, cache, input_ids: torch.Tensor, layers=None) -> TreeForwardOutput:
-    """Run the prompt tokens [n] causally on top of `cache` (usually all but the root token)."""
+def prefill(model, cache, input_ids: torch.Tensor, layers=None) -> TreeForwardOutput | None:
+    """Run the prompt tokens [n] causally on top of `cache` (usually all but the root token).
+
+    Nothing to run (n = 0, a one-token prompt) returns None.
+    """
     start = cache_length(cache)
     n = input_ids.shape[-1]
+    if n == 0:
+        return None
     positions = torch.arange(start, start + n, device=input_ids.device)
     return tree_forward(model, input_ids.reshape(1, n), cache, causal_mask(n, start, input_ids.device), positions, layers)
 

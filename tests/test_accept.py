@@ -1,0 +1,172 @@
+"""Acceptance rules: greedy exactness, and sampling losslessness by chi-square tests.
+
+The target and drafter are synthetic functions of the context over a tiny vocabulary, so the
+true distribution of the first two emitted tokens is known in closed form.
+"""
+
+import hashlib
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagletree.verify import DraftTree, TreeError, accept_tree, target_probs
+from eagletree.verify import accept as accept_mod
+
+V = 6
+DRAWS = 20_000
+
+
+def _seeded(tag: str, context: tuple) -> torch.Generator:
+    digest = hashlib.sha256(f"{tag}{context}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+class Synthetic:
+    """Target logits and draft distributions as deterministic functions of the context."""
+
+    def __init__(self):
+        self._logits, self._draft = {}, {}
+
+    def logits(self, context):
+        if context not in self._logits:
+            self._logits[context] = torch.randn(V, generator=_seeded("target", context)) * 1.3
+        return self._logits[context]
+
+    def draft(self, context):
+        # A drafter that roughly agrees with the target, so both acceptance and rejection happen.
+        if context not in self._draft:
+            noisy = self.logits(context) + torch.randn(V, generator=_seeded("draft", context))
+            self._draft[context] = torch.softmax(noisy, -1)
+        return self._draft[context]
+
+
+def build_tree(syn, context, mode, generator, widths=(3, 2)):
+    """Depth-2 tree after `context`: top-k drafted (deterministic) or sampled from the draft."""
+    tokens, parents, contexts = [context[-1]], [-1], [context]
+    frontier = [0]
+    for width in widths:
+        nxt = []
+        for u in frontier:
+            q = syn.draft(contexts[u])
+            if mode == "deterministic":
+                picks = torch.topk(q, width).indices.tolist()
+            else:
+                picks = torch.multinomial(q, width, replacement=(mode == "replacement"), generator=generator).tolist()
+            for t in picks:
+                tokens.append(t)
+                parents.append(u)
+                contexts.append(contexts[u] + (t,))
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    sampled = mode != "deterministic"
+    dists = torch.stack([syn.draft(c) for c in contexts]) if sampled else None
+    tree = DraftTree(tokens, parents, draft_dists=dists, sampled=sampled, with_replacement=(mode == "replacement"))
+    logits = torch.stack([syn.logits(c) for c in contexts])
+    return tree, logits
+
+
+def first_two_tokens(syn, mode, generator, **sampling):
+    context, out = (0,), []
+    while len(out) < 2:
+        tree, logits = build_tree(syn, context, mode, generator)
+        accepted, nxt = accept_tree(tree, logits, generator=generator, **sampling)
+        step = tree.tokens[accepted[1:]].tolist() + [nxt]
+        out += step
+        context = context + tuple(step)
+    return out[0], out[1]
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts under probs; any draw in a zero-probability cell fails outright."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token the target never emits was emitted"
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    return float(chisquare(counts[support].numpy(), expected.numpy()).pvalue)
+
+
+def run_chi_square(mode, seed=0, **sampling):
+    syn, g = Synthetic(), torch.Generator().manual_seed(seed)
+    pairs = torch.zeros(V, V)
+    for _ in range(DRAWS):
+        a, b = first_two_tokens(syn, mode, g, **sampling)
+        pairs[a, b] += 1
+    p1 = target_probs(syn.logits((0,))[None], **sampling)[0]
+    p2 = torch.stack([target_probs(syn.logits((0, a))[None], **sampling)[0] for a in range(V)])
+    return chi_square_p(pairs.sum(1), p1), chi_square_p(pairs, p1[:, None] * p2)
+
+
+SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)]
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "sampled", "replacement"])
+@pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_sampling_is_lossless(mode, sampling):
+    p_first, p_pair = run_chi_square(mode, **sampling)
+    assert p_first > 0.01 and p_pair > 0.01, (p_first, p_pair)
+
+
+def test_chi_square_catches_a_missing_renormalization(monkeypatch):
+    """Negative control: the same test on a broken rule (no renormalization after a rejection) fails."""
+    monkeypatch.setattr(accept_mod, "_normalized", lambda p, fallback: p)
+    p_first, p_pair = run_chi_square("deterministic", temperature=1.0)
+    assert min(p_first, p_pair) < 0.01, (p_first, p_pair)
+
+
+def test_chi_square_catches_sampled_siblings_judged_against_the_wrong_q(monkeypatch):
+    """Negative control for sampled trees: treating draws without replacement as with replacement fails."""
+    real_init = DraftTree.__init__
+
+    def wrong_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.with_replacement = True
+
+    monkeypatch.setattr(DraftTree, "__init__", wrong_init)
+    p_first, p_pair = run_chi_square("sampled", temperature=1.0)
+    assert min(p_first, p_pair) < 0.01, (p_first, p_pair)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
+                                      dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, top_k=20, top_p=0.5)])
+def test_warping_matches_hf_generate_sampling(sampling):
+    """target_probs is the distribution `model.generate(do_sample=True)` draws its first token from."""
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        logits = model(prompt).logits[0, -1]
+    probs = target_probs(logits[None], **sampling)[0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(prompt.expand(DRAWS, -1), attention_mask=torch.ones(DRAWS, 5, dtype=torch.long),
+                             do_sample=True, max_new_tokens=1, top_k=sampling.get("top_k", 0),
+                             **{k: v for k, v in sampling.items() if k != "top_k"})
+    counts = torch.bincount(out[:, -1], minlength=probs.numel())
+    assert chi_square_p(counts, probs) > 0.01
+    # Control: the same draws are far from the distribution with the warping left out.
+    plain = torch.softmax(logits.double(), -1)
+    assert chisquare(counts.double().numpy(), (plain * DRAWS).numpy()).pvalue < 0.01
+
+
+def test_greedy_accepts_the_longest_matching_path():
+    # target argmax after each node: root -> 3, node1 -> 4, node3 -> 9 ...
+    tree = DraftTree([0, 3, 5, 4, 7], [-1, 0, 0, 1, 1])
+    logits = torch.full((5, 10), -5.0)
+    for v, best in enumerate([3, 4, 1, 9, 2]):
+        logits[v, best] = 5.0
+    assert accept_tree(tree, logits) == ([0, 1, 3], 9)
+    logits[0] = -5.0
+    logits[0, 8] = 5.0  # the root's argmax is drafted nowhere: only the correction token
+    assert accept_tree(tree, logits) == ([0], 8)
+
+
+def test_accept_checks_logits_against_the_tree():
+    tree = DraftTree([0, 3], [-1, 0])
+    with pytest.raises(TreeError, match=r"logits must be \[N=2, vocab\]"):
+        accept_tree(tree, torch.zeros(3, 10))
+    with pytest.raises(TreeError, match="expected 0 <= id < 2"):
+        accept_tree(tree, torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="temperature > 0"):
+        accept_tree(tree, torch.zeros(2, 10), temperature=-1.0)
