@@ -11,28 +11,10 @@ table reports medians. Overhead = mask + acceptance + KV commit, as a fraction o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
-from tqdm import tqdm
 
-from eagletree.target import load_target, new_cache, tree_forward, truncate_cache
-from eagletree.verify import DraftTree, accept_tree, commit, prefill
-
-
-def random_tree(n: int, depth: int, vocab: int, g: torch.Generator, root: int) -> DraftTree:
-    """A random tree with distinct sibling tokens: parents drawn among nodes above the depth limit."""
-    parents, depths, tokens = [-1], [0], [root]
-    for v in range(1, n):
-        while True:
-            u = int(torch.randint(v, (1,), generator=g))
-            if depths[u] < depth:
-                break
-        parents.append(u)
-        depths.append(depths[u] + 1)
-        tokens.append((v * 7919) % vocab)  # distinct within the tree, so siblings never repeat
-    return DraftTree(tokens, parents)
+from eagletree.target import load_target
+from eagletree.verify.profile import measure_verify
 
 
 def load(args):
@@ -48,11 +30,6 @@ def load(args):
     return model, args.target
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
@@ -66,42 +43,8 @@ def main(argv=None):
 
     model, name = load(args)
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
     sizes = [int(s) for s in args.sizes.split(",")]
-    g = torch.Generator().manual_seed(0)
-    cache = new_cache(model)
-    prefill(model, cache, torch.randint(vocab, (args.prefix,), generator=g).to(device))
-    trees = {n: random_tree(n, min(args.depth, n - 1), vocab, g, root=1).to(device) for n in sizes}
-    cols = ("mask", "forward", "accept", "accept_t1", "commit")
-    times = {n: {c: [] for c in cols} for n in sizes}
-    sampler = torch.Generator().manual_seed(1)
-
-    for rep in tqdm(range(args.reps + 1), desc=f"verify cost on {name} ({device.type})"):
-        for n in sizes:
-            tree = trees[n]
-            sync(device)
-            t0 = time.perf_counter()
-            allowed, positions = tree.attention_mask(args.prefix), tree.position_ids(args.prefix)
-            sync(device)
-            t1 = time.perf_counter()
-            out = tree_forward(model, tree.tokens[None], cache, allowed, positions)
-            sync(device)
-            t2 = time.perf_counter()
-            accepted, _ = accept_tree(tree, out.logits[0])
-            sync(device)
-            t3 = time.perf_counter()
-            accept_tree(tree, out.logits[0], temperature=1.0, generator=sampler)
-            sync(device)
-            t4 = time.perf_counter()
-            commit(cache, args.prefix, accepted)
-            sync(device)
-            t5 = time.perf_counter()
-            truncate_cache(cache, args.prefix)
-            if rep:  # the first round warms up
-                for c, dt in zip(cols, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                    times[n][c].append(dt)
-
-    med = {n: {c: statistics.median(v) for c, v in times[n].items()} for n in sizes}
+    med = measure_verify(model, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps)
     base = med[sizes[0]]["forward"]
     print(f"\nverify pass on {name}, {device.type}, {model.dtype}, prefix {args.prefix}, depth <= {args.depth}, "
           f"median of {args.reps} round-robin reps")

@@ -98,10 +98,9 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     final = cache_dir() / "targets" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (final / _CACHE_COMPLETE).is_file():
         return final
-    if final.exists():  # left by a writer that died between rename and marker: not trusted
-        shutil.rmtree(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp.chmod(0o755)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -111,11 +110,14 @@ def gguf_to_folder(gguf_path: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        # The marker is written last inside the temporary folder; the rename publishes both at once.
         (tmp / _CACHE_COMPLETE).write_text(json.dumps({"source": str(gguf_path)}))
         try:
             os.replace(tmp, final)
-        except OSError:  # another process finished first; its folder is complete
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (final / _CACHE_COMPLETE).is_file():  # not another process's finished cache: a real failure
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -171,8 +173,10 @@ class TreeForwardOutput:
 
 
 def _cache_kwarg(model) -> str:
-    # transformers renamed forward's `past_key_values` to `cache` (5.2x); accept either.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """The name forward takes the KV cache under: `past_key_values` (5.17) or `cache` (later 5.x)."""
+    module = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    forward = inspect.unwrap(type(module).forward)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def new_cache(model):
@@ -187,12 +191,17 @@ def cache_length(cache) -> int:
 
 
 def mask_for_model(model, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, kv] boolean mask (True = may attend) -> the 4D form the model's attention consumes.
+    """[n, kv] boolean mask (True = may attend) -> the 4D form the model's attention consumes."""
+    return mask_for_config(model.config, allowed, dtype)
+
+
+def mask_for_config(config, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """As `mask_for_model`, for the attention implementation named in an HF config.
 
     SDPA takes booleans directly; eager attention adds the mask to the scores, so it gets 0 / -inf.
     """
     mask = allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
-    impl = getattr(model.config, "_attn_implementation", "eager")
+    impl = getattr(config, "_attn_implementation", "eager")
     if impl == "sdpa":
         return mask
     if impl != "eager":
@@ -219,6 +228,11 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
             f"mask has shape {tuple(allowed.shape)}, expected [..., {input_ids.shape[1]}, {kv}] "
             f"({input_ids.shape[1]} new tokens on top of {kv - input_ids.shape[1]} cached)"
         )
+    layers = list(layers or [])
+    n_layers = model.config.num_hidden_layers
+    if any(not 0 <= i < n_layers - 1 for i in layers):
+        raise ValueError(f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
+                         f"(the last layer's output is `hidden`, after the final norm)")
     mask = mask_for_model(model, allowed.to(input_ids.device), model.dtype)
     out = model(
         input_ids=input_ids,
@@ -228,6 +242,9 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
         output_hidden_states=True,
         **{_cache_kwarg(model): cache},
     )
+    if cache is not None and cache_length(cache) != kv:
+        raise TargetError(f"the model did not extend the KV cache ({cache_length(cache)} entries, expected {kv}); "
+                          f"its forward ignored the cache argument {_cache_kwarg(model)!r}")
     # hidden_states[0] is the embedding output; [i + 1] is decoder layer i's output; the last is post-norm.
     states = out.hidden_states
     layer_hidden = {i: states[i + 1] for i in layers} if layers else None
@@ -248,6 +265,7 @@ def keep_cache_positions(cache, start: int, keep: torch.Tensor) -> None:
             picked = tensor.index_select(2, keep.to(tensor.device) + start)  # a copy: safe when ranges overlap
             tensor[:, :, start : start + n_keep] = picked
             setattr(layer, name, tensor[:, :, : start + n_keep])
+        _set_length(layer, start + n_keep)
 
 
 def truncate_cache(cache, length: int) -> None:
@@ -255,3 +273,14 @@ def truncate_cache(cache, length: int) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
+        _set_length(layer, length)
+
+
+def _set_length(layer, length: int) -> None:
+    # Sliding-window layers count the tokens they have seen separately from the stored keys.
+    if hasattr(layer, "cumulative_length"):
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and length >= window:
+            raise TargetError(f"context of {length} tokens reached the sliding window ({window}): "
+                              "tree verification over a rolling cache is not supported")
+        layer.cumulative_length = length

@@ -7,7 +7,7 @@ from eagletree.verify import DraftTree
 
 def tiny_config(kind: str):
     """A small random-weight config; a wide init keeps logits apart so greedy ties are rare."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -18,6 +18,8 @@ def tiny_config(kind: str):
         return LlamaConfig(**common)
     if kind == "qwen2":
         return Qwen2Config(**common)
+    if kind == "mistral":  # sliding-window attention: its cache layers count tokens separately
+        return MistralConfig(**common, sliding_window=256)
     raise ValueError(kind)
 
 

@@ -10,7 +10,7 @@ from eagletree.train.data import (
 )
 
 RECORDS = [
-    {"id": f"c{i}_{i % 2}", "conversations": [
+    {"id": f"c{i}_{i % 2}", "flag": i % 2 == 0, "none": None, "conversations": [
         {"from": "human", "value": f"question {i} with ünïcode ✓ and \"quotes\" ]}}"},
         {"from": "gpt", "value": f"answer {i}"},
     ]}
@@ -32,16 +32,17 @@ def test_complete_array_is_not_truncated(tmp_path):
     ]
 
 
-def test_every_cut_recovers_every_complete_record(tmp_path):
+@pytest.mark.parametrize("ascii_only", [False, True])
+def test_every_cut_recovers_every_complete_record(tmp_path, ascii_only):
     """Cut the file at every byte: all records that end before the cut come back, nothing else."""
-    raw = json.dumps(RECORDS, indent=1, ensure_ascii=False).encode("utf-8")
+    raw = json.dumps(RECORDS[:4], indent=1, ensure_ascii=ascii_only).encode("utf-8")
     ends = []  # byte offset just after each record's closing brace
-    for r in RECORDS:
-        piece = json.dumps(r, indent=1, ensure_ascii=False).replace("\n", "\n ").encode("utf-8")
+    for r in RECORDS[:4]:
+        piece = json.dumps(r, indent=1, ensure_ascii=ascii_only).replace("\n", "\n ").encode("utf-8")
         start = raw.index(piece, ends[-1] if ends else 0)
         ends.append(start + len(piece))
     path = tmp_path / "cut.json"
-    for cut in range(2, len(raw) - 1, 7):
+    for cut in range(2, len(raw) - 1):
         path.write_bytes(raw[:cut])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -59,6 +60,30 @@ def test_damage_inside_the_file_is_an_error(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text(broken)
     with pytest.raises(DataError, match=r"broken.json: record 3 is not valid JSON"):
+        read_json_file(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[{"id": 1, "conversations": []}{"id": 2, "conversations": []}]', "expected ',' or ']' after record 0"),
+    ('[{"id": 1, "conversations": []}}', "expected ',' or ']' after record 0"),
+    ('[{"id": 1, "conversations": [}]', "record 0 is not valid JSON"),
+    ('[3, 4]', "record 0 should start with '{'"),
+])
+def test_damaged_arrays_are_errors_not_truncations(tmp_path, text, message):
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=message):
+        read_json_file(path)
+
+
+def test_bom_line_separators_and_bad_utf8(tmp_path):
+    record = {"id": "a", "messages": [{"role": "user", "content": "x\u2028y\u0085z"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(record, ensure_ascii=False).encode() + b"\n")
+    assert read_json_file(path).conversations[0].messages[0]["content"] == "x\u2028y\u0085z"
+    path = tmp_path / "d.json"
+    path.write_bytes(b'[{"id": "a", "conversations": [{"from": "human", "value": "\xff"}]}]')
+    with pytest.raises(DataError, match="invalid UTF-8 at byte 59"):
         read_json_file(path)
 
 

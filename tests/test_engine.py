@@ -66,7 +66,7 @@ def check_lossless(model, prompts, max_new, n_nodes, depth, seed):
     return total_passes
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_output_equals_plain_decoding_tiny(kind):
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(7)

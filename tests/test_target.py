@@ -84,10 +84,9 @@ def test_gguf_cache_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_convert)
     with pytest.raises(RuntimeError, match="conversion attempted"):
         target_mod.gguf_to_folder(gguf)
-    assert not final.exists()
+    assert [p.name for p in targets.iterdir()] == [final.name]  # no partial folder left behind
 
     # A complete folder is returned without converting again.
-    final.mkdir()
     (final / target_mod._CACHE_COMPLETE).write_text(json.dumps({}))
     assert target_mod.gguf_to_folder(gguf) == final
     assert calls == [1, 2]
@@ -148,8 +147,11 @@ def test_tree_forward_returns_chosen_layer_states():
     ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True).hidden_states
-    out = tree_forward(model, ids, new_cache(model), torch.ones(12, 12, dtype=torch.bool).tril(), torch.arange(12),
-                       layers=[0, 1])
-    assert set(out.layer_hidden) == {0, 1}
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    out = tree_forward(model, ids, new_cache(model), causal, torch.arange(12), layers=[0])
+    assert set(out.layer_hidden) == {0}
     assert torch.allclose(out.layer_hidden[0], ref[1], atol=1e-5)
     assert torch.allclose(out.hidden, ref[-1], atol=1e-5)
+    for bad in ([1], [-1]):
+        with pytest.raises(ValueError, match=r"must be decoder layer indices in \[0, 0\]"):
+            tree_forward(model, ids, new_cache(model), causal, torch.arange(12), layers=bad)

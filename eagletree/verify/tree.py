@@ -39,7 +39,7 @@ class DraftTree:
         self.parents = _as_tensor(parents, torch.long, "parents").to(self.tokens.device)
         self.sampled = bool(sampled)
         self.with_replacement = bool(with_replacement)
-        self.draft_probs = None if draft_probs is None else _as_tensor(draft_probs, torch.float32, "draft_probs")
+        self.draft_probs = None if draft_probs is None else _as_tensor(draft_probs, torch.float64, "draft_probs")
         self.draft_dists = None if draft_dists is None else torch.as_tensor(draft_dists, dtype=torch.float32)
         self._validate(vocab_size)
         self.depths = self._depths()  # [N] root = 0
@@ -82,8 +82,8 @@ class DraftTree:
                 raise TreeError(f"draft_dists must be [N={n}, vocab], got shape {tuple(d.shape)}")
             if vocab_size is not None and d.shape[1] != vocab_size:
                 raise TreeError(f"draft_dists has vocab {d.shape[1]}, expected {vocab_size}")
-            if torch.isnan(d).any() or (d < 0).any():
-                raise TreeError("draft_dists holds NaN or negative probabilities")
+            if not torch.isfinite(d).all() or (d < 0).any():
+                raise TreeError("draft_dists holds NaN, infinite or negative probabilities")
         if self.sampled:
             if self.draft_dists is None:
                 raise TreeError("a sampled tree needs draft_dists: the distribution each node's children were drawn from")
@@ -93,8 +93,8 @@ class DraftTree:
             if zero.numel():
                 v = int(child[int(zero[0])])
                 raise TreeError(f"node {v} (token {int(tokens[v])}) has draft probability 0 under its parent's draft_dists")
-        elif n > 1:
-            # Deterministic siblings are distinct top-k tokens: a repeat would be tried twice.
+        if n > 1 and not (self.sampled and self.with_replacement):
+            # Top-k siblings, and siblings drawn without replacement, are distinct: a repeat would be tried twice.
             key = parents[1:] * (int(tokens.max()) + 1) + tokens[1:]
             uniq, counts = torch.unique(key, return_counts=True)
             if (counts > 1).any():
@@ -102,7 +102,7 @@ class DraftTree:
                 v = int((key == k).nonzero()[1]) + 1
                 raise TreeError(
                     f"node {v} repeats token {int(tokens[v])} of a sibling under parent {int(parents[v])}; "
-                    "siblings of a deterministic tree must be distinct"
+                    "siblings must be distinct unless sampled with replacement"
                 )
 
     # -- structure ----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class DraftTree:
             raise TreeError("path products need draft_probs")
         logp = torch.log(self.draft_probs.clamp_min(1e-30)).to(self.parents.device)
         logp[0] = 0.0
-        return torch.exp(self.ancestors().float() @ logp)
+        return torch.exp(self.ancestors().double() @ logp)
 
     @property
     def expected_tokens(self) -> float:

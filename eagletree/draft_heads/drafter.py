@@ -1,0 +1,93 @@
+"""The drafter the tree search calls: one head call per depth level for the whole frontier.
+
+State for one sequence: the head's KV cache of the committed prefix (extended after every
+verification with the target's real features, never recomputed) and, during one step, the
+tree part of the cache with a tree mask: each frontier node sees the prefix, its drafted
+ancestors and itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TreeDrafter:
+    """Implements the batched search's `expand(nodes, tokens, parents, level) -> probs [F, draft vocab]`."""
+
+    def __init__(self, head, target_model):
+        self.head = head
+        self.embed = target_model.get_input_embeddings()
+        lm_head = target_model.get_output_embeddings()
+        full = head.config.draft_vocab_size is None
+        d2t = head.d2t.to(lm_head.weight.device)
+        # A draft vocabulary slices the target's lm_head once: drafting then costs V'/V of it.
+        self.lm_weight = lm_head.weight.detach() if full else lm_head.weight.detach()[d2t].contiguous()
+        bias = getattr(lm_head, "bias", None)
+        self.lm_bias = None if bias is None else (bias.detach() if full else bias.detach()[d2t])
+        self.token_map = None if full else d2t  # draft id -> target id, for the search
+        self.cache = head.new_cache()
+        self.committed = 0
+        self.root_probs = None
+
+    def draft_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] predicted features -> [..., V'] draft distributions (through the target's lm_head)."""
+        logits = torch.nn.functional.linear(hidden.to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)
+        return torch.softmax(logits.float(), dim=-1)
+
+    def _truncate(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Commit positions: target features [m, H] at the next m positions and the token after each.
+
+        Drops the previous step's tree entries first. Returns the root's child distribution: the
+        head's prediction after the last of these positions.
+        """
+        self._truncate(self.committed)
+        m = features.shape[0]
+        positions = torch.arange(self.committed, self.committed + m, device=features.device)
+        out = self.head(features[None], next_tokens[None], positions, self.embed, cache=self.cache)[0]
+        self.committed += m
+        self.root_feature = out[-1]
+        self.root_probs = self.draft_probs(out[-1])
+        # Tree state of the step that starts now: per run node, its cache slot, feature and ancestor row.
+        self.node_slot = torch.full((64,), -1, dtype=torch.long, device=features.device)
+        self.slot_feats = out.new_zeros(0, out.shape[-1])
+        self.slot_rows = torch.zeros(0, 0, dtype=torch.bool, device=features.device)
+        return self.root_probs
+
+    @torch.inference_mode()
+    def __call__(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
+        if self.root_probs is None:
+            raise RuntimeError("call extend() with the prompt's target features before drafting")
+        if level == 1:
+            return self.root_probs[None]
+        device = self.slot_feats.device
+        nodes, tokens, parents = nodes.to(device), tokens.to(device), parents.to(device)
+        f, s = nodes.numel(), self.slot_feats.shape[0]
+        parent_slot = torch.where(parents > 0, self.node_slot[parents.clamp(min=0)], -1)  # root: -1
+        is_root = parent_slot < 0
+        feats = torch.where(is_root[:, None], self.root_feature[None], self.slot_feats[parent_slot.clamp(min=0)])
+        rows = torch.zeros(f, s + f, dtype=torch.bool, device=device)
+        if s:
+            rows[:, :s] = torch.where(is_root[:, None], False, self.slot_rows[parent_slot.clamp(min=0)])
+        rows[torch.arange(f, device=device), s + torch.arange(f, device=device)] = True
+        allowed = torch.cat([torch.ones(f, self.committed, dtype=torch.bool, device=device), rows], dim=1)
+        # The root sits at position committed - 1, so a node at depth d sits at committed - 1 + d.
+        positions = torch.full((f,), self.committed + level - 2, device=device)
+        out = self.head(feats[None], tokens[None], positions, self.embed, allowed=allowed, cache=self.cache)[0]
+        # Record the new slots.
+        if int(nodes.max()) >= self.node_slot.numel():
+            grow = torch.full((2 * int(nodes.max()) + 1,), -1, dtype=torch.long, device=device)
+            grow[: self.node_slot.numel()] = self.node_slot
+            self.node_slot = grow
+        self.node_slot[nodes] = s + torch.arange(f, device=device)
+        old = self.slot_rows
+        self.slot_rows = torch.zeros(s + f, s + f, dtype=torch.bool, device=device)
+        self.slot_rows[:s, :s] = old
+        self.slot_rows[s:] = rows
+        self.slot_feats = torch.cat([self.slot_feats, out])
+        return self.draft_probs(out)

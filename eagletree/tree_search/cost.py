@@ -1,0 +1,106 @@
+"""Cost-aware budget: pick the tree size that maximizes tokens per second, not tokens per pass.
+
+E[tokens](N) grows with the budget N while the verify pass t(N) grows too (slowly on a GPU, fast
+on a CPU); drafting costs per depth level. The profile is measured on the running device
+(`eagletree.verify.profile.measure_profile`) and cached as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LatencyProfile:
+    sizes: list[int]  # node counts N measured, ascending
+    verify_s: list[float]  # seconds of one verify pass (mask + forward + accept + commit) at each N
+    draft_s_per_level: float = 0.0  # seconds of one drafter call (one depth level)
+    search_s_per_level: float = 0.0  # seconds of tree-search bookkeeping per level
+    device: str = "cpu"
+    model: str = ""
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.sizes) != len(self.verify_s) or not self.sizes:
+            raise ValueError(f"profile needs one time per size, got sizes {self.sizes} and times {self.verify_s}")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"profile sizes must be distinct, ascending and >= 1, got {self.sizes}")
+
+    def verify(self, n) -> torch.Tensor:
+        """t_verify(n), piecewise linear in n; beyond the last size the last slope continues."""
+        n = torch.as_tensor(n, dtype=torch.float64)
+        xs = torch.tensor(self.sizes, dtype=torch.float64)
+        ys = torch.tensor(self.verify_s, dtype=torch.float64)
+        if xs.numel() == 1:
+            return ys[0] * n / xs[0]
+        i = torch.searchsorted(xs, n.clamp(max=float(xs[-1]))).clamp(1, xs.numel() - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
+
+    def step_time(self, n, depth) -> torch.Tensor:
+        """Seconds of one decoding step: drafting and searching `depth` levels, then verifying n nodes."""
+        return depth * (self.draft_s_per_level + self.search_s_per_level) + self.verify(n)
+
+    def save(self, path) -> None:
+        """Write atomically (temporary file, then rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_measurements(cls, medians: dict[int, dict[str, float]], **info) -> "LatencyProfile":
+        """From `eagletree.verify.profile.measure_verify` output (greedy acceptance)."""
+        sizes = sorted(medians)
+        verify = [sum(medians[n][c] for c in ("mask", "forward", "accept", "commit")) for n in sizes]
+        return cls(sizes, verify, **info)
+
+    @classmethod
+    def load_or_measure(cls, path, measure) -> "LatencyProfile":
+        """The cached profile at `path`, or `measure()` saved there for next time."""
+        if Path(path).is_file():
+            return cls.load(path)
+        profile = measure()
+        profile.save(path)
+        return profile
+
+    @classmethod
+    def load(cls, path) -> "LatencyProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**data)
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
+
+
+def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max_budget: int | None = None):
+    """Best N for one step given the candidate node values (any order) of a tree drafted to `depth`.
+
+    Returns (budget, expected tokens, expected tokens per second). Budget counts the root.
+    """
+    v = torch.sort(values.double().flatten(), descending=True).values
+    v = v[torch.isfinite(v)]
+    if max_budget is not None:
+        v = v[: max_budget - 1]
+    expected = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v, 0)])  # N = 1..len+1
+    n = torch.arange(1, expected.numel() + 1)
+    rate = expected / profile.step_time(n, depth)
+    best = int(rate.argmax())
+    return best + 1, float(expected[best]), float(rate[best])
+
+
+def choose_depth_and_budget(expected: dict[tuple[int, int], float], profile: LatencyProfile):
+    """From measured E[tokens/pass] per (depth, budget), the pair with the most tokens per second."""
+    if not expected:
+        raise ValueError("no (depth, budget) measurements to choose from")
+    rate = {k: e / float(profile.step_time(k[1], k[0])) for k, e in expected.items()}
+    best = max(rate, key=rate.get)
+    return best, rate[best]

@@ -1,0 +1,76 @@
+"""Measure what a verify step costs on the running device, per tree size, side by side."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..target import new_cache, tree_forward, truncate_cache
+from .accept import accept_tree
+from .engine import commit, prefill
+from .tree import DraftTree
+
+COLUMNS = ("mask", "forward", "accept", "accept_t1", "commit")
+
+
+def synthetic_tree(n: int, depth: int, vocab: int, g: torch.Generator, root: int = 1) -> DraftTree:
+    """A random tree shape of n nodes and depth <= depth; tokens distinct within the tree."""
+    parents, depths = [-1], [0]
+    for _ in range(1, n):
+        while True:
+            u = int(torch.randint(len(parents), (1,), generator=g))
+            if depths[u] < depth:
+                break
+        parents.append(u)
+        depths.append(depths[u] + 1)
+    tokens = [root] + [(v * 7919) % vocab for v in range(1, n)]
+    return DraftTree(tokens, parents)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_verify(model, sizes=(1, 4, 8, 16, 32, 64, 128), prefix: int = 256, depth: int = 6, reps: int = 10,
+                   seed: int = 0, progress: bool = True) -> dict[int, dict[str, float]]:
+    """Median seconds per component (mask, forward, greedy/T=1 acceptance, KV commit) for each N.
+
+    All sizes are measured round-robin in one loop after one warm-up round, so machine noise
+    hits them alike.
+    """
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    cache = new_cache(model)
+    prefill(model, cache, torch.randint(vocab, (prefix,), generator=g).to(device))
+    trees = {n: synthetic_tree(n, min(depth, n - 1), vocab, g).to(device) for n in sizes}
+    times = {n: {c: [] for c in COLUMNS} for n in sizes}
+    sampler = torch.Generator().manual_seed(seed + 1)
+    for rep in tqdm(range(reps + 1), desc=f"verify cost ({device.type})", disable=not progress):
+        for n in sizes:
+            tree = trees[n]
+            stamps = [time.perf_counter()]
+            allowed, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
+            _sync(device)
+            stamps.append(time.perf_counter())
+            out = tree_forward(model, tree.tokens[None], cache, allowed, positions)
+            _sync(device)
+            stamps.append(time.perf_counter())
+            accepted, _ = accept_tree(tree, out.logits[0])
+            _sync(device)
+            stamps.append(time.perf_counter())
+            accept_tree(tree, out.logits[0], temperature=1.0, generator=sampler)
+            _sync(device)
+            stamps.append(time.perf_counter())
+            commit(cache, prefix, accepted)
+            _sync(device)
+            stamps.append(time.perf_counter())
+            truncate_cache(cache, prefix)
+            if rep:  # round 0 warms up
+                for c, a, b in zip(COLUMNS, stamps, stamps[1:]):
+                    times[n][c].append(b - a)
+    return {n: {c: statistics.median(v) for c, v in times[n].items()} for n in sizes}
