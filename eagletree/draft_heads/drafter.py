@@ -68,12 +68,11 @@ class TreeDrafter:
         device = self.slot_feats.device
         nodes, tokens, parents = nodes.to(device), tokens.to(device), parents.to(device)
         f, s = nodes.numel(), self.slot_feats.shape[0]
-        parent_slot = torch.where(parents > 0, self.node_slot[parents.clamp(min=0)], -1)  # root: -1
-        is_root = parent_slot < 0
-        feats = torch.where(is_root[:, None], self.root_feature[None], self.slot_feats[parent_slot.clamp(min=0)])
+        # Row 0 of these tables stands for the root (its feature; no drafted ancestors), row 1 + slot for a run node.
+        parent_row = torch.where(parents > 0, self.node_slot[parents.clamp(min=0)], -1) + 1
+        feats = torch.cat([self.root_feature[None], self.slot_feats])[parent_row]
         rows = torch.zeros(f, s + f, dtype=torch.bool, device=device)
-        if s:
-            rows[:, :s] = torch.where(is_root[:, None], False, self.slot_rows[parent_slot.clamp(min=0)])
+        rows[:, :s] = torch.cat([torch.zeros(1, s, dtype=torch.bool, device=device), self.slot_rows])[parent_row]
         rows[torch.arange(f, device=device), s + torch.arange(f, device=device)] = True
         allowed = torch.cat([torch.ones(f, self.committed, dtype=torch.bool, device=device), rows], dim=1)
         # The root sits at position committed - 1, so a node at depth d sits at committed - 1 + d.

@@ -52,6 +52,8 @@ class HeadConfig:
 
 def _layer_config(target_config):
     cfg = copy.deepcopy(target_config)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"]  # the head's one layer sees the whole context
     cfg.num_hidden_layers = 1
     cfg.use_cache = True
     cfg._attn_implementation = "sdpa"

@@ -53,6 +53,7 @@ def _tree_from_selection(tokens, parents, probs, values, order) -> DraftTree:
     tree = DraftTree([tokens[0]] + [tokens[v] for v in order], new_parents,
                      draft_probs=[1.0] + [probs[v] for v in order])
     tree.values = torch.tensor([1.0] + [values[v] for v in order], dtype=torch.float64)
+    tree.node_ids = [0] + list(order)  # the search's node ids (the ids `expand` saw), per tree node
     return tree
 
 
@@ -151,11 +152,13 @@ class _Table:
         self.probs = torch.ones(1, dtype=torch.float64, device=device)
         self.values = torch.ones(1, dtype=torch.float64, device=device)
 
-    def grow(self, expand, frontier, top_k, level):
+    def grow(self, expand, frontier, top_k, level, token_map=None):
         """Draft top_k children for every frontier node; return (new ids, their values; -inf = none)."""
         probs = expand(frontier, self.tokens[frontier], self.parents[frontier], level).double()
         check_distribution(probs, f"drafter output at level {level}")
         q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
+        if token_map is not None:  # a draft vocabulary: its ids -> target ids
+            tok = token_map.to(tok.device)[tok]
         value = torch.where(q > 0, self.values[frontier, None] * q, -math.inf)
         start = self.tokens.numel()
         self.tokens = torch.cat([self.tokens, tok.flatten()])
@@ -177,13 +180,13 @@ class _Table:
         return _tree_from_selection(tokens, parents, probs, values, drafted_ids.tolist())
 
 
-def _search(expand: Expand, root_token, budget, depth, top_k, width, device) -> DraftTree:
+def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None) -> DraftTree:
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
     frontier = torch.zeros(1, dtype=torch.long, device=device)
     drafted, drafted_values = [], []
     for level in range(1, depth + 1):
-        ids, values = table.grow(expand, frontier, top_k, level)
+        ids, values = table.grow(expand, frontier, top_k, level, token_map)
         drafted.append(ids)
         drafted_values.append(values)
         frontier = table.best(ids, values, width)
@@ -193,14 +196,19 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device) -> 
     return table.tree(table.best(ids, values, budget - 1))
 
 
-def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu") -> DraftTree:
-    """Batched EAGLE-2: the frontier is the top_k nodes of each level; same tree as `eagle2_tree`."""
-    return _search(expand, root_token, budget, depth, top_k, width=top_k, device=device)
+def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
+                  token_map=None) -> DraftTree:
+    """Batched EAGLE-2: the frontier is the top_k nodes of each level; same tree as `eagle2_tree`.
+
+    `token_map` (draft id -> target id) is for drafters over a reduced draft vocabulary.
+    """
+    return _search(expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map)
 
 
-def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu") -> DraftTree:
+def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
+                   token_map=None) -> DraftTree:
     """Batched optimum: a beam of budget-1 nodes per level loses no node of the global top budget-1."""
-    return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device)
+    return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map)
 
 
 def path_expand(child_probs: Callable) -> Expand:

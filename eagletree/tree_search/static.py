@@ -118,7 +118,7 @@ def static_tree(child_probs: Callable, root_token: int, shape: Shape) -> DraftTr
     return DraftTree(tokens, shape.parents, draft_probs=probs)
 
 
-def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu") -> DraftTree:
+def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu", token_map=None) -> DraftTree:
     """Batched form of `static_tree`: one drafter call per depth level."""
     parents = torch.tensor(shape.parents, device=device)
     ranks = torch.tensor(shape.ranks, device=device)
@@ -135,6 +135,7 @@ def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu") -
         check_distribution(q, f"drafter output at level {level}")
         top_q, top_t = torch.topk(q, int(ranks[children].max()) + 1, dim=-1)
         row = torch.searchsorted(frontier, parents[children])
-        tokens[children] = top_t[row, ranks[children]]
+        picked = top_t[row, ranks[children]]
+        tokens[children] = picked if token_map is None else token_map.to(picked.device)[picked]
         probs[children] = top_q[row, ranks[children]]
     return DraftTree(tokens.cpu(), shape.parents, draft_probs=probs.cpu().float())

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from eagletree.draft_heads import EagleHead, HeadError, TreeDrafter, build_draft_vocab, t2d_mask, target_to_draft
+from eagletree.tree_search import eagle2_search, optimal_search
+
+from helpers import tiny_model
+
+
+def head_for(model, draft_tokens=None, seed=0):
+    torch.manual_seed(seed)
+    return EagleHead.for_target(model.config, draft_tokens).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_head_shapes_and_size(kind):
+    model = tiny_model(kind)
+    head = head_for(model)
+    h = model.config.hidden_size
+    assert head.fc.weight.shape == (h, 2 * h)
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters()) - h  # minus the dropped input norm
+    assert head.num_parameters() == 2 * h * h + h + layer_params
+    assert not any(p is model.lm_head.weight or p is model.model.embed_tokens.weight for p in head.parameters())
+    out = head(torch.randn(2, 5, h), torch.randint(97, (2, 5)), torch.arange(5), model.get_input_embeddings())
+    assert out.shape == (2, 5, h)
+
+
+@pytest.mark.real
+def test_smollm2_head_is_about_three_percent_of_the_target(smollm2):
+    model, _ = smollm2
+    head = EagleHead.for_target(model.config)
+    ratio = head.num_parameters() / sum(p.numel() for p in model.parameters())
+    assert 0.02 < ratio < 0.05, ratio
+
+
+def reference_child_probs(head, model, feats, toks, path_tokens, drafter):
+    """Run the head without cache or tree mask along one path: the distribution after its last node."""
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        f, t = feats, toks
+        out = head(f[None], t[None], torch.arange(t.numel()), embed)[0]
+        for token in path_tokens:
+            f = torch.cat([f, out[-1:]])
+            t = torch.cat([t, torch.tensor([token])])
+            out = head(f[None], t[None], torch.arange(t.numel()), embed)[0]
+        return drafter.draft_probs(out[-1])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_tree_call_equals_running_each_path_alone(kind, draft_vocab):
+    """The tree mask inside the head: every node's children come out as if its path ran alone."""
+    model = tiny_model(kind)
+    g = torch.Generator().manual_seed(0)
+    d2t = None if draft_vocab is None else torch.randperm(97, generator=g)[:draft_vocab].sort().values
+    head = head_for(model, d2t)
+    feats, toks = torch.randn(7, 64, generator=g), torch.randint(97, (7,), generator=g)
+    drafter = TreeDrafter(head, model)
+    drafter.extend(feats, toks)
+    seen = {}
+
+    def recording(nodes, tokens, parents, level):
+        probs = drafter(nodes, tokens, parents, level)
+        for v, row in zip(nodes.tolist(), probs):
+            seen[v] = row
+        return probs
+
+    tree = optimal_search(recording, int(toks[-1]), budget=24, depth=4, top_k=3, token_map=drafter.token_map)
+    assert len(tree) == 24
+    for v in range(len(tree)):
+        path = tree.path_to(v)
+        node_id = tree.node_ids[v]
+        if node_id not in seen:
+            continue  # a leaf that was never expanded
+        ref = reference_child_probs(head, model, feats, toks, tree.tokens[path[1:]].tolist(), drafter)
+        assert torch.allclose(seen[node_id], ref, atol=1e-4), f"node {v} (path {path}): {(seen[node_id] - ref).abs().max()}"
+    if d2t is not None:
+        assert set(tree.tokens[1:].tolist()) <= set(d2t.tolist())  # drafted ids map back to target ids
+
+
+def test_extend_after_a_step_continues_the_committed_prefix():
+    model = tiny_model("llama")
+    head = head_for(model)
+    g = torch.Generator().manual_seed(1)
+    feats, toks = torch.randn(9, 64, generator=g), torch.randint(97, (9,), generator=g)
+    whole = TreeDrafter(head, model)
+    expected = whole.extend(feats, toks)
+    parts = TreeDrafter(head, model)
+    parts.extend(feats[:5], toks[:5])
+    eagle2_search(parts, int(toks[4]), 10, 3, 2)  # a drafting step leaves tree entries in the cache ...
+    got = parts.extend(feats[5:], toks[5:])  # ... which extend() drops before committing
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_draft_vocab_is_a_bijection():
+    streams = [[5, 5, 5, 9, 9, 1], [9, 7, 7, 7, 7]]
+    d2t = build_draft_vocab(streams, 4, target_vocab=20, always=[2])
+    assert d2t.tolist() == [2, 5, 7, 9]
+    t2d = target_to_draft(d2t, 20)
+    assert torch.equal(d2t[t2d[d2t]], d2t) and (t2d >= 0).sum() == 4
+    assert t2d_mask(d2t, 20).nonzero().flatten().tolist() == [2, 5, 7, 9]
+    with pytest.raises(ValueError, match="must be in"):
+        build_draft_vocab(streams, 0, target_vocab=20)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 30])
+def test_save_load_round_trip(tmp_path, draft_vocab):
+    model = tiny_model("qwen2")
+    d2t = None if draft_vocab is None else torch.arange(0, 90, 3)
+    head = head_for(model, d2t)
+    head.save_pretrained(tmp_path / "head")
+    loaded = EagleHead.from_pretrained(tmp_path / "head", target_config=model.config)
+    x, t = torch.randn(1, 6, 64), torch.randint(97, (1, 6))
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        assert torch.equal(head(x, t, torch.arange(6), embed), loaded(x, t, torch.arange(6), embed))
+    assert torch.equal(loaded.d2t, head.d2t) and loaded.config.draft_vocab_size == draft_vocab
+
+
+def test_mismatched_target_and_corrupted_files(tmp_path):
+    model = tiny_model("llama")
+    head = head_for(model)
+    head.save_pretrained(tmp_path / "head")
+    other = tiny_model("qwen2")
+    with pytest.raises(HeadError, match="model_type = 'llama', but this target has model_type = 'qwen2'"):
+        EagleHead.from_pretrained(tmp_path / "head", target_config=other.config)
+    weights = tmp_path / "head" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(HeadError, match="truncated or corrupted"):
+        EagleHead.from_pretrained(tmp_path / "head")
+    with pytest.raises(HeadError, match="is not a head folder"):
+        EagleHead.from_pretrained(tmp_path / "nothing")
