@@ -91,3 +91,36 @@ def path_logits_reference(model, prefix: torch.Tensor, tree: DraftTree) -> torch
             logits = model(ids).logits[0].float()
             out[leaf_path] = logits[prefix.numel():]
     return out
+
+
+WORDS = ("hello hi how are you fine thanks what is two plus four six the sky blue why because light "
+         "scatters tell me a joke no ok sure bye").split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer with a chat template, for the tiny models' 97-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS + ["|", "<", ">"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|end|>", pad_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_conversations(n: int, seed: int = 0):
+    """Random short chats over WORDS."""
+    from eagletree.train.data import Conversation
+
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda k: " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (k,), generator=g))  # noqa: E731
+    return [Conversation(f"t{i}", [{"role": "user", "content": pick(5)}, {"role": "assistant", "content": pick(12)},
+                                   {"role": "user", "content": pick(4)}, {"role": "assistant", "content": pick(9)}])
+            for i in range(n)]

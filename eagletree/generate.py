@@ -1,0 +1,217 @@
+"""Speculative generation: draft a tree with the head, verify it in one target pass, accept, commit.
+
+`generate` is the decoding step of ../shared/DESIGN.md in a loop; it returns the text and the
+statistics people tune with (tokens per pass, predicted vs measured, where the time went).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from .draft_heads import TreeDrafter
+from .target import new_cache
+from .tree_search import chain_shape, eagle2_search, optimal_search, sequoia_tree, static_search
+from .verify import DraftTree, prefill, verify_step
+
+TREES = ("eagle2", "optimal", "chain", "sequoia")
+# Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
+DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    passes: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per pass
+    predicted: list[float] = field(default_factory=list)  # the tree's E[tokens/pass] per pass
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("prefill", "draft", "search", "verify", "accept", "commit"), 0.0))
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / self.passes if self.passes else 0.0
+
+    @property
+    def predicted_tokens_per_pass(self) -> float:
+        return sum(self.predicted) / len(self.predicted) if self.predicted else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        hist: dict[int, int] = {}
+        for n in self.accepted_lengths:
+            hist[n] = hist.get(n, 0) + 1
+        return dict(sorted(hist.items()))
+
+    def as_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "passes": self.passes, "tokens_per_pass": self.tokens_per_pass,
+                "predicted_tokens_per_pass": self.predicted_tokens_per_pass, "accepted_histogram": self.histogram(),
+                "seconds": self.seconds, "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
+                "times": dict(self.times)}
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def encode_prompt(tokenizer, prompt) -> torch.Tensor:
+    """Chat messages (through the chat template), a plain string, or token ids -> 1-D ids."""
+    if isinstance(prompt, torch.Tensor):
+        ids = prompt.flatten().long()
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"][0]
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids[0]
+    else:
+        raise TypeError(f"prompt must be chat messages, a string or token ids, got {type(prompt).__name__}")
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
+    ids = set()
+    eos = target.generation_config.eos_token_id
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for s in stop or []:
+        ids.update([s] if isinstance(s, int) else tokenizer.convert_tokens_to_ids([s]))
+    return sorted(ids)
+
+
+def _context_limit(target) -> int | None:
+    return getattr(target.config, "max_position_embeddings", None)
+
+
+def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
+                 tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
+                 truncate_prompt=False, stats: GenerationStats | None = None):
+    """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes."""
+    if tree not in TREES:
+        raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    stats = stats if stats is not None else GenerationStats()
+    ids = encode_prompt(tokenizer, prompt)
+    limit = _context_limit(target)
+    if limit is not None and ids.numel() + max_new_tokens > limit:
+        if not truncate_prompt or max_new_tokens >= limit:
+            raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"context of {limit} tokens; shorten it or pass truncate_prompt=True")
+        ids = ids[-(limit - max_new_tokens):]
+    if max_new_tokens == 0:
+        return
+    if head is not None:
+        head.check_target(target.config)
+    device = next(target.parameters()).device
+    ids = ids.to(device)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    stops = stop_token_ids(target, tokenizer, stop)
+    shape = None
+    if tree in ("chain", "sequoia"):
+        shape = chain_shape(depth) if tree == "chain" else sequoia_tree(accept_by_rank or DEFAULT_ACCEPT_BY_RANK,
+                                                                          budget, depth)
+
+    t0 = time.perf_counter()
+    cache = new_cache(target)
+    out = prefill(target, cache, ids[:-1])
+    drafter = TreeDrafter(head, target) if head is not None else None
+    can_draft = drafter is not None and out is not None
+    if can_draft:
+        drafter.extend(out.hidden[0], ids[1:])
+    stats.times["prefill"] += time.perf_counter() - t0
+    root, emitted = int(ids[-1]), 0
+    while emitted < max_new_tokens:
+        t_search = time.perf_counter()
+        draft_time = [0.0]
+        if can_draft:
+            def timed(nodes, tokens, parents, level):
+                t = time.perf_counter()
+                probs = drafter(nodes, tokens, parents, level)
+                draft_time[0] += time.perf_counter() - t
+                return probs
+
+            kwargs = dict(device=device, token_map=drafter.token_map)
+            if tree == "eagle2":
+                draft = eagle2_search(timed, root, budget, depth, top_k_draft, **kwargs)
+            elif tree == "optimal":
+                draft = optimal_search(timed, root, budget, depth, top_k_draft, **kwargs)
+            else:
+                draft = static_search(timed, root, shape, **kwargs)
+        else:
+            draft = DraftTree([root], [-1])
+        stats.times["draft"] += draft_time[0]
+        stats.times["search"] += time.perf_counter() - t_search - draft_time[0]
+        stats.predicted.append(draft.expected_tokens if draft.draft_probs is not None else 1.0)
+        step = verify_step(target, cache, draft, temperature, top_k, top_p, generator, stops)
+        for k in ("verify", "accept", "commit"):
+            stats.times[k] += step.times[k]
+        tokens = step.tokens[: max_new_tokens - emitted]
+        emitted += len(tokens)
+        stats.passes += 1
+        stats.new_tokens += len(tokens)
+        stats.accepted_lengths.append(len(step.tokens))
+        stats.seconds = time.perf_counter() - t0
+        yield tokens
+        if step.stopped or emitted >= max_new_tokens:
+            break
+        if can_draft:
+            t = time.perf_counter()
+            drafter.extend(step.hidden, torch.tensor(step.tokens, device=device))
+            stats.times["draft"] += time.perf_counter() - t
+        root = step.tokens[-1]
+    stats.seconds = time.perf_counter() - t0
+
+
+def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, **options):
+    """Lossless speculative generation. Returns a GenerationResult, or with stream=True an iterator of text pieces.
+
+    options: max_new_tokens, temperature, top_k, top_p, tree ("eagle2" | "optimal" | "chain" | "sequoia"),
+    budget, depth, top_k_draft, stop (extra stop tokens), seed, truncate_prompt.
+    A list of prompts (strings or message lists) returns a list of results, decoded one after another.
+    """
+    if isinstance(prompt_or_messages, list) and prompt_or_messages and not isinstance(prompt_or_messages[0], dict):
+        if stream:
+            raise ValueError("stream=True takes one prompt at a time")
+        return [generate(target, tokenizer, head, p, **options) for p in prompt_or_messages]
+    stats = GenerationStats()
+    steps = decode_steps(target, tokenizer, head, prompt_or_messages, stats=stats, **options)
+    if stream:
+        return _stream_text(tokenizer, steps)
+    ids = [t for tokens in steps for t in tokens]
+    return GenerationResult(tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+
+
+def _stream_text(tokenizer, steps):
+    """Text pieces as tokens arrive; held back while the decoded text ends in an incomplete character."""
+    ids, sent = [], ""
+    for tokens in steps:
+        ids += tokens
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        if text.startswith(sent):
+            yield text[len(sent):]
+            sent = text
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if text.startswith(sent) and len(text) > len(sent):
+        yield text[len(sent):]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module sets `eagletree.generate` to it; calling it still means `generate(...)`."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,359 @@
+"""The training loop: the same code on CPU, one GPU or many (accelerate), resumable bit for bit.
+
+One optimizer step = `grad_accum` micro-batches per process; a micro-batch is one rendered
+conversation. Online features: the frozen target runs inside the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .render import RenderError, render
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (bad loss, bad config); the message names the step or key."""
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m"
+    dataset: str = "sharegpt"
+    heldout_fraction: float = 0.04
+    max_conversations: int = 0  # 0 = all training conversations
+    max_len: int = 512
+    long: str = "truncate"  # or "drop": what to do with conversations longer than max_len
+    draft_vocab: int = 0  # 0 = the full target vocabulary; else the V' most frequent tokens
+    draft_vocab_sample: int = 2000  # conversations counted to pick the draft vocabulary
+    steps: int = 1000  # optimizer steps (the schedule's length)
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps; 0 = run to `steps`; resume later
+    grad_accum: int = 4
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    clip: float = 0.5
+    noise: float = 0.2  # uniform noise on input features: U(-noise/2, noise/2)
+    l1_weight: float = 1.0
+    ce_weight: float = 0.1
+    seed: int = 0
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_conversations: int = 20
+    out_dir: str = "runs/smollm2-135m-eagle"
+    report_to: str = "wandb"  # or "none"
+    device: str = ""  # "" = accelerate's choice
+
+    @classmethod
+    def from_sources(cls, path=None, overrides=()) -> "TrainConfig":
+        """Defaults, then a YAML file, then key=value overrides; an unknown key is an error listing valid keys."""
+        import yaml
+
+        valid = {f.name: f for f in fields(cls)}
+        values = {}
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
+            values.update(loaded)
+        for item in overrides:
+            if "=" not in item:
+                raise TrainingError(f"override {item!r} must look like key=value")
+            key, raw = item.split("=", 1)
+            values[key] = yaml.safe_load(raw)
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
+        for key, value in values.items():
+            kind = type(getattr(cls(), key))
+            if kind is float and isinstance(value, int):
+                values[key] = float(value)
+            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
+        if values.get("long", "truncate") not in ("truncate", "drop"):
+            raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Objective
+# ---------------------------------------------------------------------------------------------
+
+
+def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """EAGLE-1/2 objective on one sequence: smooth-L1 to the next feature + w x CE to the target's distribution.
+
+    features [T, H]: the target's post-norm features; ids [T]; mask [T] bool (assistant tokens).
+    The head at position t reads (f_t + noise, x_{t+1}) and predicts f_{t+1}.
+    """
+    f_in, f_next, tok_next = features[:-1], features[1:], ids[1:]
+    m = mask[1:]
+    if not m.any():
+        return None
+    if cfg.noise:
+        noise = torch.rand(f_in.shape, generator=generator, dtype=torch.float32).to(f_in) - 0.5
+        f_in = f_in + noise * cfg.noise
+    pred = head(f_in[None], tok_next[None], torch.arange(f_in.shape[0], device=f_in.device), embed)[0]
+    pred, target = pred[m], f_next[m]
+    l1 = F.smooth_l1_loss(pred.float(), target.float())
+    weight, bias = target_lm
+    with torch.no_grad():
+        p_target = torch.softmax(F.linear(target, weight, bias).float(), -1)
+    logp = torch.log_softmax(F.linear(pred, weight, bias).float(), -1)
+    ce = -(p_target * logp).sum(-1).mean()
+    acc = (logp.argmax(-1) == p_target.argmax(-1)).float().mean()
+    return cfg.l1_weight * l1 + cfg.ce_weight * ce, {"l1": l1.detach(), "ce": ce.detach(), "acc": acc.detach(),
+                                                     "tokens": int(m.sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order
+# ---------------------------------------------------------------------------------------------
+
+
+class Stream:
+    """Deterministic conversation order: a fresh permutation per epoch; position = micro-batch index."""
+
+    def __init__(self, conversations, seed: int):
+        self.conversations, self.seed = conversations, seed
+        self._perm_epoch, self._perm = -1, None
+
+    def __getitem__(self, index: int):
+        epoch, i = divmod(index, len(self.conversations))
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(len(self.conversations), generator=g), epoch
+        return self.conversations[int(self._perm[i])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def _rng_state(noise_gen):
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "noise": noise_gen.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state, noise_gen):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    noise_gen.set_state(state["noise"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int):
+    """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones."""
+    root = folder / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
+    head.save_pretrained(tmp / "head")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "counters": counters, "rng": _rng_state(noise_gen)}, tmp / "trainer.pt")
+    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    final = root / f"step-{step:07d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    found = sorted((folder / "checkpoints").glob("step-*"))
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def _trackers(cfg: TrainConfig):
+    if cfg.report_to == "none":
+        return None
+    if cfg.report_to != "wandb":
+        raise TrainingError(f"report_to must be 'wandb' or 'none', got {cfg.report_to!r}")
+    # Never block or ask: without an API key (or a network) wandb logs offline into the run folder.
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_DIR", cfg.out_dir)
+    return "wandb"
+
+
+def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conversations=None, progress=True):
+    """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from ..draft_heads import EagleHead, build_draft_vocab
+    from ..target import load_target
+    from .data import load_dataset, split
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_with = _trackers(cfg)
+    accelerator = Accelerator(log_with=log_with, cpu=cfg.device == "cpu",
+                              mixed_precision="bf16" if torch.cuda.is_available() and cfg.device != "cpu" else "no")
+    set_seed(cfg.seed)
+    device = accelerator.device
+    if model_and_tokenizer is None:
+        model, tok = load_target(cfg.target, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+                                 device=device)
+    else:
+        model, tok = model_and_tokenizer
+    model.requires_grad_(False)
+    if conversations is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train_convs, _ = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
+        if cfg.max_conversations:
+            train_convs = train_convs[: cfg.max_conversations]
+    else:
+        train_convs = conversations
+    if not train_convs:
+        raise TrainingError("no training conversations")
+    stream = Stream(train_convs, cfg.seed)
+
+    ckpt = latest_checkpoint(out) if resume else None
+    if ckpt is not None:
+        head = EagleHead.from_pretrained(ckpt / "head", target_config=model.config).train()
+    else:
+        draft_tokens = None
+        if cfg.draft_vocab:
+            draft_tokens = build_draft_vocab(_assistant_tokens(tok, stream, cfg), cfg.draft_vocab,
+                                             model.config.vocab_size, always=_special_ids(tok))
+        head = EagleHead.for_target(model.config, draft_tokens)
+    head = head.to(device).train()
+    embed = model.get_input_embeddings()
+    lm = model.get_output_embeddings()
+    rows = head.d2t.to(device) if head.config.draft_vocab_size else None
+    lm_weight = lm.weight.detach() if rows is None else lm.weight.detach()[rows]
+    lm_bias = None if getattr(lm, "bias", None) is None else (lm.bias.detach() if rows is None else lm.bias.detach()[rows])
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 17 + accelerator.process_index)
+    step, counters = 0, {"tokens": 0, "skipped": 0, "truncated": 0, "dropped": 0}
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, counters = state["step"], state["counters"]
+        _set_rng_state(state["rng"], noise_gen)
+        accelerator.print(f"resumed from {ckpt} at step {step}")
+    head, optimizer = accelerator.prepare(head, optimizer)
+    if log_with:
+        accelerator.init_trackers("eagletree", config=asdict(cfg))
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
+    t0, tokens0 = time.perf_counter(), counters["tokens"]
+    last_ckpt = ckpt
+    history = []
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    while step < end:
+        stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
+        for micro in range(cfg.grad_accum):
+            index = (step * cfg.grad_accum + micro) * world + rank
+            conv = stream[index]
+            try:
+                r = render(tok, conv.messages, cfg.max_len if cfg.long == "truncate" else None)
+            except RenderError:
+                counters["skipped"] += 1
+                continue
+            if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
+                counters["dropped"] += 1
+                continue
+            counters["truncated"] += int(r.truncated)
+            ids = r.input_ids.to(device)
+            with torch.no_grad():
+                feats = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # post-norm features
+            with accelerator.autocast():
+                result = eagle_loss(head, (lm_weight, lm_bias), embed, feats.float(), ids, r.loss_mask.to(device),
+                                    cfg, noise_gen)
+            if result is None:
+                continue
+            loss, parts = result
+            if not torch.isfinite(loss):
+                raise TrainingError(f"loss is {float(loss)} at step {step + 1} (micro-batch {micro}); stopped. "
+                                    f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
+            accelerator.backward(loss / cfg.grad_accum)
+            stats["loss"] += loss.item()
+            stats["l1"] += float(parts["l1"])
+            stats["ce"] += float(parts["ce"])
+            stats["acc"] += float(parts["acc"])
+            stats["n"] += 1
+            counters["tokens"] += parts["tokens"]
+        if accelerator.sync_gradients and cfg.clip:
+            accelerator.clip_grad_norm_(params, cfg.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        n = max(stats["n"], 1)
+        record = {k: stats[k] / n for k in ("loss", "l1", "ce", "acc")} | {"lr": scheduler.get_last_lr()[0], "step": step}
+        history.append(record)
+        elapsed = time.perf_counter() - t0
+        record["tokens_per_s"] = (counters["tokens"] - tokens0) * world / max(elapsed, 1e-9)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if log_with and step % cfg.log_every == 0:
+            accelerator.log(record, step=step)
+        if step % cfg.save_every == 0 or step == end:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
+                                            noise_gen, cfg, cfg.keep_checkpoints)
+    bar.close()
+    head = accelerator.unwrap_model(head).eval()
+    if accelerator.is_main_process:
+        head.save_pretrained(out / "head")
+        (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    if log_with:
+        accelerator.end_training()
+    summary = {"steps": step, **counters, "final": history[-1] if history else None}
+    return head, summary
+
+
+def _assistant_tokens(tok, stream, cfg):
+    """Assistant tokens of the first conversations in training order (to pick the draft vocabulary)."""
+    for i in range(min(cfg.draft_vocab_sample, len(stream.conversations))):
+        try:
+            r = render(tok, stream[i].messages, cfg.max_len)
+        except RenderError:
+            continue
+        yield r.input_ids[r.loss_mask].tolist()
+
+
+def _special_ids(tok) -> list[int]:
+    ids = [tok.eos_token_id, tok.bos_token_id, tok.pad_token_id]
+    return [i for i in ids if i is not None]

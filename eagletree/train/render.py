@@ -1,0 +1,59 @@
+"""Render conversations with the target tokenizer's own chat template, with an assistant-only loss mask.
+
+The mask comes from the rendering itself: the text of the conversation up to each assistant turn
+(with the generation prompt) and through it are both prefixes of the full rendering, so the
+characters between them are that assistant turn. Token offsets map characters to tokens. No
+separator strings are hard-coded, so any tokenizer with a chat template works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class RenderError(ValueError):
+    """A conversation the chat template cannot render consistently (counted and skipped by the trainer)."""
+
+
+@dataclass
+class Rendered:
+    input_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T] bool: token belongs to an assistant turn
+    truncated: bool
+
+
+def _render(tokenizer, messages, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rendered:
+    """Token ids and assistant mask of one conversation, cut to `max_len` tokens if given."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RenderError("the tokenizer has no chat template")
+    try:
+        full = _render(tokenizer, messages, False)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _render(tokenizer, messages[:i], True) if i else ""
+            through = _render(tokenizer, messages[: i + 1], False)
+            if not full.startswith(through) or not through.startswith(before):
+                raise RenderError(f"the chat template does not render turn {i} as a prefix of the conversation")
+            spans.append((len(before), len(through)))
+    except RenderError:
+        raise
+    except Exception as e:  # templates raise their own errors (e.g. roles out of order)
+        raise RenderError(f"the chat template rejected the conversation: {e}") from e
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    truncated = max_len is not None and ids.numel() > max_len
+    if truncated:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Rendered(ids, mask, truncated)

@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+from eagletree.train.loop import TrainConfig, TrainingError, train
+from eagletree.train.render import RenderError, render
+
+from helpers import tiny_conversations, tiny_model, tiny_tokenizer
+
+
+def test_render_masks_exactly_the_assistant_turns():
+    tok = tiny_tokenizer()
+    messages = [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "fine thanks"},
+                {"role": "user", "content": "what is two plus four"}, {"role": "assistant", "content": "six"}]
+    r = render(tok, messages)
+    assert tok.decode(r.input_ids[r.loss_mask]) == "fine thanks <|end|> six <|end|>"
+    cut = render(tok, messages, max_len=5)
+    assert cut.truncated and cut.input_ids.numel() == 5
+
+
+def test_render_needs_a_chat_template():
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(RenderError, match="no chat template"):
+        render(tok, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.real
+def test_render_smollm2_template(smollm2):
+    _, tok = smollm2
+    r = render(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there!"}])
+    assert tok.decode(r.input_ids[r.loss_mask]) == "Hello there!<|im_end|>\n"
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(TrainingError, match=r"unknown config keys \['learning_rate'\]; valid keys: \[.*'lr'"):
+        TrainConfig.from_sources(None, ["learning_rate=0.1"])
+    with pytest.raises(TrainingError, match="must be int"):
+        TrainConfig.from_sources(None, ["steps=many"])
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 7\nlr: 1\n")
+    cfg = TrainConfig.from_sources(path, ["grad_accum=2"])
+    assert (cfg.steps, cfg.lr, cfg.grad_accum) == (7, 1.0, 2)
+
+
+def tiny_cfg(tmp_path, **kw):
+    base = dict(out_dir=str(tmp_path), report_to="none", steps=8, grad_accum=2, save_every=2, warmup_steps=2,
+                max_len=40, lr=1e-3, device="cpu")
+    return TrainConfig(**(base | kw))
+
+
+def run(cfg, resume=False):
+    return train(cfg, resume=resume, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                 conversations=tiny_conversations(12), progress=False)
+
+
+def test_resume_gives_identical_weights(tmp_path):
+    straight, _ = run(tiny_cfg(tmp_path / "a"))
+    run(tiny_cfg(tmp_path / "b", stop_after=4))
+    resumed, summary = run(tiny_cfg(tmp_path / "b"), resume=True)
+    assert summary["steps"] == 8
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-6, name
+
+
+def test_training_reduces_the_loss(tmp_path):
+    _, summary = run(tiny_cfg(tmp_path, steps=40, save_every=40))
+    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert sum(history[-5:]) / 5 < 0.8 * sum(history[:5]) / 5
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    from eagletree.train import loop
+
+    real = loop.eagle_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss, parts = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 4 else loss), parts  # step 3's first micro-batch
+
+    monkeypatch.setattr(loop, "eagle_loss", poisoned)
+    with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*step-0000002"):
+        run(tiny_cfg(tmp_path))
+    from eagletree.draft_heads import EagleHead
+
+    assert EagleHead.from_pretrained(tmp_path / "checkpoints" / "step-0000002" / "head") is not None
+
+
+def test_draft_vocab_head_trains(tmp_path):
+    head, _ = run(tiny_cfg(tmp_path, draft_vocab=20, steps=2))
+    assert head.config.draft_vocab_size == 20 and head.d2t.numel() == 20
