@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def cmd_data(args) -> int:
@@ -17,34 +18,141 @@ def cmd_data(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    """Answer one chat prompt with the target alone and report its speed."""
-    import torch
-    from transformers import TextStreamer
+SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m"}
 
+
+def _load(args):
+    """Target, tokenizer and head from --target/--head (the shipped head by default)."""
+    from .draft_heads import load_head
     from .target import load_target
 
-    if not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give the text to answer")
     t0 = time.perf_counter()
     model, tok = load_target(args.target, device=args.device)
-    print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}) in "
-          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    inputs = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True).to(model.device)
-    streamer = None if args.json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    head_path = args.head
+    if head_path is None:
+        head_path = SHIPPED_HEADS.get(args.target)
+        if head_path is None or not head_path.is_dir():
+            raise SystemExit(f"error: no head is shipped for target {args.target!r}; pass --head DIR "
+                             "(train one with train.py) or --head none for plain decoding")
+    head = None
+    if str(head_path) != "none":
+        head = load_head(head_path, target_config=model.config, device=model.device)
+    print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device})"
+          f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return model, tok, head
+
+
+def _options(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed)
+
+
+def _plain(model, tok, messages, args) -> dict:
+    """Plain HF decoding of the same prompt with the same sampling settings, timed."""
+    import torch
+
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True).to(model.device)
+    sampling = dict(do_sample=False) if not args.temperature else dict(
+        do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, **sampling)
     seconds = time.perf_counter() - t0
     new = out[0, inputs["input_ids"].shape[1]:]
-    result = {"text": tok.decode(new, skip_special_tokens=True), "new_tokens": int(new.numel()),
-              "seconds": round(seconds, 3), "tokens_per_s": round(new.numel() / seconds, 2), "method": "plain"}
+    return {"new_tokens": int(new.numel()), "seconds": seconds, "tokens_per_s": new.numel() / seconds,
+            "token_ids": new.tolist()}
+
+
+def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
+    from .generate import GenerationStats, _stream_text, decode_steps
+
+    stats = GenerationStats()
+    steps = decode_steps(model, tok, head, messages, stats=stats, **_options(args))
+    ids = []
+
+    def collect():
+        for tokens in steps:
+            ids.extend(tokens)
+            yield tokens
+
+    for piece in _stream_text(tok, collect()):
+        if stream_to is not None:
+            stream_to.write(piece)
+            stream_to.flush()
+    if stream_to is not None:
+        stream_to.write("\n")
+    d = stats.as_dict()
+    return {"text": tok.decode(ids, skip_special_tokens=True), "token_ids": ids, "new_tokens": d["new_tokens"],
+            "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
+            "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
+            "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"]}
+
+
+def cmd_generate(args) -> int:
+    """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it)."""
+    if not args.prompt.strip():
+        raise SystemExit("error: --prompt is empty; give the text to answer")
+    model, tok, head = _load(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
+    result["method"] = "plain" if head is None else args.tree
+    if args.compare_plain:
+        plain = _plain(model, tok, messages, args)
+        result["plain_tokens_per_s"] = round(plain["tokens_per_s"], 2)
+        result["speedup"] = round(result["tokens_per_s"] / plain["tokens_per_s"], 3)
+        if not args.temperature:
+            result["identical_to_plain"] = plain["token_ids"] == result["token_ids"]
     if args.json:
+        result.pop("times")
+        result.pop("token_ids")
         print(json.dumps(result))
-    else:
-        print(f"[plain decoding: {result['new_tokens']} tokens in {seconds:.2f}s = {result['tokens_per_s']} tokens/s]")
+        return 0
+    line = (f"[{result['method']}: {result['new_tokens']} tokens in {result['seconds']:.2f}s = "
+            f"{result['tokens_per_s']} tokens/s, {result['tokens_per_pass']} tokens/pass "
+            f"(predicted {result['predicted_tokens_per_pass']})")
+    if args.compare_plain:
+        line += f" | plain decoding: {result['plain_tokens_per_s']} tokens/s | speedup {result['speedup']}x"
+        if "identical_to_plain" in result:
+            line += f" | identical to plain: {result['identical_to_plain']}"
+    print(line + "]")
     return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat: streams each answer and shows tokens/pass; the conversation is kept."""
+    model, tok, head = _load(args)
+    messages = []
+    print("eagletree chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        sys.stdout.write("assistant> ")
+        result = _answer(model, tok, head, messages, args, stream_to=sys.stdout)
+        messages.append({"role": "assistant", "content": result["text"]})
+        print(f"[{result['tokens_per_pass']} tokens/pass, {result['tokens_per_s']} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _add_decoding_args(p) -> None:
+    p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
+    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target; "
+                                                "'none' = plain decoding")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "chain", "sequoia"])
+    p.add_argument("--budget", type=int, default=60, help="tree nodes per target pass, root included")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--top-k-draft", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,24 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     p.set_defaults(func=cmd_data)
 
-    p = sub.add_parser("generate", help="answer a chat prompt")
-    p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
+    p = sub.add_parser("generate", help="answer a chat prompt with speculative decoding")
+    _add_decoding_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--compare-plain", action="store_true", help="also time plain decoding of the same prompt")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with speculative decoding")
+    _add_decoding_args(p)
+    p.set_defaults(func=cmd_chat)
     return parser
 
 
 def main(argv=None) -> int:
+    from .draft_heads import HeadError
     from .target import TargetError
     from .train.data import DataError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TargetError, DataError) as e:
+    except (TargetError, DataError, HeadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_heads import TreeDrafter
+from .draft_heads import make_drafter
 from .target import new_cache
 from .tree_search import chain_shape, eagle2_search, optimal_search, sequoia_tree, static_search
 from .verify import DraftTree, prefill, verify_step
@@ -124,7 +124,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     t0 = time.perf_counter()
     cache = new_cache(target)
     out = prefill(target, cache, ids[:-1])
-    drafter = TreeDrafter(head, target) if head is not None else None
+    drafter = make_drafter(head, target) if head is not None else None
     can_draft = drafter is not None and out is not None
     if can_draft:
         drafter.extend(out.hidden[0], ids[1:])

@@ -130,3 +130,28 @@ def test_mismatched_target_and_corrupted_files(tmp_path):
         EagleHead.from_pretrained(tmp_path / "head")
     with pytest.raises(HeadError, match="is not a head folder"):
         EagleHead.from_pretrained(tmp_path / "nothing")
+
+
+def test_medusa_head_round_trip_and_drafting(tmp_path):
+    from eagletree.draft_heads import MedusaDrafter, MedusaHead, load_head
+
+    model = tiny_model("llama")
+    head = MedusaHead.for_target(model.config, num_heads=3).eval()
+    lm = model.get_output_embeddings().weight
+    feats = torch.randn(5, 64)
+    with torch.no_grad():
+        # zero-initialized blocks: every head starts as the target's own next-token prediction
+        assert torch.allclose(head(feats, lm)[2], feats @ lm.T, atol=1e-5)
+    torch.nn.init.normal_(head.blocks[1][0].linear.weight, std=0.1)
+    head.save_pretrained(tmp_path / "medusa")
+    loaded = load_head(tmp_path / "medusa", target_config=model.config)
+    assert isinstance(loaded, MedusaHead)
+    with torch.no_grad():
+        assert torch.equal(loaded(feats, lm), head(feats, lm))
+    drafter = MedusaDrafter(loaded, model)
+    first = drafter.extend(feats, torch.arange(5))
+    assert torch.allclose(drafter(torch.tensor([3, 4]), torch.tensor([1, 2]), torch.tensor([0, 0]), 2)[1],
+                          torch.softmax(head(feats[-1], lm)[1], -1), atol=1e-6)
+    assert torch.allclose(first, torch.softmax(head(feats[-1], lm)[0], -1), atol=1e-6)
+    with pytest.raises(ValueError, match="has 3 heads; cannot draft level 4"):
+        drafter(torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), 4)

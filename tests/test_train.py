@@ -90,3 +90,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
 def test_draft_vocab_head_trains(tmp_path):
     head, _ = run(tiny_cfg(tmp_path, draft_vocab=20, steps=2))
     assert head.config.draft_vocab_size == 20 and head.d2t.numel() == 20
+
+
+def test_medusa_heads_train(tmp_path):
+    head, summary = run(tiny_cfg(tmp_path, head_type="medusa", medusa_heads=2, steps=20, save_every=20, lr=3e-3))
+    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert head.num_heads == 2 and history[-1] < history[0]

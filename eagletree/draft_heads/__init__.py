@@ -1,8 +1,21 @@
 """Draft heads: EAGLE-style feature-level heads, draft vocabulary, the tree drafter, save/load."""
 
+from .base import DraftHead, HeadConfig, HeadError, head_class, target_identity
 from .drafter import TreeDrafter
-from .eagle import EagleHead, HeadConfig, HeadError, target_identity
+from .eagle import EagleHead
+from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
-__all__ = ["EagleHead", "HeadConfig", "HeadError", "TreeDrafter", "target_identity", "build_draft_vocab",
+__all__ = ["DraftHead", "EagleHead", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter", "MedusaDrafter",
+           "head_class", "load_head", "make_drafter", "target_identity", "build_draft_vocab",
            "check_draft_vocab", "t2d_mask", "target_to_draft"]
+
+
+def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
+    """Any saved eagletree head (its config names the type)."""
+    return DraftHead.from_pretrained(directory, target_config=target_config, dtype=dtype, device=device)
+
+
+def make_drafter(head, target_model):
+    """The batched-search drafter for a head."""
+    return MedusaDrafter(head, target_model) if isinstance(head, MedusaHead) else TreeDrafter(head, target_model)

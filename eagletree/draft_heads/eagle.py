@@ -8,46 +8,14 @@ passed in at call time and never stored in the head's weights.
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
-import json
-import os
-import tempfile
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..target import mask_for_config
+from .base import DraftHead, HeadConfig, HeadError, target_identity  # noqa: F401 (re-exported)
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-_IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "intermediate_size", "rope_theta", "max_position_embeddings")
-
-
-class HeadError(ValueError):
-    """A head that does not fit its target, or files that cannot be loaded."""
-
-
-def target_identity(config) -> dict:
-    """What a head must match: model type, sizes, and a fingerprint of the architecture config."""
-    values = {k: getattr(config, k, None) for k in _IDENTITY_KEYS}
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"model_type": config.model_type, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "fingerprint": digest}
-
-
-@dataclass
-class HeadConfig:
-    head_type: str  # "eagle" (EAGLE-1/2)
-    hidden_size: int
-    target: dict  # target_identity() of the target it was built for
-    layer_config: dict  # the target's config with one layer (to rebuild the decoder layer)
-    draft_vocab_size: int | None = None  # None: the full target vocabulary
-    fc_bias: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _layer_config(target_config):
@@ -81,8 +49,10 @@ def _cache_kwarg(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
     """EAGLE-1/2 feature-level draft head."""
+
+    head_type = "eagle"
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -125,21 +95,6 @@ class EagleHead(nn.Module):
                     nn.init.zeros_(module.bias)
         return head
 
-    def set_draft_vocab(self, draft_tokens: torch.Tensor) -> None:
-        from .vocab import check_draft_vocab
-
-        check_draft_vocab(draft_tokens, self.config.target["vocab_size"])
-        self.d2t = draft_tokens.to(self.d2t.device, torch.long).clone()
-        self.config.draft_vocab_size = int(draft_tokens.numel())
-
-    def check_target(self, target_config) -> None:
-        """Raise HeadError naming both values when the target is not the one this head was built for."""
-        mine, theirs = self.config.target, target_identity(target_config)
-        for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
-            if mine[key] != theirs[key]:
-                raise HeadError(f"head was trained for a target with {key} = {mine[key]!r}, "
-                                f"but this target has {key} = {theirs[key]!r}")
-
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, features, tokens, position_ids, embed, allowed=None, cache=None):
@@ -167,62 +122,3 @@ class EagleHead(nn.Module):
 
         return DynamicCache(config=self.layer_config)
 
-    # -- persistence --------------------------------------------------------------------------
-
-    def save_pretrained(self, directory, dtype=None) -> None:
-        """Write config.json + model.safetensors atomically (a temporary folder, then rename)."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
-                 for k, v in self.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "eagletree": "head"})
-        (tmp / CONFIG).write_text(json.dumps(asdict(self.config), indent=2, default=str))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> "EagleHead":
-        """Load a saved head; with `target_config`, refuse a head built for another target."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-            raise HeadError(f"{str(directory)!r} is not a head folder: expected {CONFIG} and {WEIGHTS}")
-        try:
-            config = HeadConfig(**json.loads((directory / CONFIG).read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise HeadError(f"{directory / CONFIG} is not a valid head config: {e}") from e
-        try:
-            state = load_file(str(directory / WEIGHTS))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise HeadError(f"{directory / WEIGHTS} is truncated or corrupted ({e}); nothing was loaded") from e
-        head = cls(config)
-        if target_config is not None:
-            head.check_target(target_config)
-        expected = head.state_dict()
-        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-        bad_shape = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
-        if missing or unexpected or bad_shape:
-            raise HeadError(f"{directory / WEIGHTS} does not match its config: missing {sorted(missing)}, "
-                            f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad_shape)}")
-        if "d2t" in state:
-            head.d2t = state["d2t"].clone()
-        head.load_state_dict(state)
-        head = head.to(device=device) if device is not None else head
-        if dtype is not None:
-            head = head.to(dtype)
-        return head.eval()
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())

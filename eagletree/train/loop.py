@@ -31,6 +31,8 @@ class TrainingError(RuntimeError):
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m"
+    head_type: str = "eagle"  # or "medusa"
+    medusa_heads: int = 4
     dataset: str = "sharegpt"
     heldout_fraction: float = 0.04
     max_conversations: int = 0  # 0 = all training conversations
@@ -84,6 +86,8 @@ class TrainConfig:
                 values[key] = float(value)
             elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
+        if values.get("head_type", "eagle") not in ("eagle", "medusa"):
+            raise TrainingError(f"head_type must be 'eagle' or 'medusa', got {values['head_type']!r}")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)
@@ -118,6 +122,32 @@ def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, ge
     acc = (logp.argmax(-1) == p_target.argmax(-1)).float().mean()
     return cfg.l1_weight * l1 + cfg.ce_weight * ce, {"l1": l1.detach(), "ce": ce.detach(), "acc": acc.detach(),
                                                      "tokens": int(m.sum())}
+
+
+def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """Medusa: head k at position t matches the target's distribution k steps later (soft labels)."""
+    weight, bias = target_lm
+    t_len = features.shape[0]
+    k_max = getattr(head, "module", head).num_heads  # DDP wraps the head in multi-process runs
+    if t_len <= k_max + 1:
+        return None
+    with torch.no_grad():
+        p_all = torch.softmax(F.linear(features, weight, bias).float(), -1)  # [T, V'] after each position
+    logits = head(features[: t_len - k_max], weight, bias).float()  # [K, T-K, V']
+    total, acc, n = 0.0, 0.0, 0
+    for k in range(1, k_max + 1):
+        m = mask[k : t_len - k_max + k]
+        if not m.any():
+            continue
+        target = p_all[k : t_len - k_max + k][m]
+        logp = torch.log_softmax(logits[k - 1][m], -1)
+        total = total + (-(target * logp).sum(-1).mean()) / k_max
+        acc += float((logp.argmax(-1) == target.argmax(-1)).float().mean())
+        n += 1
+    if n == 0:
+        return None
+    tokens = int(mask[1 : t_len - k_max + 1].sum())
+    return total, {"l1": torch.zeros(()), "ce": total.detach(), "acc": torch.tensor(acc / n), "tokens": tokens}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +243,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from ..draft_heads import EagleHead, build_draft_vocab
+    from ..draft_heads import EagleHead, MedusaHead, build_draft_vocab, load_head
     from ..target import load_target
     from .data import load_dataset, split
 
@@ -244,13 +274,16 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
 
     ckpt = latest_checkpoint(out) if resume else None
     if ckpt is not None:
-        head = EagleHead.from_pretrained(ckpt / "head", target_config=model.config).train()
+        head = load_head(ckpt / "head", target_config=model.config).train()
     else:
         draft_tokens = None
         if cfg.draft_vocab:
             draft_tokens = build_draft_vocab(_assistant_tokens(tok, stream, cfg), cfg.draft_vocab,
                                              model.config.vocab_size, always=_special_ids(tok))
-        head = EagleHead.for_target(model.config, draft_tokens)
+        if cfg.head_type == "medusa":
+            head = MedusaHead.for_target(model.config, draft_tokens, num_heads=cfg.medusa_heads)
+        else:
+            head = EagleHead.for_target(model.config, draft_tokens)
     head = head.to(device).train()
     embed = model.get_input_embeddings()
     lm = model.get_output_embeddings()
@@ -298,8 +331,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
             with torch.no_grad():
                 feats = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # post-norm features
             with accelerator.autocast():
-                result = eagle_loss(head, (lm_weight, lm_bias), embed, feats.float(), ids, r.loss_mask.to(device),
-                                    cfg, noise_gen)
+                objective = medusa_loss if cfg.head_type == "medusa" else eagle_loss
+                result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, r.loss_mask.to(device),
+                                   cfg, noise_gen)
             if result is None:
                 continue
             loss, parts = result

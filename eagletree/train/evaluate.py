@@ -1,0 +1,110 @@
+"""Evaluate a head on held-out conversations: top-1 agreement with the target and real tokens/pass."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..draft_heads import TreeDrafter
+from .render import RenderError, render
+
+
+@torch.inference_mode()
+def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: int = 512, stride: int = 8) -> dict:
+    """Top-1 agreement of the head's draft with the target's greedy token.
+
+    teacher_forced: every assistant position, the head reading the target's real features.
+    free_running[k]: from assistant positions every `stride` tokens, the head drafts k steps ahead from
+    its own predicted features (tokens: the conversation's); step k agrees when its argmax equals the
+    target's greedy token there.
+    """
+    device = next(target.parameters()).device
+    lm = target.get_output_embeddings()
+    hits_tf = total_tf = 0
+    hits = [0] * steps
+    total = [0] * steps
+    for conv in tqdm(conversations, desc="agreement", leave=False):
+        try:
+            r = render(tokenizer, conv.messages, max_len)
+        except RenderError:
+            continue
+        ids, mask = r.input_ids.to(device), r.loss_mask.to(device)
+        feats = target.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # [T, H]
+        greedy = lm(feats).argmax(-1)  # [T] the target's next token after each position
+        drafter = TreeDrafter(head, target)
+        d2t = drafter.token_map
+        to_target = (lambda x: x) if d2t is None else (lambda x: d2t[x])  # noqa: E731
+        # Teacher-forced: one causal pass over the whole conversation.
+        pred = head(feats[None, :-1], ids[None, 1:], torch.arange(ids.numel() - 1, device=device),
+                    target.get_input_embeddings())[0]
+        tf = to_target(drafter.draft_probs(pred).argmax(-1))  # prediction of the token after position t+1
+        m = mask[1:-1]
+        hits_tf += int((tf[:-1] == greedy[1:-1])[m].sum())
+        total_tf += int(m.sum())
+        # Free-running chains.
+        starts = [s for s in range(1, ids.numel() - steps) if mask[s + 1] and s % stride == 0]
+        done = 0
+        for s in starts:
+            probs = drafter.extend(feats[done:s], ids[done + 1 : s + 1])
+            done = s
+            for k in range(steps):
+                if k:
+                    node = torch.tensor([k], device=device)
+                    probs = drafter(node, ids[s + k : s + k + 1], node - 1, k + 1)[0]
+                hits[k] += int(to_target(probs.argmax()) == greedy[s + k])
+                total[k] += 1
+    return {"teacher_forced": hits_tf / max(total_tf, 1),
+            "free_running": [h / max(t, 1) for h, t in zip(hits, total)],
+            "positions": total_tf, "chains": total[0]}
+
+
+def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, **options) -> dict:
+    """Real tree decoding on chat prompts: mean tokens per target pass, predicted vs measured."""
+    from ..generate import generate
+
+    new = passes = 0
+    predicted = []
+    for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
+        result = generate(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, **options)
+        new += result.stats.new_tokens
+        passes += result.stats.passes
+        predicted += result.stats.predicted
+    return {"tokens_per_pass": new / max(passes, 1), "predicted": sum(predicted) / max(len(predicted), 1),
+            "prompts": len(prompts), "new_tokens": new, "passes": passes}
+
+
+def heldout_prompts(conversations, n: int) -> list[list[dict]]:
+    """First user turn (with a preceding system turn, if any) of held-out conversations."""
+    prompts = []
+    for conv in conversations:
+        msgs = []
+        for m in conv.messages:
+            msgs.append(m)
+            if m["role"] == "user":
+                break
+        if msgs and msgs[-1]["role"] == "user" and msgs[-1]["content"].strip():
+            prompts.append(msgs)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
+    """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
+    from ..target import load_target
+    from .data import load_dataset, split
+
+    target, tok = load_target(cfg.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, heldout = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
+    head = head.to(next(target.parameters()).device).eval()
+    metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
+    prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
+    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, budget=60, depth=6, top_k_draft=10)
+    Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
