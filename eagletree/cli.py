@@ -155,6 +155,34 @@ def _add_decoding_args(p) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def cmd_export(args) -> int:
+    """Write a head in the layout EAGLE, vLLM or SGLang loads."""
+    import torch
+
+    from .draft_heads import load_head
+    from .draft_heads.export import export_head
+
+    head = load_head(args.head)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    out = export_head(head, args.out, args.format, dtype)
+    print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) and save it as an eagletree head."""
+    from transformers import AutoConfig
+
+    from .draft_heads.export import import_eagle
+    from .target import resolve_target
+
+    config = AutoConfig.from_pretrained(resolve_target(args.target))
+    head = import_eagle(args.eagle, config)
+    head.save_pretrained(args.out)
+    print(f"imported {args.eagle} for {args.target} into {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train.data import HELDOUT_FRACTION
 
@@ -177,6 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with speculative decoding")
     _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
+    p.add_argument("--head", required=True)
+    p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="import an EAGLE-1/2 head trained elsewhere")
+    p.add_argument("--eagle", required=True, help="folder with config.json and model.safetensors/pytorch_model.bin")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_import)
     return parser
 
 

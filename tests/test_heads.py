@@ -155,3 +155,65 @@ def test_medusa_head_round_trip_and_drafting(tmp_path):
     assert torch.allclose(first, torch.softmax(head(feats[-1], lm)[0], -1), atol=1e-6)
     with pytest.raises(ValueError, match="has 3 heads; cannot draft level 4"):
         drafter(torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), 4)
+
+
+EAGLE_KEYS = {"fc.weight"} | {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | \
+    {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {"layers.0.post_attention_layernorm.weight"}
+
+
+@pytest.mark.parametrize("fmt, arch, bias", [("eagle", "LlamaForCausalLM", False), ("vllm", "LlamaForCausalLM", False),
+                                             ("sglang", "LlamaForCausalLMEagle", True)])
+def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagletree.draft_heads.export import export_head, import_eagle
+
+    model = tiny_model("llama")
+    head = head_for(model, torch.arange(50))
+    out = export_head(head, tmp_path / fmt, fmt, dtype=torch.float32)
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == EAGLE_KEYS | ({"fc.bias"} if bias else set())
+    h = model.config.hidden_size
+    assert weights["fc.weight"].shape == (h, 2 * h)
+    assert weights["layers.0.self_attn.k_proj.weight"].shape == (2 * 16, h)  # 2 kv heads x head_dim 16
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1 and config["bias"] is bias
+    back = import_eagle(out, model.config)
+    x, t = torch.randn(1, 6, h), torch.randint(97, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(back(x, t, torch.arange(6), model.get_input_embeddings()),
+                           head(x, t, torch.arange(6), model.get_input_embeddings()))
+
+
+def test_export_refusals(tmp_path):
+    from eagletree.draft_heads import HeadError
+    from eagletree.draft_heads.export import export_head
+
+    llama = tiny_model("llama")
+    biased = EagleHead.for_target(llama.config, fc_bias=True)
+    torch.nn.init.normal_(biased.fc.bias)
+    with pytest.raises(HeadError, match="vLLM's EAGLE fc has no bias"):
+        export_head(biased, tmp_path / "v", "vllm")
+    export_head(biased, tmp_path / "e", "eagle")  # the original EAGLE format keeps the bias
+    with pytest.raises(HeadError, match="Llama-architecture heads; this head's target is 'qwen2'"):
+        export_head(head_for(tiny_model("qwen2")), tmp_path / "q", "sglang")
+    with pytest.raises(HeadError, match="not one of"):
+        export_head(biased, tmp_path / "x", "onnx")
+
+
+def test_cli_export_and_load_head_reads_eagle_layouts(tmp_path):
+    from eagletree.cli import main
+    from eagletree.draft_heads import load_head
+
+    model = tiny_model("llama")
+    head = head_for(model)
+    head.save_pretrained(tmp_path / "head")
+    assert main(["export", "--head", str(tmp_path / "head"), "--format", "vllm", "--out", str(tmp_path / "v"),
+                 "--dtype", "fp32"]) == 0
+    back = load_head(tmp_path / "v", target_config=model.config)
+    x, t = torch.randn(1, 4, 64), torch.randint(97, (1, 4))
+    with torch.no_grad():
+        assert torch.equal(back(x, t, torch.arange(4), model.get_input_embeddings()),
+                           head(x, t, torch.arange(4), model.get_input_embeddings()))

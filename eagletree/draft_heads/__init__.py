@@ -12,7 +12,24 @@ __all__ = ["DraftHead", "EagleHead", "MedusaHead", "HeadConfig", "HeadError", "T
 
 
 def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
-    """Any saved eagletree head (its config names the type)."""
+    """Any saved eagletree head (its config names the type), or an EAGLE-1/2 head in EAGLE/vLLM/SGLang layout."""
+    import json
+    from pathlib import Path
+
+    config_path = Path(directory) / "config.json"
+    if config_path.is_file():
+        try:
+            is_foreign = "head_type" not in json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise HeadError(f"{config_path} is not valid JSON: {e}") from e
+        if is_foreign:
+            from .export import import_eagle
+
+            if target_config is None:
+                raise HeadError(f"{directory} is an EAGLE-format head; importing it needs the target's config")
+            head = import_eagle(directory, target_config)
+            head = head.to(device) if device is not None else head
+            return head.to(dtype) if dtype is not None else head
     return DraftHead.from_pretrained(directory, target_config=target_config, dtype=dtype, device=device)
 
 

@@ -75,14 +75,18 @@ class EagleHead(DraftHead):
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def for_target(cls, target_config, draft_tokens: torch.Tensor | None = None) -> "EagleHead":
-        """A freshly initialized head for a target (config of the HF model); optional draft vocabulary."""
+    def for_target(cls, target_config, draft_tokens: torch.Tensor | None = None, fc_bias: bool = False) -> "EagleHead":
+        """A freshly initialized head for a target (config of the HF model); optional draft vocabulary.
+
+        fc_bias=False (the default) matches EAGLE's LLaMA-3 heads and vLLM, whose fc has no bias.
+        """
         cfg = _layer_config(target_config)
         layer_dict = cfg.to_dict()
         layer_dict.pop("quantization_config", None)
         head_cfg = HeadConfig(
             head_type="eagle", hidden_size=target_config.hidden_size, target=target_identity(target_config),
             layer_config=layer_dict, draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
+            fc_bias=fc_bias,
         )
         head = cls(head_cfg)
         if draft_tokens is not None:

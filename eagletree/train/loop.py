@@ -33,6 +33,7 @@ class TrainConfig:
     target: str = "smollm2-135m"
     head_type: str = "eagle"  # or "medusa"
     medusa_heads: int = 4
+    fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
     dataset: str = "sharegpt"
     heldout_fraction: float = 0.04
     max_conversations: int = 0  # 0 = all training conversations
@@ -283,7 +284,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         if cfg.head_type == "medusa":
             head = MedusaHead.for_target(model.config, draft_tokens, num_heads=cfg.medusa_heads)
         else:
-            head = EagleHead.for_target(model.config, draft_tokens)
+            head = EagleHead.for_target(model.config, draft_tokens, fc_bias=cfg.fc_bias)
     head = head.to(device).train()
     embed = model.get_input_embeddings()
     lm = model.get_output_embeddings()
