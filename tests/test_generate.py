@@ -73,3 +73,62 @@ def test_medusa_generation_is_lossless():
         result = generate(model, tok, head, ids, max_new_tokens=30, tree=tree, budget=10, depth=3, top_k_draft=3)
         assert result.token_ids == plain(model, ids, 30)
     assert result.stats.tokens_per_pass > 1.0  # identity-initialized heads guess repeated tokens sometimes
+
+
+def test_sampling_through_the_generation_loop_matches_the_target():
+    """Chi-square on the first two emitted tokens of full generate runs (tiny model, 8-token vocabulary).
+
+    P2's engine-level tests use 20,000 draws and negative controls; this one checks the whole loop
+    (head, search, verify, commit, drafter update) with 6,000 draws to stay quick.
+    """
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from eagletree.verify import target_probs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    head = EagleHead.for_target(model.config).eval()
+    prompt = torch.tensor([1, 2, 3])
+    sampling = dict(temperature=0.8, top_p=0.9)
+    draws = 6000
+    pairs = torch.zeros(8, 8)
+    for i in range(draws):
+        steps = decode_steps(model, None, head, prompt, max_new_tokens=2, budget=6, depth=2, top_k_draft=2, seed=i,
+                             **sampling)
+        a, b = [t for s in steps for t in s]
+        pairs[a, b] += 1
+    with torch.no_grad():
+        p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
+        p2 = torch.stack([target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
+                          for a in range(8)])
+    joint = (p1[:, None] * p2).flatten().double()
+    counts = pairs.flatten().double()
+    assert counts[joint == 0].sum() == 0
+    keep = joint > 0
+    assert chisquare(counts[keep].numpy(), (joint[keep] / joint[keep].sum() * draws).numpy()).pvalue > 0.01
+    first = pairs.sum(1).double()
+    assert chisquare(first[p1 > 0].numpy(), (p1[p1 > 0].double() / p1.sum() * draws).numpy()).pvalue > 0.01
+
+
+def test_streaming_pieces_join_to_the_text():
+    from eagletree.generate import _stream_text
+
+    class ByteTokenizer:  # multi-byte characters split across tokens, as byte-level BPE does
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "héllo ✓ wörld"
+    data = list(text.encode("utf-8"))
+    steps = [data[i : i + 2] for i in range(0, len(data), 2)]
+    pieces = list(_stream_text(ByteTokenizer(), iter(steps)))
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    streamed = "".join(generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
+                                max_new_tokens=12, stream=True))
+    assert streamed == generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
+                                max_new_tokens=12).text
