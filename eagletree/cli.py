@@ -183,6 +183,23 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_features(args) -> int:
+    """Cache the target's features for a training config (resumable)."""
+    from .target import load_target
+    from .train.features import cache_features
+    from .train.loop import TrainConfig, training_conversations
+
+    cfg = TrainConfig.from_sources(args.config, args.overrides)
+    if not cfg.features_dir:
+        raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
+    model, tok = load_target(cfg.target, device=args.device)
+    manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
+    print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
+                      "complete": manifest["complete"],
+                      "tokens": sum(s["tokens"] for s in manifest["shards"])}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train.data import HELDOUT_FRACTION
 
@@ -205,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with speculative decoding")
     _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("features", help="cache target features for offline training (resumable)")
+    p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
+    p.add_argument("--device", default=None)
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    p.set_defaults(func=cmd_features)
+
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang"])
@@ -224,11 +248,13 @@ def main(argv=None) -> int:
     from .draft_heads import HeadError
     from .target import TargetError
     from .train.data import DataError
+    from .train.features import FeatureError
+    from .train.loop import TrainingError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TargetError, DataError, HeadError, ValueError) as e:
+    except (TargetError, DataError, HeadError, FeatureError, TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

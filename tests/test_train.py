@@ -96,3 +96,46 @@ def test_medusa_heads_train(tmp_path):
     head, summary = run(tiny_cfg(tmp_path, head_type="medusa", medusa_heads=2, steps=20, save_every=20, lr=3e-3))
     history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert head.num_heads == 2 and history[-1] < history[0]
+
+
+def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
+    import json
+
+    from eagletree.train import features as feat_mod
+    from eagletree.train.features import FeatureError, cache_features
+
+    model, tok, convs = tiny_model("llama"), tiny_tokenizer(), tiny_conversations(10)
+    cfg = tiny_cfg(tmp_path / "run", features_dir=str(tmp_path / "feats"), feature_dtype="fp32", steps=3,
+                   save_every=3)
+    # Interrupt after the first shard: the second is neither on disk nor in the manifest.
+    real_save = feat_mod.os.replace
+    calls = {"n": 0}
+
+    def flaky(src, dst):
+        if str(dst).endswith(".safetensors"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+        return real_save(src, dst)
+
+    monkeypatch.setattr(feat_mod.os, "replace", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        cache_features(cfg, model, tok, convs, shard_size=4, progress=False)
+    manifest = json.loads((tmp_path / "feats" / "manifest.json").read_text())
+    assert [s["index"] for s in manifest["shards"]] == [0] and not manifest["complete"]
+    assert sorted(p.name for p in (tmp_path / "feats").glob("shard-*")) == ["shard-00000.safetensors"]
+    # Resuming writes only the missing shards.
+    calls["n"] = -100
+    manifest = cache_features(cfg, model, tok, convs, shard_size=4, progress=False)
+    assert calls["n"] == -98  # shards 1 and 2
+    assert manifest["complete"] and [s["index"] for s in manifest["shards"]] == [0, 1, 2]
+    monkeypatch.undo()
+
+    offline, _ = train(cfg, model_and_tokenizer=(model, tok), progress=False)
+    online_cfg = tiny_cfg(tmp_path / "run2", steps=3, save_every=3)
+    online, _ = train(online_cfg, model_and_tokenizer=(model, tok), conversations=convs, progress=False)
+    for (name, a), (_, b) in zip(offline.state_dict().items(), online.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-5, name
+
+    with pytest.raises(FeatureError, match="holds features for"):
+        cache_features(tiny_cfg(tmp_path / "x", features_dir=str(tmp_path / "feats"), max_len=20), model, tok, convs)

@@ -39,6 +39,8 @@ class TrainConfig:
     max_conversations: int = 0  # 0 = all training conversations
     max_len: int = 512
     long: str = "truncate"  # or "drop": what to do with conversations longer than max_len
+    features_dir: str = ""  # "" = online features; else a cache written by `eagletree features`
+    feature_dtype: str = "bf16"  # of cached features: bf16, fp16 or fp32
     draft_vocab: int = 0  # 0 = the full target vocabulary; else the V' most frequent tokens
     draft_vocab_sample: int = 2000  # conversations counted to pick the draft vocabulary
     steps: int = 1000  # optimizer steps (the schedule's length)
@@ -89,6 +91,8 @@ class TrainConfig:
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
         if values.get("head_type", "eagle") not in ("eagle", "medusa"):
             raise TrainingError(f"head_type must be 'eagle' or 'medusa', got {values['head_type']!r}")
+        if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
+            raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)
@@ -246,7 +250,6 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
 
     from ..draft_heads import EagleHead, MedusaHead, build_draft_vocab, load_head
     from ..target import load_target
-    from .data import load_dataset, split
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,12 +264,14 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     else:
         model, tok = model_and_tokenizer
     model.requires_grad_(False)
-    if conversations is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            train_convs, _ = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
-        if cfg.max_conversations:
-            train_convs = train_convs[: cfg.max_conversations]
+    store = None
+    if cfg.features_dir:
+        from .features import FeatureStore
+
+        store = FeatureStore(cfg.features_dir, cfg, model.config)
+        train_convs = list(range(len(store)))
+    elif conversations is None:
+        train_convs = training_conversations(cfg)
     else:
         train_convs = conversations
     if not train_convs:
@@ -279,7 +284,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     else:
         draft_tokens = None
         if cfg.draft_vocab:
-            draft_tokens = build_draft_vocab(_assistant_tokens(tok, stream, cfg), cfg.draft_vocab,
+            draft_tokens = build_draft_vocab(_assistant_tokens(tok, stream, cfg, store), cfg.draft_vocab,
                                              model.config.vocab_size, always=_special_ids(tok))
         if cfg.head_type == "medusa":
             head = MedusaHead.for_target(model.config, draft_tokens, num_heads=cfg.medusa_heads)
@@ -318,23 +323,25 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
         for micro in range(cfg.grad_accum):
             index = (step * cfg.grad_accum + micro) * world + rank
-            conv = stream[index]
-            try:
-                r = render(tok, conv.messages, cfg.max_len if cfg.long == "truncate" else None)
-            except RenderError:
-                counters["skipped"] += 1
-                continue
-            if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
-                counters["dropped"] += 1
-                continue
-            counters["truncated"] += int(r.truncated)
-            ids = r.input_ids.to(device)
-            with torch.no_grad():
-                feats = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # post-norm features
+            if store is not None:
+                ids, loss_mask, feats = store[stream[index]]
+                ids, loss_mask, feats = ids.to(device), loss_mask.to(device), feats.to(device)
+            else:
+                try:
+                    r = render(tok, stream[index].messages, cfg.max_len if cfg.long == "truncate" else None)
+                except RenderError:
+                    counters["skipped"] += 1
+                    continue
+                if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
+                    counters["dropped"] += 1
+                    continue
+                counters["truncated"] += int(r.truncated)
+                ids, loss_mask = r.input_ids.to(device), r.loss_mask.to(device)
+                with torch.no_grad():
+                    feats = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # post-norm features
             with accelerator.autocast():
                 objective = medusa_loss if cfg.head_type == "medusa" else eagle_loss
-                result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, r.loss_mask.to(device),
-                                   cfg, noise_gen)
+                result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg, noise_gen)
             if result is None:
                 continue
             loss, parts = result
@@ -379,9 +386,23 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     return head, summary
 
 
-def _assistant_tokens(tok, stream, cfg):
+def training_conversations(cfg: TrainConfig):
+    """The training side of the held-out split, cut to max_conversations."""
+    from .data import load_dataset, split
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_convs, _ = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
+    return train_convs[: cfg.max_conversations] if cfg.max_conversations else train_convs
+
+
+def _assistant_tokens(tok, stream, cfg, store=None):
     """Assistant tokens of the first conversations in training order (to pick the draft vocabulary)."""
     for i in range(min(cfg.draft_vocab_sample, len(stream.conversations))):
+        if store is not None:
+            ids, mask, _ = store[stream[i]]
+            yield ids[mask].tolist()
+            continue
         try:
             r = render(tok, stream[i].messages, cfg.max_len)
         except RenderError:

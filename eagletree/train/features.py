@@ -1,0 +1,143 @@
+"""Offline features: cache the target's hidden states once, train many times without the target.
+
+Layout of `features_dir`: `manifest.json` plus `shard-00000.safetensors`, ... Each shard holds,
+per conversation i, `{i}.ids` [T], `{i}.mask` [T] and `{i}.hidden` [T, H]. A shard is written
+under a temporary name and renamed, and only then recorded in the manifest (also replaced
+atomically), so an interrupted run resumes at the first missing shard and never trusts half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..draft_heads import target_identity
+from .render import RenderError, render
+
+MANIFEST = "manifest.json"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class FeatureError(ValueError):
+    """A feature cache that does not belong to this target or config, or is damaged."""
+
+
+def _write_json_atomic(path: Path, data) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _identity(cfg, target_config) -> dict:
+    return {"target": target_identity(target_config), "dataset": cfg.dataset, "heldout_fraction": cfg.heldout_fraction,
+            "max_len": cfg.max_len, "long": cfg.long, "max_conversations": cfg.max_conversations,
+            "dtype": cfg.feature_dtype}
+
+
+def load_manifest(folder: Path) -> dict | None:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise FeatureError(f"{path} is damaged ({e}); delete the folder to start over") from e
+
+
+def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,
+                   log=sys.stderr) -> dict:
+    """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest."""
+    folder = Path(cfg.features_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    identity = _identity(cfg, model.config)
+    manifest = load_manifest(folder) or {"identity": identity, "shards": [], "complete": False}
+    if manifest["identity"] != identity:
+        raise FeatureError(f"{folder} holds features for {manifest['identity']}, not for {identity}; "
+                           "use another features_dir")
+    rendered, skipped = [], 0
+    for conv in conversations:
+        try:
+            r = render(tokenizer, conv.messages, cfg.max_len if cfg.long == "truncate" else None)
+        except RenderError:
+            skipped += 1
+            continue
+        if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
+            skipped += 1
+            continue
+        rendered.append((conv.id, r))
+    dtype = _DTYPES[cfg.feature_dtype]
+    bytes_per_token = model.config.hidden_size * torch.finfo(dtype).bits // 8 + 9  # features + id + mask
+    total_tokens = sum(r.input_ids.numel() for _, r in rendered)
+    done = {s["index"] for s in manifest["shards"]}
+    shards = [rendered[i : i + shard_size] for i in range(0, len(rendered), shard_size)]
+    todo = [k for k in range(len(shards)) if k not in done]
+    print(f"features: {len(rendered):,} conversations ({skipped} skipped), {total_tokens:,} tokens, "
+          f"about {total_tokens * bytes_per_token / 1e9:.2f} GB in {folder} ({len(shards)} shards, "
+          f"{len(shards) - len(todo)} already done)", file=log)
+    from safetensors.torch import save_file
+
+    device = next(model.parameters()).device
+    bar = tqdm(total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]), unit="tok", desc="features",
+               disable=not progress)
+    for k in todo:
+        tensors, ids = {}, []
+        for i, (conv_id, r) in enumerate(shards[k]):
+            with torch.inference_mode():
+                hidden = model.get_decoder()(input_ids=r.input_ids[None].to(device)).last_hidden_state[0]
+            tensors[f"{i}.ids"] = r.input_ids.to(torch.int32)
+            tensors[f"{i}.mask"] = r.loss_mask.to(torch.uint8)
+            tensors[f"{i}.hidden"] = hidden.to("cpu", dtype).contiguous()
+            ids.append(conv_id)
+            bar.update(r.input_ids.numel())
+        name = f"shard-{k:05d}.safetensors"
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        os.close(fd)
+        save_file(tensors, tmp)
+        os.replace(tmp, folder / name)
+        manifest["shards"].append({"index": k, "file": name, "conversations": ids,
+                                   "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids"))})
+        manifest["shards"].sort(key=lambda s: s["index"])
+        _write_json_atomic(folder / MANIFEST, manifest)
+    bar.close()
+    manifest["complete"] = len(manifest["shards"]) == len(shards)
+    _write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
+
+
+class FeatureStore:
+    """Read cached features by example index (shards opened lazily, one at a time)."""
+
+    def __init__(self, folder, cfg, target_config):
+        self.folder = Path(folder)
+        manifest = load_manifest(self.folder)
+        if manifest is None:
+            raise FeatureError(f"{self.folder} has no {MANIFEST}; run `eagletree features --config ...` first")
+        if manifest["identity"] != _identity(cfg, target_config):
+            raise FeatureError(f"{self.folder} holds features for {manifest['identity']}, "
+                               f"not for {_identity(cfg, target_config)}")
+        if not manifest.get("complete"):
+            warnings.warn(f"{self.folder}: feature cache is incomplete; training on the {len(manifest['shards'])} "
+                          "finished shards", stacklevel=2)
+        self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
+        self._open_name, self._open = None, None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, n: int):
+        """(ids [T] long, mask [T] bool, hidden [T, H] float32) of example n."""
+        from safetensors import safe_open
+
+        name, i = self.index[n]
+        if name != self._open_name:
+            self._open, self._open_name = safe_open(str(self.folder / name), framework="pt"), name
+        f = self._open
+        return (f.get_tensor(f"{i}.ids").long(), f.get_tensor(f"{i}.mask").bool(), f.get_tensor(f"{i}.hidden").float())
