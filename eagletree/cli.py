@@ -147,7 +147,7 @@ def _add_decoding_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "chain", "sequoia"])
+    p.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "chain", "sequoia", "auto"])
     p.add_argument("--budget", type=int, default=60, help="tree nodes per target pass, root included")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--top-k-draft", type=int, default=10)

@@ -18,7 +18,7 @@ from .target import new_cache
 from .tree_search import chain_shape, eagle2_search, optimal_search, sequoia_tree, static_search
 from .verify import DraftTree, prefill, verify_step
 
-TREES = ("eagle2", "optimal", "chain", "sequoia")
+TREES = ("eagle2", "optimal", "chain", "sequoia", "auto")
 # Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
 DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
 
@@ -88,14 +88,44 @@ def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
     return sorted(ids)
 
 
+def latency_profile(target, path=None):
+    """The verify-latency profile of this target on this device: loaded from `path`/the cache, or measured once."""
+    from .draft_heads import target_identity
+    from .target import cache_dir
+    from .tree_search import LatencyProfile
+    from .verify.profile import measure_verify
+
+    device = next(target.parameters()).device
+    if path is None:
+        name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{str(target.dtype).removeprefix('torch.')}"
+        path = cache_dir() / "profiles" / f"{name}.json"
+    return LatencyProfile.load_or_measure(path, lambda: LatencyProfile.from_measurements(
+        measure_verify(target, sizes=(1, 8, 16, 32, 64), prefix=128, reps=3, progress=False),
+        device=device.type, model=target.config.model_type))
+
+
+def prune(tree: DraftTree, n: int) -> DraftTree:
+    """The first n nodes of a tree in rank order (parents always come first, so it stays connected)."""
+    if n >= len(tree):
+        return tree
+    pruned = DraftTree(tree.tokens[:n], tree.parents[:n], draft_probs=tree.draft_probs[:n])
+    pruned.node_ids = getattr(tree, "node_ids", list(range(len(tree))))[:n]
+    return pruned
+
+
 def _context_limit(target) -> int | None:
     return getattr(target.config, "max_position_embeddings", None)
 
 
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
-                 truncate_prompt=False, stats: GenerationStats | None = None):
-    """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes."""
+                 truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None):
+    """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes.
+
+    tree="auto" drafts an optimal tree of up to `budget` nodes and keeps the prefix that maximizes
+    expected tokens per second under the device's latency profile (measured once and cached) and
+    the drafting time measured so far; `calibrator` maps draft confidence to acceptance.
+    """
     if tree not in TREES:
         raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
     if max_new_tokens < 0:
@@ -121,6 +151,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         shape = chain_shape(depth) if tree == "chain" else sequoia_tree(accept_by_rank or DEFAULT_ACCEPT_BY_RANK,
                                                                           budget, depth)
 
+    if tree == "auto" and head is not None:
+        profile = profile if profile is not None else latency_profile(target)
+        draft_levels = [0.0, 0]  # seconds and count of drafter calls, for the profile's drafting cost
     t0 = time.perf_counter()
     cache = new_cache(target)
     out = prefill(target, cache, ids[:-1])
@@ -143,6 +176,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             kwargs = dict(device=device, token_map=drafter.token_map)
             if tree == "eagle2":
                 draft = eagle2_search(timed, root, budget, depth, top_k_draft, **kwargs)
+            elif tree == "auto":
+                draft = _auto_tree(timed, root, budget, depth, top_k_draft, kwargs, profile, calibrator,
+                                   draft_levels, draft_time)
             elif tree == "optimal":
                 draft = optimal_search(timed, root, budget, depth, top_k_draft, **kwargs)
             else:
@@ -172,10 +208,35 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     stats.seconds = time.perf_counter() - t0
 
 
+def _auto_tree(expand, root, budget, depth, top_k, kwargs, profile, calibrator, draft_levels, draft_time):
+    """Cost-aware tree: the optimal tree's best prefix by E[tokens] / (drafting + verify(N))."""
+    from .tree_search import choose_budget
+
+    calls = [0]
+
+    def counting(nodes, tokens, parents, level):
+        calls[0] += 1
+        return expand(nodes, tokens, parents, level)
+
+    full = optimal_search(counting, root, budget, depth, top_k, **kwargs)
+    draft_levels[0] += draft_time[0]
+    draft_levels[1] += calls[0]
+    profile.draft_s_per_level = draft_levels[0] / max(draft_levels[1], 1)
+    values = full.values[1:] if calibrator is None else _calibrated_values(full, calibrator)
+    n, _, _ = choose_budget(values, profile, depth, max_budget=budget)
+    return prune(full, n)
+
+
+def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
+    a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
+    a[0] = 1.0
+    return torch.exp(tree.ancestors().double() @ a.log())[1:]
+
+
 def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, **options):
     """Lossless speculative generation. Returns a GenerationResult, or with stream=True an iterator of text pieces.
 
-    options: max_new_tokens, temperature, top_k, top_p, tree ("eagle2" | "optimal" | "chain" | "sequoia"),
+    options: max_new_tokens, temperature, top_k, top_p, tree ("eagle2" | "optimal" | "chain" | "sequoia" | "auto"),
     budget, depth, top_k_draft, stop (extra stop tokens), seed, truncate_prompt.
     A list of prompts (strings or message lists) returns a list of results, decoded one after another.
     """

@@ -132,3 +132,26 @@ def test_streaming_pieces_join_to_the_text():
                                 max_new_tokens=12, stream=True))
     assert streamed == generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
                                 max_new_tokens=12).text
+
+
+def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
+    from eagletree.tree_search import LatencyProfile
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    ids = torch.tensor([7, 8, 9, 10])
+    # Verifying is very expensive per node here, so few nodes pay off.
+    steep = LatencyProfile([1, 2, 64], [0.01, 0.02, 0.64])
+    result = generate(model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3,
+                      profile=steep)
+    assert result.token_ids == plain(model, ids, 30)
+    flat = LatencyProfile([1, 64], [0.01, 0.0100001])
+    wide = generate(model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3,
+                    profile=flat)
+    assert wide.token_ids == result.token_ids
+    assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
+    profile = tmp_path / "p.json"
+    LatencyProfile([1, 8], [0.01, 0.012]).save(profile)
+    from eagletree.generate import latency_profile
+
+    assert latency_profile(model, profile).sizes == [1, 8]

@@ -139,3 +139,47 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
 
     with pytest.raises(FeatureError, match="holds features for"):
         cache_features(tiny_cfg(tmp_path / "x", features_dir=str(tmp_path / "feats"), max_len=20), model, tok, convs)
+
+
+def _tiny_run_inputs(tmp_path):
+    """A tiny target folder and a JSONL dataset, as a user would pass them to train.py."""
+    import json
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in tiny_conversations(40)))
+    return tmp_path / "target", data
+
+
+def _losses(folder):
+    import json
+
+    return [json.loads(line)["loss"] for line in (folder / "history.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    """Two CPU processes vs `python train.py` with twice the accumulation.
+
+    On CPU, `accelerate launch --num_processes 2 --cpu` needs mpirun; torchrun is the equivalent
+    launcher and Accelerator picks its environment up (MULTI_CPU, gloo).
+    """
+    import os
+    import subprocess
+    import sys
+
+    target, data = _tiny_run_inputs(tmp_path)
+    common = [f"target={target}", f"dataset={data}", "heldout_fraction=0.01", "steps=6", "save_every=6",
+              "warmup_steps=1", "max_len=40", "lr=0.001", "noise=0.0", "device=cpu", "--report-to", "none"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
+                   check=True, env=env, capture_output=True)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    out = subprocess.run([*launch, "train.py", f"out_dir={tmp_path / 'two'}", "grad_accum=2", *common],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(one) == len(two) == 6
+    # Same conversations per optimizer step, gradients averaged across processes: the same curve up to float order.
+    assert max(abs(a - b) / a for a, b in zip(one, two)) < 1e-3, (one, two)

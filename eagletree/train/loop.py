@@ -282,6 +282,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     if ckpt is not None:
         head = load_head(ckpt / "head", target_config=model.config).train()
     else:
+        set_seed(cfg.seed)  # the head's initial weights depend on the seed only, not on what ran before
         draft_tokens = None
         if cfg.draft_vocab:
             draft_tokens = build_draft_vocab(_assistant_tokens(tok, stream, cfg, store), cfg.draft_vocab,
@@ -361,8 +362,13 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        n = max(stats["n"], 1)
-        record = {k: stats[k] / n for k in ("loss", "l1", "ce", "acc")} | {"lr": scheduler.get_last_lr()[0], "step": step}
+        # Sum over processes, so the logged numbers are those of the global batch.
+        totals = torch.tensor([stats[k] for k in ("loss", "l1", "ce", "acc", "n")], dtype=torch.float64, device=device)
+        if world > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        n = max(float(totals[4]), 1.0)
+        record = {k: float(v) / n for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
+            "lr": scheduler.get_last_lr()[0], "step": step}
         history.append(record)
         elapsed = time.perf_counter() - t0
         record["tokens_per_s"] = (counters["tokens"] - tokens0) * world / max(elapsed, 1e-9)
