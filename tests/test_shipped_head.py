@@ -1,0 +1,73 @@
+"""The head shipped for SmolLM2: it loads, it is small, and decoding with it is lossless."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagletree.cli import SHIPPED_HEADS
+from eagletree.draft_heads import EagleHead, load_head
+from eagletree.generate import generate
+
+HEAD = SHIPPED_HEADS["smollm2-135m"]
+
+
+def test_shipped_head_is_small_bf16_safetensors():
+    weights = HEAD / "model.safetensors"
+    assert weights.is_file() and weights.stat().st_size <= 20 * 2**20
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys() if k != "d2t"} == {torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2):
+    from eagletree.train.data import load_dataset, split
+    from eagletree.train.evaluate import heldout_prompts
+
+    model, tok = smollm2
+    head = load_head(HEAD, target_config=model.config)
+    assert isinstance(head, EagleHead)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, heldout = split(load_dataset("sharegpt"))
+    return model, tok, head, heldout_prompts(heldout[200:], 10)
+
+
+def plain(model, tok, messages, n):
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def first_difference(model, tok, messages, ours, ref) -> str:
+    """Where greedy outputs first differ, with the target's two logits there (a float near-tie shows a tiny gap)."""
+    i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        logits = model(torch.cat([ids, torch.tensor([ref[:i]], dtype=torch.long)], 1)).logits[0, -1]
+    return (f"token {i}: ours {ours[i]} (logit {logits[ours[i]]:.6f}) vs plain {ref[i]} (logit {logits[ref[i]]:.6f}), "
+            f"gap {abs(float(logits[ours[i]] - logits[ref[i]])):.2e}")
+
+
+@pytest.mark.real
+def test_greedy_with_the_shipped_head_equals_plain_decoding(setup):
+    """10 held-out prompts x 128 new tokens with the EAGLE-2 tree; the other methods on the same prompts x 48 tokens."""
+    model, tok, head, prompts = setup
+    assert len(prompts) == 10
+    methods = [("eagle2", 128, dict(budget=60, depth=6, top_k_draft=10)), ("optimal", 48, dict(budget=24, depth=6)),
+               ("chain", 48, dict(depth=5)), ("sequoia", 48, dict(budget=16, depth=6)),
+               ("auto", 48, dict(budget=32, depth=6))]
+    passes = new = 0
+    for messages in prompts:
+        ref = plain(model, tok, messages, 128)
+        for tree, n, kw in methods:
+            out = generate(model, tok, head, messages, max_new_tokens=n, tree=tree, **kw)
+            # Both stop at EOS (and emit it); otherwise both give exactly n tokens.
+            assert out.token_ids == ref[:n], f"{tree}: " + first_difference(model, tok, messages, out.token_ids, ref)
+            if tree == "eagle2":
+                passes, new = passes + out.stats.passes, new + out.stats.new_tokens
+    assert new / passes > 1.3  # the head really drafts: well above one token per pass
