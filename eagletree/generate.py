@@ -156,11 +156,13 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         draft_levels = [0.0, 0]  # seconds and count of drafter calls, for the profile's drafting cost
     t0 = time.perf_counter()
     cache = new_cache(target)
-    out = prefill(target, cache, ids[:-1])
+    layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
+    out = prefill(target, cache, ids[:-1], layers=layers)
     drafter = make_drafter(head, target) if head is not None else None
     can_draft = drafter is not None and out is not None
     if can_draft:
-        drafter.extend(out.hidden[0], ids[1:])
+        drafter.extend(_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()},
+                                 layers), ids[1:])
     stats.times["prefill"] += time.perf_counter() - t0
     root, emitted = int(ids[-1]), 0
     while emitted < max_new_tokens:
@@ -188,7 +190,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         stats.times["draft"] += draft_time[0]
         stats.times["search"] += time.perf_counter() - t_search - draft_time[0]
         stats.predicted.append(draft.expected_tokens if draft.draft_probs is not None else 1.0)
-        step = verify_step(target, cache, draft, temperature, top_k, top_p, generator, stops)
+        step = verify_step(target, cache, draft, temperature, top_k, top_p, generator, stops, layers=layers)
         for k in ("verify", "accept", "commit"):
             stats.times[k] += step.times[k]
         tokens = step.tokens[: max_new_tokens - emitted]
@@ -202,10 +204,15 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             break
         if can_draft:
             t = time.perf_counter()
-            drafter.extend(step.hidden, torch.tensor(step.tokens, device=device))
+            drafter.extend(_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
             stats.times["draft"] += time.perf_counter() - t
         root = step.tokens[-1]
     stats.seconds = time.perf_counter() - t0
+
+
+def _features(hidden, layer_hidden, layers):
+    """The head's input features: the last hidden state, or the concatenated fused layers (EAGLE-3)."""
+    return hidden if not layers else torch.cat([layer_hidden[i] for i in layers], dim=-1)
 
 
 def _auto_tree(expand, root, budget, depth, top_k, kwargs, profile, calibrator, draft_levels, draft_time):

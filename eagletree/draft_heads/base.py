@@ -45,7 +45,7 @@ class HeadConfig:
 
 def head_class(head_type: str):
     """The DraftHead subclass for a saved head_type."""
-    from . import eagle, medusa  # noqa: F401 (registers the classes)
+    from . import eagle, eagle3, medusa  # noqa: F401 (registers the classes)
 
     if head_type not in _REGISTRY:
         raise HeadError(f"unknown head_type {head_type!r}; known: {sorted(_REGISTRY)}")

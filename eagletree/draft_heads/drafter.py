@@ -25,12 +25,15 @@ class TreeDrafter:
         bias = getattr(lm_head, "bias", None)
         self.lm_bias = None if bias is None else (bias.detach() if full else bias.detach()[d2t])
         self.token_map = None if full else d2t  # draft id -> target id, for the search
+        self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
         self.cache = head.new_cache()
         self.committed = 0
         self.root_probs = None
 
     def draft_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] predicted features -> [..., V'] draft distributions (through the target's lm_head)."""
+        if self.own_lm_head:
+            return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
         logits = torch.nn.functional.linear(hidden.to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)
         return torch.softmax(logits.float(), dim=-1)
 
@@ -44,9 +47,12 @@ class TreeDrafter:
         """Commit positions: target features [m, H] at the next m positions and the token after each.
 
         Drops the previous step's tree entries first. Returns the root's child distribution: the
-        head's prediction after the last of these positions.
+        head's prediction after the last of these positions. (EAGLE-3: features are the fused
+        layers' outputs, [m, 3H].)
         """
         self._truncate(self.committed)
+        if hasattr(self.head, "fuse"):
+            features = self.head.fuse(features)
         m = features.shape[0]
         positions = torch.arange(self.committed, self.committed + m, device=features.device)
         out = self.head(features[None], next_tokens[None], positions, self.embed, cache=self.cache)[0]

@@ -31,7 +31,9 @@ class TrainingError(RuntimeError):
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m"
-    head_type: str = "eagle"  # or "medusa"
+    head_type: str = "eagle"  # "eagle" (EAGLE-1/2), "eagle3" or "medusa"
+    ttt_steps: int = 3  # EAGLE-3 training-time test: drafting steps unrolled per position
+    ttt_decay: float = 0.8  # weight of step k is ttt_decay ** (k - 1)
     medusa_heads: int = 4
     fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
     dataset: str = "sharegpt"
@@ -89,8 +91,8 @@ class TrainConfig:
                 values[key] = float(value)
             elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
-        if values.get("head_type", "eagle") not in ("eagle", "medusa"):
-            raise TrainingError(f"head_type must be 'eagle' or 'medusa', got {values['head_type']!r}")
+        if values.get("head_type", "eagle") not in ("eagle", "eagle3", "medusa"):
+            raise TrainingError(f"head_type must be 'eagle', 'eagle3' or 'medusa', got {values['head_type']!r}")
         if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
             raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
         if values.get("long", "truncate") not in ("truncate", "drop"):
@@ -153,6 +155,55 @@ def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, g
         return None
     tokens = int(mask[1 : t_len - k_max + 1].sum())
     return total, {"l1": torch.zeros(()), "ce": total.detach(), "acc": torch.tensor(acc / n), "tokens": tokens}
+
+
+def ttt_mask(t: int, k: int, device=None) -> torch.Tensor:
+    """[t, k*t] bool: step k's query at position p sees step 1's keys at positions <= p-k+1 (the
+    committed context) and step j's key at position p-k+j for j = 2..k (its own drafted chain),
+    exactly what it sees when drafting k tokens ahead at inference."""
+    p = torch.arange(t, device=device)[:, None]
+    q = torch.arange(t, device=device)[None, :]
+    blocks = [q <= p - k + 1] + [q == p - k + j for j in range(2, k + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """EAGLE-3 training-time test: unroll `ttt_steps` drafting steps; step k reads step k-1's outputs.
+
+    features [T, H + 3H]: the target's final hidden state and its three fused layers, concatenated.
+    """
+    core = getattr(head, "module", head)
+    h_size = core.config.hidden_size
+    final, layers = features[:, :h_size], features[:, h_size:]
+    t = features.shape[0] - 1
+    if t < 2:
+        return None
+    with torch.no_grad():
+        weight, bias = target_lm
+        p_target = torch.softmax(F.linear(final[1:], weight, bias).float(), -1)  # [t, V'] after position p+1
+    hidden = core.fuse(layers[:-1])  # positions p = 0..t-1, tokens x_{p+1}
+    if cfg.noise:
+        noise = torch.rand(hidden.shape, generator=generator, dtype=torch.float32).to(hidden) - 0.5
+        hidden = hidden + noise * cfg.noise
+    tokens, positions = ids[1:], torch.arange(t, device=features.device)
+    cache = core.new_cache()
+    total, weights, acc = 0.0, 0.0, []
+    for k in range(1, cfg.ttt_steps + 1):
+        if k > 1:  # step k at position p continues from step k-1's prediction at p-1
+            hidden = torch.cat([out[:1], out[:-1]])
+        out = head(hidden[None], tokens[None], positions, embed, allowed=ttt_mask(t, k, features.device), cache=cache)[0]
+        valid = (positions >= k - 1) & mask[1:]
+        if not valid.any():
+            continue
+        logp = torch.log_softmax(core.draft_logits(out[valid]).float(), -1)
+        w = cfg.ttt_decay ** (k - 1)
+        total = total + w * (-(p_target[valid] * logp).sum(-1).mean())
+        weights += w
+        acc.append((logp.argmax(-1) == p_target[valid].argmax(-1)).float().mean())
+    if not acc:
+        return None
+    loss = total / weights
+    return loss, {"l1": torch.zeros(()), "ce": loss.detach(), "acc": acc[0].detach(), "tokens": int(mask[1:].sum())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +299,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from ..draft_heads import EagleHead, MedusaHead, build_draft_vocab, load_head
+    from ..draft_heads import Eagle3Head, EagleHead, MedusaHead, build_draft_vocab, load_head
     from ..target import load_target
 
     out = Path(cfg.out_dir)
@@ -289,6 +340,8 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                                              model.config.vocab_size, always=_special_ids(tok))
         if cfg.head_type == "medusa":
             head = MedusaHead.for_target(model.config, draft_tokens, num_heads=cfg.medusa_heads)
+        elif cfg.head_type == "eagle3":
+            head = Eagle3Head.for_target(model, draft_tokens)
         else:
             head = EagleHead.for_target(model.config, draft_tokens, fc_bias=cfg.fc_bias)
     head = head.to(device).train()
@@ -298,6 +351,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     lm_weight = lm.weight.detach() if rows is None else lm.weight.detach()[rows]
     lm_bias = None if getattr(lm, "bias", None) is None else (lm.bias.detach() if rows is None else lm.bias.detach()[rows])
 
+    fused_layers = getattr(head, "fused_layers", None)
+    if fused_layers and store is not None:
+        raise TrainingError("EAGLE-3 heads train on online features (the feature cache holds the last layer only)")
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
@@ -339,9 +395,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 counters["truncated"] += int(r.truncated)
                 ids, loss_mask = r.input_ids.to(device), r.loss_mask.to(device)
                 with torch.no_grad():
-                    feats = model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # post-norm features
+                    feats = _target_features(model, ids, fused_layers)
             with accelerator.autocast():
-                objective = medusa_loss if cfg.head_type == "medusa" else eagle_loss
+                objective = {"medusa": medusa_loss, "eagle3": eagle3_loss}.get(cfg.head_type, eagle_loss)
                 result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg, noise_gen)
             if result is None:
                 continue
@@ -390,6 +446,14 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         accelerator.end_training()
     summary = {"steps": step, **counters, "final": history[-1] if history else None}
     return head, summary
+
+
+def _target_features(model, ids, fused_layers=None):
+    """[T, H] post-norm features, or [T, H + 3H] with the fused layers' outputs appended (EAGLE-3)."""
+    if not fused_layers:
+        return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+    states = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([states[-1][0]] + [states[i + 1][0] for i in fused_layers], dim=-1)
 
 
 def training_conversations(cfg: TrainConfig):
