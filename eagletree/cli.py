@@ -176,8 +176,15 @@ def cmd_import(args) -> int:
     from .draft_heads.export import import_eagle
     from .target import resolve_target
 
-    config = AutoConfig.from_pretrained(resolve_target(args.target))
-    head = import_eagle(args.eagle, config)
+    foreign = json.loads((Path(args.eagle) / "config.json").read_text())
+    if "LlamaForCausalLMEagle3" in foreign.get("architectures", []) or "draft_vocab_size" in foreign:
+        from .draft_heads.export import import_eagle3
+        from .target import load_target
+
+        model, _ = load_target(args.target, device="cpu")
+        head = import_eagle3(args.eagle, model)
+    else:
+        head = import_eagle(args.eagle, AutoConfig.from_pretrained(resolve_target(args.target)))
     head.save_pretrained(args.out)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
     return 0
@@ -231,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
-    p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang"])
+    p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.set_defaults(func=cmd_export)

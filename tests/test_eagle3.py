@@ -99,3 +99,33 @@ def test_eagle3_training_time_test_reduces_the_loss(tmp_path):
                     conversations=tiny_conversations(12), progress=False)
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert isinstance(head, Eagle3Head) and sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def test_eagle3_export_layout_and_import(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eagletree.draft_heads.export import export_head, import_eagle3
+
+    model = four_layer_llama()
+    d2t = torch.arange(3, 97, 3)
+    head = Eagle3Head.for_target(model, d2t).eval()
+    out = export_head(head, tmp_path / "e3", "eagle3", dtype=torch.float32)
+    weights = load_file(str(out / "model.safetensors"))
+    h = 64
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+                "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight"} | \
+        {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert set(weights) == expected
+    assert weights["fc.weight"].shape == (h, 3 * h) and weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert weights["lm_head.weight"].shape == (d2t.numel(), h)
+    assert torch.equal(weights["d2t"] + torch.arange(d2t.numel()), d2t) and weights["t2d"].sum() == d2t.numel()
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == d2t.numel()
+    back = import_eagle3(out, model)
+    x, t = torch.randn(1, 5, h), torch.randint(97, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(back(x, t, torch.arange(5), model.get_input_embeddings()),
+                           head(x, t, torch.arange(5), model.get_input_embeddings()))
+    assert torch.equal(back.d2t, head.d2t)

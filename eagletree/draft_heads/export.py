@@ -11,6 +11,13 @@ eagle/model/cnets1.py and ea_model.py):
 - `architectures`: ["LlamaForCausalLM"] for EAGLE and vLLM (vLLM maps it to EagleLlamaForCausalLM
   for method "eagle"), ["LlamaForCausalLMEagle"] for SGLang.
 A draft vocabulary is not part of these formats: exported heads draft over the full vocabulary.
+
+EAGLE-3 heads (format "eagle3", loaded by vLLM's Eagle3LlamaForCausalLM, SGLang's
+LlamaForCausalLMEagle3 and EAGLE's EAGLE-3 code): `fc.weight` [H, 3H] without bias, `midlayer.*`
+(q/k/v take 2H inputs; `input_layernorm` on the embedding, `hidden_norm`), `norm.weight`,
+`lm_head.weight` [V', H], `d2t` (int64 offsets: target id = draft id + d2t[draft id]) and `t2d`
+(bool over the target vocabulary); config `architectures: ["LlamaForCausalLMEagle3"]` with
+`draft_vocab_size` and `target_hidden_size`.
 """
 
 from __future__ import annotations
@@ -26,14 +33,41 @@ import torch
 from .base import HeadError
 from .eagle import EagleHead
 
-FORMATS = ("eagle", "vllm", "sglang")
+FORMATS = ("eagle", "vllm", "sglang", "eagle3")
 ARCHITECTURES = {"eagle": "LlamaForCausalLM", "vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+
+
+def eagle3_state(head) -> dict[str, torch.Tensor]:
+    """EAGLE-3 layout: `midlayer.*`, own norm and lm_head, d2t as offsets, t2d as a mask."""
+    from .vocab import t2d_mask
+
+    state = {}
+    for key, value in head.state_dict().items():
+        if key == "d2t":
+            continue
+        if key.startswith("layer."):
+            key = "midlayer." + key[len("layer."):]
+        elif key.startswith("hidden_norm."):
+            key = "midlayer." + key
+        state[key] = value.detach().cpu()
+    d2t = head.d2t.detach().cpu().long()
+    state["d2t"] = d2t - torch.arange(d2t.numel())
+    state["t2d"] = t2d_mask(d2t, head.config.target["vocab_size"])
+    return state
 
 
 def exported_state(head: EagleHead, fmt: str) -> dict[str, torch.Tensor]:
     """The weight dict of an export: our `layer.*` become `layers.0.*`; fc.bias per the format's rule."""
     if fmt not in FORMATS:
         raise HeadError(f"export format {fmt!r} is not one of {FORMATS}")
+    if fmt == "eagle3" or head.config.head_type == "eagle3":
+        if head.config.head_type != "eagle3" or fmt != "eagle3":
+            raise HeadError(f"format 'eagle3' is for EAGLE-3 heads and EAGLE-3 heads export only as 'eagle3' "
+                            f"(head {head.config.head_type!r}, format {fmt!r})")
+        if head.config.target["model_type"] != "llama":
+            raise HeadError(f"the EAGLE-3 loaders take Llama-architecture heads; this head's target is "
+                            f"{head.config.target['model_type']!r}")
+        return eagle3_state(head)
     if not isinstance(head, EagleHead):
         raise HeadError(f"only EAGLE-1/2 heads export to {FORMATS}; this head is {head.config.head_type!r}")
     model_type = head.config.target["model_type"]
@@ -60,6 +94,15 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
     config = dict(head.config.layer_config)
     for key in ("quantization_config", "_name_or_path", "transformers_version"):
         config.pop(key, None)
+    if fmt == "eagle3":
+        config.update({
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "draft_vocab_size": head.lm_head.out_features, "target_hidden_size": head.config.hidden_size,
+            "tie_word_embeddings": False, "bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+            "eagle_aux_hidden_state_layer_ids": list(head.fused_layers),
+            "eagletree": {"format": fmt, "target": head.config.target},
+        })
+        return config
     config.update({
         "architectures": [ARCHITECTURES[fmt]],
         "model_type": "llama",
@@ -71,7 +114,7 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
     return config
 
 
-def export_head(head: EagleHead, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the export folder (config.json + model.safetensors) atomically."""
     from safetensors.torch import save_file
 
@@ -123,4 +166,39 @@ def import_eagle(folder, target_config) -> EagleHead:
         raise HeadError(f"{str(folder)!r} is not an EAGLE-1/2 head for this target: missing {sorted(missing)}, "
                         f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad)}")
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return head.eval()
+
+
+def import_eagle3(folder, target_model) -> "Eagle3Head":
+    """Read an EAGLE-3 head (EAGLE / vLLM / SGLang layout) for `target_model`."""
+    from .eagle3 import Eagle3Head
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HeadError(f"{str(folder)!r} has no readable config.json ({e})") from e
+    weights = _read_weights(folder)
+    if "d2t" in weights:
+        d2t = weights["d2t"].long() + torch.arange(weights["d2t"].numel())
+    else:
+        d2t = torch.arange(target_model.config.vocab_size)
+    layers = config.get("eagle_aux_hidden_state_layer_ids")
+    head = Eagle3Head.for_target(target_model, d2t, fused_layers=layers)
+    state = {}
+    for key, value in weights.items():
+        if key in ("d2t", "t2d") or key.startswith("embed_tokens."):
+            continue
+        if key.startswith("midlayer.hidden_norm."):
+            key = key[len("midlayer."):]
+        elif key.startswith("midlayer."):
+            key = "layer." + key[len("midlayer."):]
+        state[key] = value.float()
+    expected = {k: v for k, v in head.state_dict().items() if k != "d2t"}
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    bad = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
+    if missing or unexpected or bad:
+        raise HeadError(f"{str(folder)!r} is not an EAGLE-3 head for this target: missing {sorted(missing)}, "
+                        f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad)}")
+    head.load_state_dict(state, strict=False)
     return head.eval()
