@@ -32,6 +32,7 @@ class GenerationStats:
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("prefill", "draft", "search", "verify", "accept", "commit"), 0.0))
     seconds: float = 0.0
+    steps: list | None = None  # (DraftTree, accepted node indices) per pass, when asked for (calibration)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -104,6 +105,24 @@ def latency_profile(target, path=None):
         device=device.type, model=target.config.model_type))
 
 
+CALIBRATION = "calibration.json"
+
+
+def head_calibrator(head):
+    """The calibration saved next to a head (`calibration.json`, written by its evaluation), if any."""
+    import json
+    from pathlib import Path
+
+    from .tree_search import Calibrator
+
+    folder = getattr(head, "source_dir", None)
+    path = Path(folder) / CALIBRATION if folder else None
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
+
+
 def prune(tree: DraftTree, n: int) -> DraftTree:
     """The first n nodes of a tree in rank order (parents always come first, so it stays connected)."""
     if n >= len(tree):
@@ -153,6 +172,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
 
     if tree == "auto" and head is not None:
         profile = profile if profile is not None else latency_profile(target)
+        calibrator = calibrator if calibrator is not None else head_calibrator(head)
         draft_levels = [0.0, 0]  # seconds and count of drafter calls, for the profile's drafting cost
     t0 = time.perf_counter()
     cache = new_cache(target)
@@ -198,6 +218,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         stats.passes += 1
         stats.new_tokens += len(tokens)
         stats.accepted_lengths.append(len(step.tokens))
+        if stats.steps is not None:
+            stats.steps.append((draft, step.accepted))
         stats.seconds = time.perf_counter() - t0
         yield tokens
         if step.stopped or emitted >= max_new_tokens:

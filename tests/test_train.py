@@ -183,3 +183,21 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     assert len(one) == len(two) == 6
     # Same conversations per optimizer step, gradients averaged across processes: the same curve up to float order.
     assert max(abs(a - b) / a for a, b in zip(one, two)) < 1e-3, (one, two)
+
+
+def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
+    from eagletree.draft_heads import EagleHead
+    from eagletree.train.evaluate import agreement, calibrate, heldout_prompts, tokens_per_pass
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config, torch.arange(60)).eval()
+    convs = tiny_conversations(4)
+    result = agreement(head, model, tok, convs, steps=3, max_len=40, stride=2)
+    assert 0 <= result["teacher_forced"] <= 1 and len(result["free_running"]) == 3 and result["chains"] > 0
+    steps = []
+    prompts = heldout_prompts(convs, 3)
+    assert [m[-1]["role"] for m in prompts] == ["user"] * 3
+    report = tokens_per_pass(head, model, tok, prompts, max_new_tokens=12, steps=steps, budget=8, depth=3, top_k_draft=2)
+    assert report["passes"] == len(steps) and report["tokens_per_pass"] >= 1.0
+    calibrator, cal = calibrate(steps)
+    assert cal["steps"] == len(steps) - len(steps) // 2 and calibrator.method == "isotonic"

@@ -127,6 +127,7 @@ class DraftHead(nn.Module):
         if "d2t" in state:
             head.d2t = state["d2t"].clone()
         head.load_state_dict(state)
+        head.source_dir = str(directory)  # where companion files (e.g. calibration.json) live
         head = head.to(device=device) if device is not None else head
         if dtype is not None:
             head = head.to(dtype)

@@ -59,11 +59,17 @@ class TreeDrafter:
         self.committed += m
         self.root_feature = out[-1]
         self.root_probs = self.draft_probs(out[-1])
-        # Tree state of the step that starts now: per run node, its cache slot, feature and ancestor row.
-        self.node_slot = torch.full((64,), -1, dtype=torch.long, device=features.device)
-        self.slot_feats = out.new_zeros(0, out.shape[-1])
-        self.slot_rows = torch.zeros(0, 0, dtype=torch.bool, device=features.device)
+        self.begin_tree()
         return self.root_probs
+
+    def begin_tree(self) -> None:
+        """Forget any drafted tree (cache entries and node tables): the next search starts from the root."""
+        self._truncate(self.committed)
+        device = self.root_feature.device
+        # Per run node: its cache slot, its output feature and its ancestor row over the slots.
+        self.node_slot = torch.full((64,), -1, dtype=torch.long, device=device)
+        self.slot_feats = self.root_feature.new_zeros(0, self.root_feature.shape[-1])
+        self.slot_rows = torch.zeros(0, 0, dtype=torch.bool, device=device)
 
     @torch.inference_mode()
     def __call__(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:

@@ -62,19 +62,42 @@ def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: i
             "positions": total_tf, "chains": total[0]}
 
 
-def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, **options) -> dict:
-    """Real tree decoding on chat prompts: mean tokens per target pass, predicted vs measured."""
-    from ..generate import generate
+def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=None, **options) -> dict:
+    """Real tree decoding on chat prompts: mean tokens per target pass, predicted vs measured.
+
+    `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration).
+    """
+    from ..generate import GenerationStats, decode_steps
 
     new = passes = 0
     predicted = []
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
-        result = generate(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, **options)
-        new += result.stats.new_tokens
-        passes += result.stats.passes
-        predicted += result.stats.predicted
+        stats = GenerationStats(steps=[] if steps is not None else None)
+        for _ in decode_steps(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats, **options):
+            pass
+        new += stats.new_tokens
+        passes += stats.passes
+        predicted += stats.predicted
+        if steps is not None:
+            steps += stats.steps
     return {"tokens_per_pass": new / max(passes, 1), "predicted": sum(predicted) / max(len(predicted), 1),
             "prompts": len(prompts), "new_tokens": new, "passes": passes}
+
+
+def calibrate(steps, method: str = "isotonic") -> tuple:
+    """Fit a calibrator on the first half of logged steps; report predicted vs measured on the second half."""
+    from ..tree_search import Calibrator, acceptance_pairs, calibration_report
+
+    half = len(steps) // 2
+    if half == 0:
+        raise ValueError("need at least two logged steps to calibrate")
+    probs, hits = [], []
+    for tree, accepted in steps[:half]:
+        q, y = acceptance_pairs(tree, accepted)
+        probs += q
+        hits += y
+    calibrator = Calibrator.fit(probs, hits, method)
+    return calibrator, calibration_report(steps[half:], calibrator)
 
 
 def heldout_prompts(conversations, n: int) -> list[list[dict]]:
@@ -105,6 +128,13 @@ def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
     head = head.to(next(target.parameters()).device).eval()
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
-    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, budget=60, depth=6, top_k_draft=10)
+    steps = []
+    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, steps=steps, budget=60, depth=6, top_k_draft=10)
+    calibrator, metrics["calibration"] = calibrate(steps)
+    head_dir = Path(cfg.out_dir, "head")
+    if head_dir.is_dir():
+        from dataclasses import asdict
+
+        Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
     Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
