@@ -1,12 +1,14 @@
 """Expected tokens/pass of chain, Sequoia, EAGLE-2 and optimal trees at several budgets, and search cost.
 
-    .venv/bin/python benchmarks/tree_search.py [--steps 200] [--verify-target smollm2-135m]
+    .venv/bin/python benchmarks/tree_search.py --head eagletree/heads/smollm2-135m [--prompts 4]
+    .venv/bin/python benchmarks/tree_search.py --synthetic [--steps 200]
 
-Draft distributions are synthetic until a trained head exists (P4): per path a softmax over a
-1,000-token vocabulary with a random sharpness, so the drafter's confidence varies from step to
-step like a real head's. All methods see the same drafter and steps; a node's acceptance is
-taken to be its draft probability (a calibrated drafter), so E[tokens/pass] = 1 + sum of path products.
-Search times are for the batched forms used in generation; verify times, when asked for, are
+With --head, the draft distributions are the real head's, recorded during real greedy decoding of
+held-out ShareGPT prompts: at every decoding step each method builds its tree from the same drafter
+state. --synthetic uses random distributions instead (a softmax over 1,000 tokens with a random
+sharpness per path). A node's acceptance is taken to be its draft probability, so E[tokens/pass] =
+1 + sum of path products (the head's calibration is reported by its evaluation). Search times are
+for the batched forms used in generation, drafting (head calls) timed separately; verify times are
 measured on the target in the same run.
 """
 
@@ -42,29 +44,115 @@ def accept_by_rank(steps: int, k: int = 10) -> list[float]:
     return torch.stack(tops).mean(0).tolist()
 
 
+def record_real(args, shapes):
+    """Per decoding step of real greedy decoding: every method's tree from the same head state."""
+    import warnings
+
+    from eagletree.draft_heads import load_head
+    from eagletree.generate import decode_steps
+    from eagletree.target import load_target
+    from eagletree.train.data import load_dataset, split
+    from eagletree.train.evaluate import heldout_prompts
+    from eagletree.verify.profile import measure_verify
+
+    model, tok = load_target(args.target)
+    head = load_head(args.head, target_config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, heldout = split(load_dataset("sharegpt"))
+    expected, search_s, draft_s = {}, {}, {}
+
+    def inspect(drafter, root):
+        for b in BUDGETS:
+            for m, build in builders(b, shapes, args, drafter.token_map).items():
+                drafter.begin_tree()
+                spent = [0.0]
+
+                def timed(nodes, tokens, parents, level):
+                    t = time.perf_counter()
+                    out = drafter(nodes, tokens, parents, level)
+                    spent[0] += time.perf_counter() - t
+                    return out
+
+                t0 = time.perf_counter()
+                tree = build(timed, root)
+                expected.setdefault((m, b), []).append(tree.expected_tokens)
+                search_s.setdefault((m, b), []).append(time.perf_counter() - t0 - spent[0])
+                draft_s.setdefault((m, b), []).append(spent[0])
+
+    for messages in tqdm(heldout_prompts(heldout[300:], args.prompts), desc="prompts"):
+        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, inspect_step=inspect):
+            pass
+    verify = measure_verify(model, BUDGETS, reps=4, progress=False)
+    return expected, search_s, draft_s, verify
+
+
+def builders(b, shapes, args, token_map=None):
+    kw = dict(token_map=token_map)
+    return {
+        "chain": lambda e, root: static_search(e, root, chain_shape(min(b - 1, args.depth)), **kw),
+        "sequoia": lambda e, root: static_search(e, root, shapes[b], **kw),
+        "eagle2": lambda e, root: eagle2_search(e, root, b, args.depth, args.top_k, **kw),
+        "optimal": lambda e, root: optimal_search(e, root, b, args.depth, args.top_k, **kw),
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--head", default=None, help="record real draft distributions with this head")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=200, help="synthetic steps (without --head)")
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--verify-target", default=None, help="also measure verify time per budget on this target")
+    ap.add_argument("--synthetic", action="store_true", help="random draft distributions instead of a head")
     args = ap.parse_args(argv)
+    if not args.synthetic and not args.head:
+        ap.error("pass --head DIR (real draft distributions) or --synthetic")
 
-    ranks = accept_by_rank(200, args.top_k)
+    ranks = accept_by_rank(200, args.top_k)  # Sequoia's per-rank acceptance estimate
     shapes = {b: sequoia_tree(ranks, b, args.depth) for b in BUDGETS}
     methods = ("chain", "sequoia", "eagle2", "optimal")
-    expected = {(m, b): [] for m in methods for b in BUDGETS}
-    seconds = {(m, b): [] for m in methods for b in BUDGETS}
+    if args.synthetic:
+        expected, search_s, draft_s, verify = record_synthetic(args, shapes), {}, {}, {}
+        expected, search_s = expected
+        source = f"{args.steps} synthetic steps"
+    else:
+        expected, search_s, draft_s, verify = record_real(args, shapes)
+        source = f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, head {args.head})"
+
+    print(f"\nE[tokens/pass] by draft confidence, mean over {source}, depth {args.depth}, top_k {args.top_k}")
+    print("| budget | " + " | ".join(methods) + " | eagle2 < optimal (share of steps) | mean shortfall |")
+    print("|---|" + "---|" * (len(methods) + 2))
+    for b in BUDGETS:
+        e2, opt = torch.tensor(expected[("eagle2", b)]), torch.tensor(expected[("optimal", b)])
+        short = (opt - e2) > 1e-9
+        gap = float(((opt - e2) / opt)[short].mean()) if short.any() else 0.0
+        row = " | ".join(f"{statistics.mean(expected[(m, b)]):.3f}" for m in methods)
+        print(f"| {b} | {row} | {float(short.float().mean()):.0%} | {gap:.2%} |")
+
+    print("\nper step, ms (median): tree search (batched form, head calls excluded) / drafting (head calls)"
+          + (" and the verify pass of that many nodes" if verify else ""))
+    print("| budget | " + " | ".join(methods) + (" | verify pass |" if verify else " |"))
+    print("|---|" + "---|" * (len(methods) + (1 if verify else 0)))
+    for b in BUDGETS:
+        cells = []
+        for m in methods:
+            cell = f"{statistics.median(search_s[(m, b)]) * 1e3:.2f}"
+            if draft_s:
+                cell += f" / {statistics.median(draft_s[(m, b)]) * 1e3:.1f}"
+            cells.append(cell)
+        extra = f" | {verify[b]['forward'] * 1e3:.1f} |" if verify else " |"
+        print(f"| {b} | {' | '.join(cells)}{extra}")
+
+
+def record_synthetic(args, shapes):
+    expected, seconds = {}, {}
     for step in tqdm(range(args.steps), desc="tree search"):
         child_probs = synthetic_drafter(step)
         for b in BUDGETS:
-            builders = {
-                "chain": lambda e: static_search(e, 0, chain_shape(min(b - 1, args.depth))),
-                "sequoia": lambda e: static_search(e, 0, shapes[b]),
-                "eagle2": lambda e: eagle2_search(e, 0, b, args.depth, args.top_k),
-                "optimal": lambda e: optimal_search(e, 0, b, args.depth, args.top_k),
-            }
-            for m, build in builders.items():
+            for m, build in builders(b, shapes, args).items():
                 expand = path_expand(child_probs)
                 drafting = [0.0]
 
@@ -75,35 +163,10 @@ def main(argv=None):
                     return out
 
                 t0 = time.perf_counter()
-                tree = build(timed)
-                seconds[(m, b)].append(time.perf_counter() - t0 - drafting[0])  # search only, drafter excluded
-                expected[(m, b)].append(tree.expected_tokens)
-
-    print(f"\nE[tokens/pass] (mean over {args.steps} synthetic steps, depth {args.depth}, top_k {args.top_k})")
-    print("| budget | " + " | ".join(methods) + " | eagle2 < optimal (share of steps) | mean shortfall |")
-    print("|---|" + "---|" * (len(methods) + 2))
-    for b in BUDGETS:
-        e2, opt = torch.tensor(expected[("eagle2", b)]), torch.tensor(expected[("optimal", b)])
-        short = (opt - e2) > 1e-9
-        gap = float(((opt - e2) / opt)[short].mean()) if short.any() else 0.0
-        row = " | ".join(f"{statistics.mean(expected[(m, b)]):.3f}" for m in methods)
-        print(f"| {b} | {row} | {float(short.float().mean()):.0%} | {gap:.2%} |")
-
-    print("\nsearch time per step, ms (batched form, drafter calls excluded)")
-    print("| budget | " + " | ".join(methods) + (" | verify pass |" if args.verify_target else " |"))
-    print("|---|" + "---|" * (len(methods) + (1 if args.verify_target else 0)))
-    verify = {}
-    if args.verify_target:
-        from eagletree.target import load_target
-        from eagletree.verify.profile import measure_verify
-
-        model, _ = load_target(args.verify_target)
-        verify = measure_verify(model, BUDGETS, reps=4)
-    for b in BUDGETS:
-        row = " | ".join(f"{statistics.median(seconds[(m, b)]) * 1e3:.2f}" for m in methods)
-        extra = f" | {verify[b]['forward'] * 1e3:.1f} |" if verify else " |"
-        print(f"| {b} | {row}{extra}")
-    print("\ndrafting time per level: needs a trained head (P4); not measured here")
+                tree = build(timed, 0)
+                seconds.setdefault((m, b), []).append(time.perf_counter() - t0 - drafting[0])
+                expected.setdefault((m, b), []).append(tree.expected_tokens)
+    return expected, seconds
 
 
 if __name__ == "__main__":

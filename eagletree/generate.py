@@ -138,12 +138,15 @@ def _context_limit(target) -> int | None:
 
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
-                 truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None):
+                 truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
+                 inspect_step=None):
     """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes.
 
     tree="auto" drafts an optimal tree of up to `budget` nodes and keeps the prefix that maximizes
     expected tokens per second under the device's latency profile (measured once and cached) and
     the drafting time measured so far; `calibrator` maps draft confidence to acceptance.
+    `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
+    trees from the same drafter state); the drafter's tree is reset after it.
     """
     if tree not in TREES:
         raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
@@ -188,6 +191,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     while emitted < max_new_tokens:
         t_search = time.perf_counter()
         draft_time = [0.0]
+        if can_draft and inspect_step is not None:
+            inspect_step(drafter, root)
+            drafter.begin_tree()
         if can_draft:
             def timed(nodes, tokens, parents, level):
                 t = time.perf_counter()
