@@ -36,7 +36,7 @@ def _load(args):
                              "(train one with train.py) or --head none for plain decoding")
     head = None
     if str(head_path) != "none":
-        head = load_head(head_path, target_config=model.config, device=model.device)
+        head = load_head(head_path, target_config=model.config, device=model.device, dtype=model.dtype)
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok, head
@@ -65,7 +65,7 @@ def _plain(model, tok, messages, args) -> dict:
 
 
 def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
-    from .generate import GenerationStats, _stream_text, decode_steps
+    from .generate import GenerationStats, _stream_text, decode_steps, decode_text
 
     stats = GenerationStats()
     steps = decode_steps(model, tok, head, messages, stats=stats, **_options(args))
@@ -83,7 +83,7 @@ def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
     if stream_to is not None:
         stream_to.write("\n")
     d = stats.as_dict()
-    return {"text": tok.decode(ids, skip_special_tokens=True), "token_ids": ids, "new_tokens": d["new_tokens"],
+    return {"text": decode_text(tok, ids), "token_ids": ids, "new_tokens": d["new_tokens"],
             "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
             "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
             "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"]}
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TargetError, DataError, HeadError, FeatureError, TrainingError, ValueError) as e:
+    except (TargetError, DataError, HeadError, FeatureError, TrainingError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

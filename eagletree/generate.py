@@ -164,6 +164,10 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         return
     if head is not None:
         head.check_target(target.config)
+        head_dtype = next(head.parameters()).dtype
+        if head_dtype != target.dtype:
+            raise ValueError(f"the head's dtype {head_dtype} differs from the target's {target.dtype}; "
+                             "load it with load_head(..., dtype=model.dtype)")
     device = next(target.parameters()).device
     ids = ids.to(device)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -194,7 +198,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         if can_draft and inspect_step is not None:
             inspect_step(drafter, root)
             drafter.begin_tree()
-        if can_draft:
+        # Near the end, drafting deeper than the tokens still wanted is wasted work.
+        step_depth = min(depth, max_new_tokens - emitted - 1)
+        if can_draft and step_depth >= 1:
             def timed(nodes, tokens, parents, level):
                 t = time.perf_counter()
                 probs = drafter(nodes, tokens, parents, level)
@@ -203,19 +209,21 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
 
             kwargs = dict(device=device, token_map=drafter.token_map)
             if tree == "eagle2":
-                draft = eagle2_search(timed, root, budget, depth, top_k_draft, **kwargs)
+                draft = eagle2_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             elif tree == "auto":
-                draft = _auto_tree(timed, root, budget, depth, top_k_draft, kwargs, profile, calibrator,
+                draft = _auto_tree(timed, root, budget, step_depth, top_k_draft, kwargs, profile, calibrator,
                                    draft_levels, draft_time)
             elif tree == "optimal":
-                draft = optimal_search(timed, root, budget, depth, top_k_draft, **kwargs)
+                draft = optimal_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             else:
                 draft = static_search(timed, root, shape, **kwargs)
+                if draft.depth > step_depth:
+                    draft = prune(draft, int((draft.depths <= step_depth).sum()))
         else:
-            draft = DraftTree([root], [-1])
+            draft = DraftTree([root], [-1], draft_probs=[1.0])
         stats.times["draft"] += draft_time[0]
         stats.times["search"] += time.perf_counter() - t_search - draft_time[0]
-        stats.predicted.append(draft.expected_tokens if draft.draft_probs is not None else 1.0)
+        stats.predicted.append(draft.expected_tokens)
         step = verify_step(target, cache, draft, temperature, top_k, top_p, generator, stops, layers=layers)
         for k in ("verify", "accept", "commit"):
             stats.times[k] += step.times[k]
@@ -230,10 +238,11 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         yield tokens
         if step.stopped or emitted >= max_new_tokens:
             break
-        if can_draft:
+        if drafter is not None:  # also after a one-token prompt's first pass: from then on the head drafts
             t = time.perf_counter()
             drafter.extend(_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
             stats.times["draft"] += time.perf_counter() - t
+            can_draft = True
         root = step.tokens[-1]
     stats.seconds = time.perf_counter() - t0
 
@@ -284,7 +293,15 @@ def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, 
     if stream:
         return _stream_text(tokenizer, steps)
     ids = [t for tokens in steps for t in tokens]
-    return GenerationResult(tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+    return GenerationResult(decode_text(tokenizer, ids), ids, stats)
+
+
+def decode_text(tokenizer, ids) -> str:
+    """Text of token ids, without special tokens and without clean-up (so streamed pieces add up to it)."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    except TypeError:  # a minimal tokenizer without that option
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _stream_text(tokenizer, steps):
@@ -292,13 +309,13 @@ def _stream_text(tokenizer, steps):
     ids, sent = [], ""
     for tokens in steps:
         ids += tokens
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        text = decode_text(tokenizer, ids)
+        if text.endswith("\ufffd") or not text.startswith(sent):
             continue
-        if text.startswith(sent):
+        if len(text) > len(sent):
             yield text[len(sent):]
-            sent = text
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+        sent = text
+    text = decode_text(tokenizer, ids)
     if text.startswith(sent) and len(text) > len(sent):
         yield text[len(sent):]
 

@@ -23,7 +23,7 @@ def test_eagle3_head_shapes_and_init():
     model = four_layer_llama()
     head = Eagle3Head.for_target(model, torch.arange(0, 97, 2))
     h = model.config.hidden_size
-    assert head.fused_layers == [2, 2, 1]  # low, middle, high of 4 layers (the last one is excluded)
+    assert head.fused_layers == [1, 1, 0]  # outputs of layers 1, L/2-1, L-4 = inputs of layers 2, L/2, L-3
     assert head.fc.weight.shape == (h, 3 * h) and head.lm_head.weight.shape == (49, h)
     assert head.layer.self_attn.q_proj.weight.shape[1] == 2 * h
     assert torch.equal(head.lm_head.weight, model.lm_head.weight[::2])
@@ -129,3 +129,14 @@ def test_eagle3_export_layout_and_import(tmp_path):
         assert torch.equal(back(x, t, torch.arange(5), model.get_input_embeddings()),
                            head(x, t, torch.arange(5), model.get_input_embeddings()))
     assert torch.equal(back.d2t, head.d2t)
+
+
+def test_eagle3_evaluation_runs():
+    from eagletree.train.evaluate import agreement
+
+    from helpers import tiny_conversations
+
+    model, tok = four_layer_llama(), tiny_tokenizer()
+    head = Eagle3Head.for_target(model, torch.arange(60)).eval()
+    result = agreement(head, model, tok, tiny_conversations(2), steps=3, max_len=40, stride=3)
+    assert result["chains"] > 0 and len(result["free_running"]) == 3

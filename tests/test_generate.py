@@ -155,3 +155,29 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     from eagletree.generate import latency_profile
 
     assert latency_profile(model, profile).sizes == [1, 8]
+
+
+def test_one_token_prompt_drafts_after_the_first_pass_and_dtype_mismatch_is_refused():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    ids = torch.tensor([11])
+    result = generate(model, tok, head, ids, max_new_tokens=20, budget=8, depth=3, top_k_draft=2)
+    assert result.token_ids == plain(model, ids, 20)
+    assert max(result.stats.predicted[1:]) > 1.0  # the head drafted from the second pass on
+    with pytest.raises(ValueError, match="dtype"):
+        generate(model, tok, head.to(torch.bfloat16), ids, max_new_tokens=2)
+
+
+def test_streaming_survives_text_that_changes_when_more_tokens_arrive():
+    from eagletree.generate import _stream_text
+
+    class CleanupTokenizer:  # decodes like HF's clean_up_tokenization_spaces=True unless told otherwise
+        words = ["i", " '", "m", " fine"]
+
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=True):
+            text = "".join(self.words[i] for i in ids)
+            return text.replace(" 'm", "'m") if clean_up_tokenization_spaces else text
+
+    pieces = list(_stream_text(CleanupTokenizer(), iter([[0, 1], [2], [3]])))
+    assert "".join(pieces) == "i 'm fine"

@@ -19,7 +19,7 @@ def test_head_shapes_and_size(kind):
     h = model.config.hidden_size
     assert head.fc.weight.shape == (h, 2 * h)
     layer_params = sum(p.numel() for p in model.model.layers[0].parameters()) - h  # minus the dropped input norm
-    assert head.num_parameters() == 2 * h * h + h + layer_params
+    assert head.num_parameters() == 2 * h * h + layer_params  # fc without bias (as vLLM loads it)
     assert not any(p is model.lm_head.weight or p is model.model.embed_tokens.weight for p in head.parameters())
     out = head(torch.randn(2, 5, h), torch.randint(97, (2, 5)), torch.arange(5), model.get_input_embeddings())
     assert out.shape == (2, 5, h)

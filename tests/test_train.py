@@ -201,3 +201,11 @@ def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
     assert report["passes"] == len(steps) and report["tokens_per_pass"] >= 1.0
     calibrator, cal = calibrate(steps)
     assert cal["steps"] == len(steps) - len(steps) // 2 and calibrator.method == "isotonic"
+
+
+def test_config_ranges_and_head_type_on_resume(tmp_path):
+    with pytest.raises(TrainingError, match="'save_every' must be >= 1, got 0"):
+        TrainConfig.from_sources(None, ["save_every=0"])
+    run(tiny_cfg(tmp_path, steps=2, save_every=2))
+    with pytest.raises(TrainingError, match="holds a 'eagle' head but the config asks for head_type 'medusa'"):
+        run(tiny_cfg(tmp_path, steps=4, head_type="medusa"), resume=True)

@@ -11,21 +11,34 @@ from __future__ import annotations
 import torch
 
 
+def sliced_lm_head(head, target_model):
+    """The target's lm_head weight (and bias) restricted to the head's draft vocabulary, cached on the head.
+
+    Slicing once per head (not per generation) keeps drafting at V'/V of a full lm_head's cost.
+    """
+    lm_head = target_model.get_output_embeddings()
+    weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+    if head.config.draft_vocab_size is None:
+        return weight, None if bias is None else bias.detach()
+    key = (weight.data_ptr(), weight.dtype, weight.device, head.d2t.data_ptr())
+    cached = getattr(head, "_lm_slice", None)
+    if cached is None or cached[0] != key:
+        d2t = head.d2t.to(weight.device)
+        cached = (key, weight[d2t].contiguous(), None if bias is None else bias.detach()[d2t])
+        object.__setattr__(head, "_lm_slice", cached)  # a plain attribute, not a registered buffer
+    return cached[1], cached[2]
+
+
 class TreeDrafter:
     """Implements the batched search's `expand(nodes, tokens, parents, level) -> probs [F, draft vocab]`."""
 
     def __init__(self, head, target_model):
         self.head = head
         self.embed = target_model.get_input_embeddings()
-        lm_head = target_model.get_output_embeddings()
         full = head.config.draft_vocab_size is None
-        d2t = head.d2t.to(lm_head.weight.device)
-        # A draft vocabulary slices the target's lm_head once: drafting then costs V'/V of it.
-        self.lm_weight = lm_head.weight.detach() if full else lm_head.weight.detach()[d2t].contiguous()
-        bias = getattr(lm_head, "bias", None)
-        self.lm_bias = None if bias is None else (bias.detach() if full else bias.detach()[d2t])
-        self.token_map = None if full else d2t  # draft id -> target id, for the search
         self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
+        self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model)
+        self.token_map = None if full else head.d2t  # draft id -> target id, for the search
         self.cache = head.new_cache()
         self.committed = 0
         self.root_probs = None
@@ -76,6 +89,7 @@ class TreeDrafter:
         if self.root_probs is None:
             raise RuntimeError("call extend() with the prompt's target features before drafting")
         if level == 1:
+            self.begin_tree()  # a new search: forget any earlier tree
             return self.root_probs[None]
         device = self.slot_feats.device
         nodes, tokens, parents = nodes.to(device), tokens.to(device), parents.to(device)

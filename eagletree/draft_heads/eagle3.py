@@ -18,8 +18,8 @@ from .eagle import _build_layer, _cache_kwarg, _layer_config
 
 
 def default_fused_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's choice: a low, a middle and a high layer (decoder layer indices)."""
-    return [min(2, num_layers - 2), num_layers // 2, max(num_layers - 3, 0)]
+    """EAGLE-3's choice, as outputs of decoder layers: the inputs of layers 2, L/2 and L-3."""
+    return [max(min(1, num_layers - 2), 0), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
 
 
 def _rms_norm(config):

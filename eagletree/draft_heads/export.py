@@ -99,7 +99,8 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
             "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
             "draft_vocab_size": head.lm_head.out_features, "target_hidden_size": head.config.hidden_size,
             "tie_word_embeddings": False, "bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-            "eagle_aux_hidden_state_layer_ids": list(head.fused_layers),
+            # vLLM/SGLang/EAGLE count these as inputs of decoder layers (hidden_states[i]); ours are outputs.
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.fused_layers],
             "eagletree": {"format": fmt, "target": head.config.target},
         })
         return config
@@ -183,7 +184,11 @@ def import_eagle3(folder, target_model) -> "Eagle3Head":
         d2t = weights["d2t"].long() + torch.arange(weights["d2t"].numel())
     else:
         d2t = torch.arange(target_model.config.vocab_size)
-    layers = config.get("eagle_aux_hidden_state_layer_ids")
+    layers = config.get("eagle_aux_hidden_state_layer_ids")  # inputs of these layers = outputs of i - 1
+    if layers is not None:
+        if any(i < 1 for i in layers):
+            raise HeadError(f"eagle_aux_hidden_state_layer_ids {layers} must be >= 1 (inputs of decoder layers)")
+        layers = [i - 1 for i in layers]
     head = Eagle3Head.for_target(target_model, d2t, fused_layers=layers)
     state = {}
     for key, value in weights.items():

@@ -70,14 +70,11 @@ class MedusaDrafter:
     """The batched search's `expand` for Medusa heads: level L drafts with head L from the last committed feature."""
 
     def __init__(self, head: MedusaHead, target_model):
-        lm_head = target_model.get_output_embeddings()
-        full = head.config.draft_vocab_size is None
-        d2t = head.d2t.to(lm_head.weight.device)
+        from .drafter import sliced_lm_head
+
         self.head = head
-        self.lm_weight = lm_head.weight.detach() if full else lm_head.weight.detach()[d2t].contiguous()
-        bias = getattr(lm_head, "bias", None)
-        self.lm_bias = None if bias is None else (bias.detach() if full else bias.detach()[d2t])
-        self.token_map = None if full else d2t
+        self.lm_weight, self.lm_bias = sliced_lm_head(head, target_model)
+        self.token_map = None if head.config.draft_vocab_size is None else head.d2t
         self.level_probs = None
 
     @torch.inference_mode()

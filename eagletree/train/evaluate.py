@@ -22,8 +22,11 @@ def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: i
     its own predicted features (tokens: the conversation's); step k agrees when its argmax equals the
     target's greedy token there.
     """
+    if getattr(head, "config", None) is not None and head.config.head_type == "medusa":
+        return None  # Medusa heads do not draft from their own features: no free-running chain to measure
     device = next(target.parameters()).device
     lm = target.get_output_embeddings()
+    layers = getattr(head, "fused_layers", None)
     hits_tf = total_tf = 0
     hits = [0] * steps
     total = [0] * steps
@@ -33,13 +36,19 @@ def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: i
         except RenderError:
             continue
         ids, mask = r.input_ids.to(device), r.loss_mask.to(device)
-        feats = target.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # [T, H]
-        greedy = lm(feats).argmax(-1)  # [T] the target's next token after each position
+        if layers:
+            states = target.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
+            final = states[-1][0]
+            feats = torch.cat([states[i + 1][0] for i in layers], dim=-1)  # the head's input: fused layers
+        else:
+            final = feats = target.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # [T, H]
+        greedy = lm(final).argmax(-1)  # [T] the target's next token after each position
         drafter = TreeDrafter(head, target)
         d2t = drafter.token_map
         to_target = (lambda x: x) if d2t is None else (lambda x: d2t[x])  # noqa: E731
         # Teacher-forced: one causal pass over the whole conversation.
-        pred = head(feats[None, :-1], ids[None, 1:], torch.arange(ids.numel() - 1, device=device),
+        head_in = head.fuse(feats[:-1]) if hasattr(head, "fuse") else feats[:-1]
+        pred = head(head_in[None], ids[None, 1:], torch.arange(ids.numel() - 1, device=device),
                     target.get_input_embeddings())[0]
         tf = to_target(drafter.draft_probs(pred).argmax(-1))  # prediction of the token after position t+1
         m = mask[1:-1]

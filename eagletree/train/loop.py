@@ -93,6 +93,11 @@ class TrainConfig:
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
         if values.get("head_type", "eagle") not in ("eagle", "eagle3", "medusa"):
             raise TrainingError(f"head_type must be 'eagle', 'eagle3' or 'medusa', got {values['head_type']!r}")
+        positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "ttt_steps",
+                    "medusa_heads")
+        for key in positive:
+            if key in values and isinstance(values[key], int) and values[key] < 1:
+                raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
         if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
             raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
         if values.get("long", "truncate") not in ("truncate", "drop"):
@@ -272,6 +277,40 @@ def latest_checkpoint(folder: Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _sync_context(accelerator, head, micro: int, cfg: TrainConfig):
+    """Gradients are all-reduced only on the last micro-batch of an optimizer step."""
+    import contextlib
+
+    if accelerator.num_processes > 1 and micro < cfg.grad_accum - 1:
+        return accelerator.no_sync(head)
+    return contextlib.nullcontext()
+
+
+def zero_backward(accelerator, dummy_loss, micro: int, cfg: TrainConfig) -> None:
+    """A skipped micro-batch still runs a zero-weighted forward and backward through every parameter,
+    so all processes make the same collective calls (DDP would otherwise pair them up wrongly)."""
+    if accelerator.num_processes > 1 and micro == cfg.grad_accum - 1:
+        accelerator.backward(dummy_loss())
+
+
+def _dummy_loss(head, embed, lm_weight, lm_bias, device):
+    """0 x (a tiny forward through the whole head), for `zero_backward`."""
+    core = getattr(head, "module", head)
+    h = core.config.hidden_size
+
+    def loss():
+        if core.config.head_type == "medusa":
+            out = head(torch.zeros(2, h, device=device), lm_weight, lm_bias)
+        else:
+            hidden = core.fuse(torch.zeros(1, 2, 3 * h, device=device)) if hasattr(core, "fuse") \
+                else torch.zeros(1, 2, h, device=device)
+            out = head(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
+            out = core.draft_logits(out) if hasattr(core, "draft_logits") else out
+        return out.float().sum() * 0.0
+
+    return loss
+
+
 def _lr_lambda(cfg: TrainConfig):
     def f(step):
         if step < cfg.warmup_steps:
@@ -332,6 +371,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     ckpt = latest_checkpoint(out) if resume else None
     if ckpt is not None:
         head = load_head(ckpt / "head", target_config=model.config).train()
+        if head.config.head_type != cfg.head_type:
+            raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
+                                f"head_type {cfg.head_type!r}")
     else:
         set_seed(cfg.seed)  # the head's initial weights depend on the seed only, not on what ran before
         draft_tokens = None
@@ -371,6 +413,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         accelerator.init_trackers("eagletree", config=asdict(cfg))
 
     world, rank = accelerator.num_processes, accelerator.process_index
+    dummy_loss = _dummy_loss(head, embed, lm_weight, lm_bias, device)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
     t0, tokens0 = time.perf_counter(), counters["tokens"]
     last_ckpt = ckpt
@@ -388,24 +431,30 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                     r = render(tok, stream[index].messages, cfg.max_len if cfg.long == "truncate" else None)
                 except RenderError:
                     counters["skipped"] += 1
+                    zero_backward(accelerator, dummy_loss, micro, cfg)
                     continue
                 if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
                     counters["dropped"] += 1
+                    zero_backward(accelerator, dummy_loss, micro, cfg)
                     continue
                 counters["truncated"] += int(r.truncated)
                 ids, loss_mask = r.input_ids.to(device), r.loss_mask.to(device)
                 with torch.no_grad():
                     feats = _target_features(model, ids, fused_layers)
+            # Noise seeded by the global micro-batch index: the same whatever the process count or resumes.
+            noise_gen.manual_seed(cfg.seed * 1_000_003 + index)
             with accelerator.autocast():
                 objective = {"medusa": medusa_loss, "eagle3": eagle3_loss}.get(cfg.head_type, eagle_loss)
                 result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg, noise_gen)
             if result is None:
+                zero_backward(accelerator, dummy_loss, micro, cfg)
                 continue
             loss, parts = result
             if not torch.isfinite(loss):
                 raise TrainingError(f"loss is {float(loss)} at step {step + 1} (micro-batch {micro}); stopped. "
                                     f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
-            accelerator.backward(loss / cfg.grad_accum)
+            with _sync_context(accelerator, head, micro, cfg):
+                accelerator.backward(loss / cfg.grad_accum)
             stats["loss"] += loss.item()
             stats["l1"] += float(parts["l1"])
             stats["ce"] += float(parts["ce"])
@@ -441,7 +490,8 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     head = accelerator.unwrap_model(head).eval()
     if accelerator.is_main_process:
         head.save_pretrained(out / "head")
-        (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        with open(out / "history.jsonl", "a" if ckpt is not None else "w") as f:  # a resumed run appends
+            f.write("".join(json.dumps(h) + "\n" for h in history))
     if log_with:
         accelerator.end_training()
     summary = {"steps": step, **counters, "final": history[-1] if history else None}

@@ -36,7 +36,7 @@ def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -
         raise ValueError(f"{where} contains NaN")
     if (probs < 0).any():
         raise ValueError(f"{where} has a negative probability {float(probs.min())}")
-    sums = probs.sum(-1)
+    sums = probs.sum(-1, dtype=torch.float32)
     worst = float((sums - 1).abs().max())
     if worst > PROB_TOLERANCE:
         bad = float(sums.flatten()[(sums.flatten() - 1).abs().argmax()])
@@ -154,9 +154,10 @@ class _Table:
 
     def grow(self, expand, frontier, top_k, level, token_map=None):
         """Draft top_k children for every frontier node; return (new ids, their values; -inf = none)."""
-        probs = expand(frontier, self.tokens[frontier], self.parents[frontier], level).double()
+        probs = expand(frontier, self.tokens[frontier], self.parents[frontier], level)
         check_distribution(probs, f"drafter output at level {level}")
         q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
+        q = q.double()  # path products in float64; the [F, V] table stays in the drafter's precision
         if token_map is not None:  # a draft vocabulary: its ids -> target ids
             tok = token_map.to(tok.device)[tok]
         value = torch.where(q > 0, self.values[frontier, None] * q, -math.inf)
