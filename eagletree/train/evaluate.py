@@ -131,6 +131,7 @@ def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
     from .data import load_dataset, split
 
     target, tok = load_target(cfg.target)
+    head.check_target(target.config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, heldout = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
@@ -147,3 +148,44 @@ def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
         Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
     Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def ship(run_dir, dest) -> Path:
+    """Copy a run's head as bf16 safetensors (+ its calibration) to `dest`, e.g. eagletree/heads/NAME."""
+    import shutil
+
+    from ..draft_heads import load_head
+
+    src = Path(run_dir) / "head"
+    head = load_head(src)
+    head.save_pretrained(dest, dtype=torch.bfloat16)
+    if (src / "calibration.json").is_file():
+        shutil.copy(src / "calibration.json", Path(dest) / "calibration.json")
+    if (Path(run_dir) / "metrics.json").is_file():
+        shutil.copy(Path(run_dir) / "metrics.json", Path(dest) / "metrics.json")
+    return Path(dest)
+
+
+def main(argv=None) -> int:
+    """`python -m eagletree.train.evaluate --config CFG [--ship DIR]`: evaluate a finished run's head."""
+    import argparse
+
+    from ..draft_heads import load_head
+    from .loop import TrainConfig
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")
+    ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cfg = TrainConfig.from_sources(args.config, args.overrides)
+    head = load_head(Path(cfg.out_dir) / "head")
+    print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts), indent=2))
+    if args.ship:
+        print(f"shipped to {ship(cfg.out_dir, args.ship)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

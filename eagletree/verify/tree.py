@@ -127,7 +127,14 @@ class DraftTree:
             cur = hop[cur]
 
     def ancestors(self) -> torch.Tensor:
-        """[N, N] bool: [v, u] is True when u is v or one of v's ancestors."""
+        """[N, N] bool: [v, u] is True when u is v or one of v's ancestors (computed once per tree)."""
+        cached = self.__dict__.get("_ancestors")
+        if cached is not None:
+            return cached
+        self._ancestors = self._build_ancestors()
+        return self._ancestors
+
+    def _build_ancestors(self) -> torch.Tensor:
         n, device = len(self), self.parents.device
         hop, cur = self._hop(), torch.arange(n, device=device)
         anc = torch.zeros(n, n, dtype=torch.bool, device=device)
@@ -186,6 +193,7 @@ class DraftTree:
         """The same tree with its tensors on `device` (validation is not repeated)."""
         clone = object.__new__(DraftTree)
         clone.__dict__.update(self.__dict__)
+        clone.__dict__.pop("_ancestors", None)
         for name in ("tokens", "parents", "depths", "draft_probs", "draft_dists"):
             value = getattr(self, name)
             setattr(clone, name, None if value is None else value.to(device))
