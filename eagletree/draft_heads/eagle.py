@@ -45,6 +45,21 @@ def _build_layer(layer_config):
     return layer, base.rotary_emb
 
 
+def attention_inputs(layer_config, rotary, ref, position_ids, allowed, cache):
+    """(position ids [B, T], the 4D mask, rotary embeddings) for a head layer over `ref` [B, T, H].
+
+    `allowed` None means causal over the new positions on top of everything cached.
+    """
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None].expand(ref.shape[0], -1)
+    if allowed is None:
+        past = 0 if cache is None else cache.get_seq_length()
+        t = ref.shape[1]
+        allowed = torch.ones(t, past + t, dtype=torch.bool, device=ref.device).tril(diagonal=past)
+    mask = mask_for_config(layer_config, allowed.to(ref.device), ref.dtype)
+    return position_ids, mask, rotary(ref, position_ids)
+
+
 def _cache_kwarg(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
@@ -109,14 +124,7 @@ class EagleHead(DraftHead):
         [B, T, kv] bool mask over cache + new positions (None = causal over the new positions).
         """
         x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None].expand(x.shape[0], -1)
-        if allowed is None:
-            past = 0 if cache is None else cache.get_seq_length()
-            t = x.shape[1]
-            allowed = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        mask = mask_for_config(self.layer_config, allowed.to(x.device), x.dtype)
-        pos = self.rotary(x, position_ids)
+        position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, x, position_ids, allowed, cache)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=pos,
                          use_cache=cache is not None, **{self._cache_kw: cache})
         return out[0] if isinstance(out, tuple) else out

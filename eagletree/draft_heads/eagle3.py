@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..target import mask_for_config
 from .base import DraftHead, HeadConfig, target_identity
-from .eagle import _build_layer, _cache_kwarg, _layer_config
+from .eagle import _build_layer, _cache_kwarg, _layer_config, attention_inputs
 
 
 def default_fused_layers(num_layers: int) -> list[int]:
@@ -98,14 +97,7 @@ class Eagle3Head(DraftHead):
         """Next hidden [B, T, H] from hidden [B, T, H] at positions t and the tokens at t+1."""
         emb = self.layer.input_layernorm(embed(tokens).to(hidden.dtype))
         x = torch.cat([emb, self.hidden_norm(hidden)], dim=-1)
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None].expand(hidden.shape[0], -1)
-        if allowed is None:
-            past = 0 if cache is None else cache.get_seq_length()
-            t = hidden.shape[1]
-            allowed = torch.ones(t, past + t, dtype=torch.bool, device=hidden.device).tril(diagonal=past)
-        mask = mask_for_config(self.layer_config, allowed.to(hidden.device), hidden.dtype)
-        pos = self.rotary(hidden, position_ids)
+        position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, hidden, position_ids, allowed, cache)
         attn, _ = self.layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=position_ids,
                                        position_embeddings=pos, use_cache=cache is not None,
                                        **{self._cache_kw: cache})

@@ -160,11 +160,16 @@ def import_eagle(folder, target_config) -> EagleHead:
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm."))}
     head = EagleHead.for_target(target_config, fc_bias="fc.bias" in weights)
     state = {("layer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in weights.items()}
+    return _load_checked(head, state, folder, "an EAGLE-1/2 head")
+
+
+def _load_checked(head, state, folder, kind: str):
+    """Load `state` into `head` only if every key and shape matches (the d2t buffer is set by the caller)."""
     expected = {k: v for k, v in head.state_dict().items() if k != "d2t"}
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     bad = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
     if missing or unexpected or bad:
-        raise HeadError(f"{str(folder)!r} is not an EAGLE-1/2 head for this target: missing {sorted(missing)}, "
+        raise HeadError(f"{str(folder)!r} is not {kind} for this target: missing {sorted(missing)}, "
                         f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad)}")
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return head.eval()
@@ -198,12 +203,5 @@ def import_eagle3(folder, target_model) -> "Eagle3Head":
             key = key[len("midlayer."):]
         elif key.startswith("midlayer."):
             key = "layer." + key[len("midlayer."):]
-        state[key] = value.float()
-    expected = {k: v for k, v in head.state_dict().items() if k != "d2t"}
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-    bad = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
-    if missing or unexpected or bad:
-        raise HeadError(f"{str(folder)!r} is not an EAGLE-3 head for this target: missing {sorted(missing)}, "
-                        f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad)}")
-    head.load_state_dict(state, strict=False)
-    return head.eval()
+        state[key] = value
+    return _load_checked(head, state, folder, "an EAGLE-3 head")

@@ -451,7 +451,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 continue
             loss, parts = result
             if not torch.isfinite(loss):
-                raise TrainingError(f"loss is {float(loss)} at step {step + 1} (micro-batch {micro}); stopped. "
+                raise TrainingError(f"loss is {float(loss.detach())} at step {step + 1} (micro-batch {micro}); stopped. "
                                     f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
             with _sync_context(accelerator, head, micro, cfg):
                 accelerator.backward(loss / cfg.grad_accum)
