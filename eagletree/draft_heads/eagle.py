@@ -8,12 +8,11 @@ passed in at call time and never stored in the head's weights.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 from torch import nn
 
-from ..target import mask_for_config
+from ..target import _cache_kwarg, mask_for_config
 from .base import DraftHead, HeadConfig, HeadError, target_identity  # noqa: F401 (re-exported)
 
 
@@ -58,10 +57,6 @@ def attention_inputs(layer_config, rotary, ref, position_ids, allowed, cache):
         allowed = torch.ones(t, past + t, dtype=torch.bool, device=ref.device).tril(diagonal=past)
     mask = mask_for_config(layer_config, allowed.to(ref.device), ref.dtype)
     return position_ids, mask, rotary(ref, position_ids)
-
-
-def _cache_kwarg(module) -> str:
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 class EagleHead(DraftHead):
