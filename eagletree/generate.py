@@ -15,7 +15,7 @@ import torch
 
 from .draft_heads import make_drafter
 from .target import new_cache
-from .tree_search import chain_shape, eagle2_search, optimal_search, sequoia_tree, static_search
+from .tree_search import chain_shape, choose_budget, eagle2_search, optimal_search, sequoia_tree, static_search
 from .verify import DraftTree, prefill, verify_step
 
 TREES = ("eagle2", "optimal", "chain", "sequoia", "auto")
@@ -165,9 +165,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     if head is not None:
         head.check_target(target.config)
         head_dtype = next(head.parameters()).dtype
-        if head_dtype != target.dtype:
-            raise ValueError(f"the head's dtype {head_dtype} differs from the target's {target.dtype}; "
-                             "load it with load_head(..., dtype=model.dtype)")
+        if not head_dtype.is_floating_point:
+            raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
     device = next(target.parameters()).device
     ids = ids.to(device)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -177,30 +176,38 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         shape = chain_shape(depth) if tree == "chain" else sequoia_tree(accept_by_rank or DEFAULT_ACCEPT_BY_RANK,
                                                                           budget, depth)
 
+    auto = None
     if tree == "auto" and head is not None:
-        profile = profile if profile is not None else latency_profile(target)
-        calibrator = calibrator if calibrator is not None else head_calibrator(head)
-        draft_levels = [0.0, 0]  # seconds and count of drafter calls, for the profile's drafting cost
+        auto = AutoPolicy(profile if profile is not None else latency_profile(target),
+                          calibrator if calibrator is not None else head_calibrator(head), budget)
     t0 = time.perf_counter()
     cache = new_cache(target)
     layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
     out = prefill(target, cache, ids[:-1], layers=layers)
     drafter = make_drafter(head, target) if head is not None else None
-    can_draft = drafter is not None and out is not None
-    if can_draft:
-        drafter.extend(_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()},
-                                 layers), ids[1:])
+    # Committed (features, next tokens) the drafter has not read yet: it catches up in one call
+    # right before it drafts, so steps that do not draft (tree="auto") cost it nothing.
+    pending = []
+    if drafter is not None and out is not None:
+        pending.append((_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()},
+                                  layers), ids[1:]))
     stats.times["prefill"] += time.perf_counter() - t0
     root, emitted = int(ids[-1]), 0
     while emitted < max_new_tokens:
         t_search = time.perf_counter()
         draft_time = [0.0]
-        if can_draft and inspect_step is not None:
-            inspect_step(drafter, root)
-            drafter.begin_tree()
         # Near the end, drafting deeper than the tokens still wanted is wasted work.
         step_depth = min(depth, max_new_tokens - emitted - 1)
-        if can_draft and step_depth >= 1:
+        drafting = bool(pending) and step_depth >= 1 and (auto is None or auto.should_draft())
+        if drafting:
+            t = time.perf_counter()
+            drafter.extend(torch.cat([f for f, _ in pending]), torch.cat([n for _, n in pending]))
+            pending.clear()
+            draft_time[0] += time.perf_counter() - t
+            if inspect_step is not None:
+                inspect_step(drafter, root)
+                drafter.begin_tree()
+        if drafting:
             def timed(nodes, tokens, parents, level):
                 t = time.perf_counter()
                 probs = drafter(nodes, tokens, parents, level)
@@ -211,8 +218,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             if tree == "eagle2":
                 draft = eagle2_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             elif tree == "auto":
-                draft = _auto_tree(timed, root, budget, step_depth, top_k_draft, kwargs, profile, calibrator,
-                                   draft_levels, draft_time)
+                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs, draft_time)
             elif tree == "optimal":
                 draft = optimal_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             else:
@@ -239,10 +245,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         if step.stopped or emitted >= max_new_tokens:
             break
         if drafter is not None:  # also after a one-token prompt's first pass: from then on the head drafts
-            t = time.perf_counter()
-            drafter.extend(_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
-            stats.times["draft"] += time.perf_counter() - t
-            can_draft = True
+            pending.append((_features(step.hidden, step.layer_hidden, layers),
+                            torch.tensor(step.tokens, device=device)))
         root = step.tokens[-1]
     stats.seconds = time.perf_counter() - t0
 
@@ -252,23 +256,54 @@ def _features(hidden, layer_hidden, layers):
     return hidden if not layers else torch.cat([layer_hidden[i] for i in layers], dim=-1)
 
 
-def _auto_tree(expand, root, budget, depth, top_k, kwargs, profile, calibrator, draft_levels, draft_time):
-    """Cost-aware tree: the optimal tree's best prefix by E[tokens] / (drafting + verify(N))."""
-    from .tree_search import choose_budget
+class AutoPolicy:
+    """tree="auto": the cost-aware tree per step, and no drafting at all while trees do not pay.
 
-    calls = [0]
+    After drafting, the optimal tree's prefix with the most expected tokens per second is kept
+    (latency profile of the device, drafting time measured so far, calibrated acceptance). When
+    even that is slower than a plain one-token pass, the next steps skip drafting (4, then 8, ...
+    up to 32 steps) before probing again, so on a device where trees do not pay `auto` decodes at
+    about plain speed. The search width follows the budgets chosen lately, and drafting stops
+    early once a deeper level could not pay for itself.
+    """
 
-    def counting(nodes, tokens, parents, level):
-        calls[0] += 1
-        return expand(nodes, tokens, parents, level)
+    def __init__(self, profile, calibrator=None, budget: int = 60, max_wait: int = 32):
+        self.profile, self.calibrator, self.budget, self.max_wait = profile, calibrator, budget, max_wait
+        self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
+        self.search_budget = budget
+        self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
 
-    full = optimal_search(counting, root, budget, depth, top_k, **kwargs)
-    draft_levels[0] += draft_time[0]
-    draft_levels[1] += calls[0]
-    profile.draft_s_per_level = draft_levels[0] / max(draft_levels[1], 1)
-    values = full.values[1:] if calibrator is None else _calibrated_values(full, calibrator)
-    n, _, _ = choose_budget(values, profile, depth, max_budget=budget)
-    return prune(full, n)
+    def should_draft(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def tree(self, expand, root, depth, top_k, kwargs, draft_time) -> DraftTree:
+        calls = [0]
+
+        def counting(nodes, tokens, parents, level):
+            calls[0] += 1
+            return expand(nodes, tokens, parents, level)
+
+        t_one = float(self.profile.verify(1))
+        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
+        full = optimal_search(counting, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
+        levels = calls[0] + 1  # the drafter's catch-up call on the committed tokens costs about a level too
+        self.draft_s += draft_time[0]
+        self.levels += levels
+        self.profile.draft_s_per_level = self.draft_s / self.levels
+        values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)
+        n, expected, _ = choose_budget(values, self.profile, levels, max_budget=self.search_budget)
+        # This step's drafting is already paid for; the pause decision counts it.
+        rate = expected / (draft_time[0] + float(self.profile.verify(n)))
+        if rate < 1.0 / t_one:
+            self.wait = min(2 * self.wait or 4, self.max_wait)
+            self.skip = self.wait
+        else:
+            self.wait = 0
+        self.search_budget = min(self.budget, max(8, 2 * n))
+        return prune(full, n)
 
 
 def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:

@@ -157,7 +157,7 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert latency_profile(model, profile).sizes == [1, 8]
 
 
-def test_one_token_prompt_drafts_after_the_first_pass_and_dtype_mismatch_is_refused():
+def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for_an_fp32_target():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
     head = EagleHead.for_target(model.config).eval()
@@ -165,8 +165,36 @@ def test_one_token_prompt_drafts_after_the_first_pass_and_dtype_mismatch_is_refu
     result = generate(model, tok, head, ids, max_new_tokens=20, budget=8, depth=3, top_k_draft=2)
     assert result.token_ids == plain(model, ids, 20)
     assert max(result.stats.predicted[1:]) > 1.0  # the head drafted from the second pass on
-    with pytest.raises(ValueError, match="dtype"):
-        generate(model, tok, head.to(torch.bfloat16), ids, max_new_tokens=2)
+    # A lower-precision head only changes the proposals; the fp32 target still decides every token.
+    low = generate(model, tok, head.to(torch.bfloat16), torch.tensor([5, 6, 7]), max_new_tokens=20, budget=8, depth=3)
+    assert low.token_ids == plain(model, torch.tensor([5, 6, 7]), 20)
+    assert max(low.stats.predicted) > 1.0
+
+
+def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
+    from eagletree.tree_search import LatencyProfile
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    ids = torch.tensor([7, 8, 9, 10])
+    calls = []
+
+    def count(drafter, root):
+        calls.append(root)
+
+    # A second node costs 100x a pass: no tree pays, so after the first probe most steps do not draft.
+    hopeless = LatencyProfile([1, 2], [0.01, 1.0])
+    result = generate(model, tok, head, ids, max_new_tokens=40, tree="auto", budget=20, depth=4, top_k_draft=3,
+                      profile=hopeless, inspect_step=count)
+    assert result.token_ids == plain(model, ids, 40)
+    assert result.stats.passes == 40 and set(result.stats.predicted) == {1.0}
+    assert 2 <= len(calls) <= 4  # probes after pauses of 4, 8, 16 steps
+    calls.clear()
+    free = LatencyProfile([1, 64], [10.0, 10.0000001])  # a pass costs so much that drafting is free beside it
+    result = generate(model, tok, head, ids, max_new_tokens=40, tree="auto", budget=20, depth=4, top_k_draft=3,
+                      profile=free, inspect_step=count)
+    assert result.token_ids == plain(model, ids, 40)
+    assert len(calls) >= result.stats.passes - 1  # every pass drafts (the last one only when a token is left to draft)
 
 
 def test_streaming_survives_text_that_changes_when_more_tokens_arrive():

@@ -117,6 +117,25 @@ def test_batched_search_calls_the_drafter_once_per_level():
     assert [n for _, n in calls] == [1, 10, 10, 10, 10, 10]
 
 
+def test_min_gain_stops_drafting_once_a_level_cannot_pay():
+    expand = path_expand(drafter(5, vocab=30, sharpness=1.0))  # flat: values shrink fast with depth
+    levels = []
+
+    def counting(nodes, tokens, parents, level):
+        levels.append(level)
+        return expand(nodes, tokens, parents, level)
+
+    full = optimal_search(counting, 0, budget=20, depth=6, top_k=4)
+    assert levels == [1, 2, 3, 4, 5, 6]
+    levels.clear()
+    cut = optimal_search(counting, 0, budget=20, depth=6, top_k=4, min_gain=0.05)
+    assert 1 < len(levels) < 6 and cut.depth <= len(levels)
+    # Up to the levels drafted, the tree is the optimum of that depth.
+    again = optimal_search(expand, 0, budget=20, depth=len(levels), top_k=4)
+    assert paths_of(again) == paths_of(cut)
+    assert optimal_search(expand, 0, budget=20, depth=6, top_k=4, min_gain=0.0).expected_tokens == full.expected_tokens
+
+
 def brute_force_static(p, budget, depth):
     """Best static shape by enumeration: connected subtrees of the rank tree whose children use ranks 0..m-1."""
     k = len(p)

@@ -11,20 +11,23 @@ from __future__ import annotations
 import torch
 
 
-def sliced_lm_head(head, target_model):
+def sliced_lm_head(head, target_model, dtype=None):
     """The target's lm_head weight (and bias) restricted to the head's draft vocabulary, cached on the head.
 
     Slicing once per head (not per generation) keeps drafting at V'/V of a full lm_head's cost.
+    `dtype` (default: the target's) is the drafter's precision, which may be lower than the target's.
     """
     lm_head = target_model.get_output_embeddings()
     weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
-    if head.config.draft_vocab_size is None:
-        return weight, None if bias is None else bias.detach()
-    key = (weight.data_ptr(), weight.dtype, weight.device, head.d2t.data_ptr())
+    bias = None if bias is None else bias.detach()
+    dtype = dtype or weight.dtype
+    if head.config.draft_vocab_size is None and dtype == weight.dtype:
+        return weight, bias
+    key = (weight.data_ptr(), weight.dtype, weight.device, head.d2t.data_ptr(), dtype)
     cached = getattr(head, "_lm_slice", None)
     if cached is None or cached[0] != key:
-        d2t = head.d2t.to(weight.device)
-        cached = (key, weight[d2t].contiguous(), None if bias is None else bias.detach()[d2t])
+        rows = slice(None) if head.config.draft_vocab_size is None else head.d2t.to(weight.device)
+        cached = (key, weight[rows].to(dtype).contiguous(), None if bias is None else bias[rows].to(dtype))
         object.__setattr__(head, "_lm_slice", cached)  # a plain attribute, not a registered buffer
     return cached[1], cached[2]
 
@@ -35,9 +38,13 @@ class TreeDrafter:
     def __init__(self, head, target_model):
         self.head = head
         self.embed = target_model.get_input_embeddings()
+        # The head may run in a lower precision than the target (drafts are only proposals; the
+        # target's own pass decides): target features are cast to it on the way in.
+        self.dtype = next(head.parameters()).dtype
         full = head.config.draft_vocab_size is None
         self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
-        self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model)
+        self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
+                                                                                               self.dtype)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
         self.cache = head.new_cache()
         self.committed = 0
@@ -64,6 +71,7 @@ class TreeDrafter:
         layers' outputs, [m, 3H].)
         """
         self._truncate(self.committed)
+        features = features.to(self.dtype)
         if hasattr(self.head, "fuse"):
             features = self.head.fuse(features)
         m = features.shape[0]

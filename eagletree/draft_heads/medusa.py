@@ -73,7 +73,7 @@ class MedusaDrafter:
         from .drafter import sliced_lm_head
 
         self.head = head
-        self.lm_weight, self.lm_bias = sliced_lm_head(head, target_model)
+        self.lm_weight, self.lm_bias = sliced_lm_head(head, target_model, next(head.parameters()).dtype)
         self.token_map = None if head.config.draft_vocab_size is None else head.d2t
         self.level_probs = None
 

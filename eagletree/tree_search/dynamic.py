@@ -181,7 +181,8 @@ class _Table:
         return _tree_from_selection(tokens, parents, probs, values, drafted_ids.tolist())
 
 
-def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None) -> DraftTree:
+def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None,
+            min_gain=0.0) -> DraftTree:
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
     frontier = torch.zeros(1, dtype=torch.long, device=device)
@@ -192,6 +193,10 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
         drafted_values.append(values)
         frontier = table.best(ids, values, width)
         if frontier.numel() == 0:
+            break
+        # A child is worth at most its parent times its probability, so the next level can add at
+        # most the frontier's total value: stop once that is below what drafting a level costs.
+        if min_gain > 0 and level < depth and float(table.values[frontier].sum()) < min_gain:
             break
     ids, values = torch.cat(drafted), torch.cat(drafted_values)
     return table.tree(table.best(ids, values, budget - 1))
@@ -207,9 +212,14 @@ def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10,
 
 
 def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
-                   token_map=None) -> DraftTree:
-    """Batched optimum: a beam of budget-1 nodes per level loses no node of the global top budget-1."""
-    return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map)
+                   token_map=None, min_gain=0.0) -> DraftTree:
+    """Batched optimum: a beam of budget-1 nodes per level loses no node of the global top budget-1.
+
+    min_gain > 0 stops drafting deeper once the next level could add less than that many expected
+    tokens (the tree is then optimal for the levels drafted).
+    """
+    return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map,
+                   min_gain=min_gain)
 
 
 def path_expand(child_probs: Callable) -> Expand:
