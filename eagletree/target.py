@@ -167,16 +167,20 @@ def load_target(spec, dtype=None, device=None):
 
 @dataclass
 class TreeForwardOutput:
-    logits: torch.Tensor  # [B, n, vocab] float32
+    logits: torch.Tensor | None  # [B, n, vocab] float32 (None when not asked for)
     hidden: torch.Tensor  # [B, n, H] last-layer (post-norm) hidden state: the draft head's feature
     layer_hidden: dict[int, torch.Tensor] | None  # layer index -> [B, n, H] output of that decoder layer
 
 
+def _takes(model, name: str) -> bool:
+    """Whether the model's forward has a parameter `name` (looking through a torch.compile wrapper)."""
+    module = getattr(model, "_orig_mod", model)
+    return name in inspect.signature(inspect.unwrap(type(module).forward)).parameters
+
+
 def _cache_kwarg(model) -> str:
     """The name forward takes the KV cache under: `past_key_values` (5.17) or `cache` (later 5.x)."""
-    module = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    forward = inspect.unwrap(type(module).forward)
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return "cache" if _takes(model, "cache") else "past_key_values"
 
 
 def new_cache(model):
@@ -211,12 +215,13 @@ def mask_for_config(config, allowed: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 @torch.inference_mode()
-def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) -> TreeForwardOutput:
+def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, logits=True) -> TreeForwardOutput:
     """Run `input_ids` [B, n] on top of `cache` with a [n, cache_len + n] (or [B, n, kv]) bool mask.
 
     Row i of `allowed` says which cached and new positions token i may attend to; `position_ids`
     [B, n] (or [n]) are the rotary positions. The cache grows by n entries (drop them with
     `keep_cache_positions`). `layers` asks for the outputs of those decoder layers too.
+    logits=False skips the lm_head where the model allows (a prompt's prefill needs only features).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -234,6 +239,7 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
         raise ValueError(f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
                          f"(the last layer's output is `hidden`, after the final norm)")
     mask = mask_for_model(model, allowed.to(input_ids.device), model.dtype)
+    extra = {} if logits or not _takes(model, "logits_to_keep") else {"logits_to_keep": 1}
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
@@ -241,6 +247,7 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
         use_cache=True,
         output_hidden_states=True,
         **{_cache_kwarg(model): cache},
+        **extra,
     )
     if cache is not None and cache_length(cache) != kv:
         raise TargetError(f"the model did not extend the KV cache ({cache_length(cache)} entries, expected {kv}); "
@@ -248,7 +255,7 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None) ->
     # hidden_states[0] is the embedding output; [i + 1] is decoder layer i's output; the last is post-norm.
     states = out.hidden_states
     layer_hidden = {i: states[i + 1] for i in layers} if layers else None
-    return TreeForwardOutput(logits=out.logits.float(), hidden=states[-1], layer_hidden=layer_hidden)
+    return TreeForwardOutput(logits=out.logits.float() if logits else None, hidden=states[-1], layer_hidden=layer_hidden)
 
 
 @torch.inference_mode()

@@ -31,14 +31,16 @@ def causal_mask(n_new: int, n_cached: int, device=None) -> torch.Tensor:
 def prefill(model, cache, input_ids: torch.Tensor, layers=None) -> TreeForwardOutput | None:
     """Run the prompt tokens [n] causally on top of `cache` (usually all but the root token).
 
-    Nothing to run (n = 0, a one-token prompt) returns None.
+    Returns the features (no logits: the root's pass computes the first ones); nothing to run
+    (n = 0, a one-token prompt) returns None.
     """
     start = cache_length(cache)
     n = input_ids.shape[-1]
     if n == 0:
         return None
     positions = torch.arange(start, start + n, device=input_ids.device)
-    return tree_forward(model, input_ids.reshape(1, n), cache, causal_mask(n, start, input_ids.device), positions, layers)
+    return tree_forward(model, input_ids.reshape(1, n), cache, causal_mask(n, start, input_ids.device), positions, layers,
+                        logits=False)
 
 
 def verify_tree(model, cache, tree: DraftTree, layers=None) -> TreeForwardOutput:
