@@ -36,10 +36,30 @@ def _load(args):
                              "(train one with train.py) or --head none for plain decoding")
     head = None
     if str(head_path) != "none":
-        head = load_head(head_path, target_config=model.config, device=model.device, dtype=model.dtype)
+        head = load_head(head_path, target_config=model.config, device=model.device,
+                         dtype=draft_dtype(args.draft_dtype, model))
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok, head
+
+
+def draft_dtype(name: str, model):
+    """The head's precision: 'auto' = bf16 for an fp32 target on a CPU with native bf16 (drafting is
+    memory-bound there, so it halves a drafter call; the target's own pass keeps its precision), else the target's."""
+    import torch
+
+    if name == "auto":
+        cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and _cpu_has_bf16()
+        return torch.bfloat16 if cpu_bf16 else model.dtype
+    return getattr(torch, name)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _options(args) -> dict:
@@ -153,6 +173,31 @@ def _add_decoding_args(p) -> None:
     p.add_argument("--top-k-draft", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
+                        "else the target's (outputs do not depend on it)")
+
+
+def cmd_viz(args) -> int:
+    """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
+    from .viz import render_html, viz_step
+
+    if not args.prompt.strip():
+        raise SystemExit("error: --prompt is empty; give the text to answer")
+    if args.step < 1:
+        raise SystemExit(f"error: --step must be >= 1 (1 = the first decoding step), got {args.step}")
+    model, tok, head = _load(args)
+    options = _options(args)
+    search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft")}
+    data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step, **options, **search)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(data), encoding="utf-8")
+    greedy = len(data["greedy"]["accepted"])
+    print(f"wrote {out}: step {args.step}, {args.tree} tree of {len(data['tokens'])} nodes, "
+          f"E[tokens/pass] {data['expected']:.3f} (under the target {data['target_expected']:.3f}), "
+          f"greedy verification emits {greedy} token{'s' if greedy > 1 else ''}")
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -188,6 +233,13 @@ def cmd_import(args) -> int:
     head.save_pretrained(args.out)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
     return 0
+
+
+def cmd_bench(args) -> int:
+    """Benchmark every method against plain and prompt-lookup decoding (or, with --profile-only, the device's costs)."""
+    from .bench import main
+
+    return main(args)
 
 
 def cmd_features(args) -> int:
@@ -229,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with speculative decoding")
     _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
+    _add_decoding_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--step", type=int, default=1, help="show the K-th target pass of the generation (1 = the first)")
+    p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")
+    p.set_defaults(func=cmd_viz)
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
@@ -248,6 +307,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
+    p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
+    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the head's precision, as for generate")
+    p.add_argument("--prompts", default=None, help="heldout:N (held-out ShareGPT first user turns; default "
+                                                   "heldout:8, --quick heldout:2) or a .jsonl file of prompts/messages")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
+    p.add_argument("--methods", default="chain,sequoia,eagle2,optimal,auto,lookup",
+                   help="plain decoding always runs; lookup = HF prompt-lookup decoding")
+    p.add_argument("--budgets", default=None,
+                   help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)")
+    p.add_argument("--temperatures", default=None, help="default 0,1")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--top-k-draft", type=int, default=10)
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of HF prompt lookup")
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (plain and every method)")
+    p.add_argument("--quick", action="store_true", help="a run of about 2 minutes on 2 CPU cores")
+    p.add_argument("-o", "--out", default="out/bench", help="folder for results.json, results.md and the plots")
+    p.add_argument("--profile-only", action="store_true",
+                   help="measure verify latency, drafting and engine overhead on random weights from --config")
+    p.add_argument("--config", default=None, help="--profile-only: llama-3.1-8b or a path to an HF config.json")
+    p.add_argument("--sizes", default="1,2,4,8,16,32,60,64,128,256", help="--profile-only: tree sizes N")
+    p.add_argument("--reps", type=int, default=10, help="--profile-only: round-robin repetitions")
+    p.add_argument("--prefix", type=int, default=256, help="--profile-only: committed tokens before the tree")
+    p.add_argument("--tokens-per-pass", type=float, default=None,
+                   help="--profile-only: project the speedup with this tokens/pass (default: OUT/results.json)")
+    p.add_argument("--results", default=None, help="--profile-only: a bench results.json to take tokens/pass from")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

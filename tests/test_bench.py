@@ -1,0 +1,195 @@
+"""`eagletree bench` on tiny random models: output structure, mismatch detection, input errors (never timings)."""
+
+import json
+
+import pytest
+import torch
+
+from eagletree import bench
+from eagletree.cli import main as cli_main
+from eagletree.draft_heads import EagleHead
+from eagletree.verify import DraftTree
+
+from helpers import tiny_config, tiny_model, tiny_tokenizer
+
+PROMPTS = [[{"role": "user", "content": "hello how are you"}],
+           [{"role": "system", "content": "fine thanks"}, {"role": "user", "content": "what is two plus four"}]]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    return model, tok, EagleHead.for_target(model.config).eval()
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))  # auto's latency profile lands here
+
+
+def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
+    model, tok, head = tiny_setup
+    methods = bench.method_grid(list(bench.METHODS), [3, 8], depth=3, top_k=3)
+    report = bench.run_bench(model, tok, head, PROMPTS, methods, (0.0, 1.0), max_new_tokens=10, progress=False)
+    report.update(command="eagletree bench (test)", machine=bench.machine_info(model),
+                  settings={"target": "tiny", "head": "tiny", "prompts": "test", "depth": 3, "top_k_draft": 3})
+    out = bench.write_outputs(report, tmp_path / "out")
+
+    for name in ("results.json", "results.md", "tokens_per_pass.png", "speedup.png", "accepted_lengths.png",
+                 "calibration.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert {"command", "machine", "settings", "results", "calibration", "accept_by_rank"} <= set(data)
+    labels = [m.label for m in methods]
+    assert labels == ["chain 3", "chain 4", "sequoia 3", "sequoia 8", "eagle2 3", "eagle2 8", "optimal 3",
+                      "optimal 8", "auto 3", "auto 8", "lookup"]
+    assert [r["label"] for r in data["results"]] == (["plain"] + labels) * 2
+    for r in data["results"]:
+        assert {"tokens_per_pass", "predicted_tokens_per_pass", "tokens_per_s", "speedup", "identical",
+                "accepted_histogram"} <= set(r)
+        assert len(r["speedup"]["per_prompt"]) == len(PROMPTS)
+        assert r["identical"] is (True if r["temperature"] == 0 else None), r["label"]  # lossless at T=0
+        assert sum(r["accepted_histogram"].values()) == r["passes"] and r["tokens_per_pass"] >= 1.0
+        if r["method"] in bench.TREE_METHODS:
+            assert r["predicted_tokens_per_pass"] >= 1.0
+    plain = data["results"][0]
+    assert plain["speedup"]["median"] == 1.0 and plain["tokens_per_pass"] == pytest.approx(1.0)
+    assert data["calibration"]["nodes"] > 0 and data["calibration"]["bins"]
+
+    md = (out / "results.md").read_text()
+    assert md.count("| method | budget |") == 2 and "## Temperature 0 (greedy)" in md
+    assert md.count("\n| eagle2 | 8 |") == 2 and "| plain | - | 1.00 |" in md and "NO" not in md
+
+
+def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):
+    model, tok, head = tiny_setup
+    honest = bench.run_tree
+
+    def wrong(*args, **kwargs):
+        run = honest(*args, **kwargs)
+        run.token_ids[2] = (run.token_ids[2] + 1) % 97
+        return run
+
+    monkeypatch.setattr(bench, "run_tree", wrong)
+    messages = []
+    report = bench.run_bench(model, tok, head, PROMPTS[:1], bench.method_grid(["eagle2"], [4], 3, 3), (0.0,),
+                             max_new_tokens=6, progress=False, log=messages.append)
+    row = next(r for r in report["results"] if r["method"] == "eagle2")
+    assert row["identical"] is False
+    miss = row["mismatches"][0]
+    assert miss["prompt"] == 0 and miss["position"] == 2 and miss["logit_gap"] > 0  # plain's token is the argmax
+    assert any("MISMATCH eagle2 4 on prompt 0: first difference at token 2" in m and "logit gap" in m
+               for m in messages)
+    assert "NO (1)" in bench.markdown_table(report, 0.0)
+
+
+def test_first_difference_counts_length():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 5, 3], [1, 2, 3]) == 1
+    assert bench.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_method_grid_and_its_errors():
+    grid = bench.method_grid(["chain", "eagle2"], [8, 16], depth=6, top_k=10)
+    assert [(m.label, m.depth) for m in grid] == [("chain 7", 6), ("eagle2 8", 6), ("eagle2 16", 6)]
+    assert bench.method_grid(["chain"], [4], depth=6)[0].depth == 3  # width-1 tree of 4 nodes
+    with pytest.raises(ValueError, match="unknown method 'bushy'; expected some of chain"):
+        bench.method_grid(["eagle2", "bushy"], [8])
+    with pytest.raises(ValueError, match="budgets must be integers >= 2.*got 0"):
+        bench.method_grid(["eagle2"], [8, 0])
+    with pytest.raises(ValueError, match="--budgets: 'x' is not an integer"):
+        bench.parse_list("8,x", int, "budgets")
+
+
+def test_prompt_specs_and_jsonl(tmp_path):
+    with pytest.raises(ValueError, match="'heldout:abc': expected heldout:N"):
+        bench.load_prompts("heldout:abc")
+    with pytest.raises(ValueError, match="no such file"):
+        bench.load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="expected heldout:N or a .jsonl file"):
+        bench.load_prompts("prompts.txt")
+    path = tmp_path / "p.jsonl"
+    path.write_text('"hello"\n{"prompt": "how are you"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert bench.load_prompts(str(path)) == [[{"role": "user", "content": "hello"}],
+                                             [{"role": "user", "content": "how are you"}],
+                                             [{"role": "user", "content": "hi"}]]
+    path.write_text('"hello"\n{"text": 3}\n')
+    with pytest.raises(ValueError, match="line 2: expected a string"):
+        bench.load_prompts(str(path))
+
+
+def test_cli_errors_name_the_bad_value(capsys):
+    assert cli_main(["bench", "--prompts", "heldout:abc"]) == 2
+    assert "heldout:abc" in capsys.readouterr().err
+    assert cli_main(["bench", "--methods", "eagle2,bushy", "--prompts", "heldout:1"]) == 2
+    assert "unknown method 'bushy'" in capsys.readouterr().err
+    assert cli_main(["bench", "--budgets", "16,-1", "--prompts", "heldout:1"]) == 2
+    assert "got -1" in capsys.readouterr().err
+    assert cli_main(["bench", "--profile-only"]) == 2
+    assert "needs --config" in capsys.readouterr().err
+    assert cli_main(["bench", "--profile-only", "--config", "llama-9000"]) == 2
+    assert "'llama-9000' is neither a built-in config (llama-3.1-8b)" in capsys.readouterr().err
+
+
+def test_cli_runs_end_to_end_on_a_jsonl_file(tiny_setup, tmp_path, monkeypatch, capsys):
+    model, tok, head = tiny_setup
+    head.save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n')
+    out = tmp_path / "out"
+    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
+                     str(tmp_path / "p.jsonl"), "--methods", "eagle2,sequoia,lookup", "--budgets", "4",
+                     "--temperatures", "0", "--max-new-tokens", "6", "-o", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in data["results"]] == ["plain", "eagle2 4", "sequoia 4", "lookup"]
+    assert data["settings"]["budgets"] == [4] and data["prompts"] == 2
+    assert all(r["identical"] for r in data["results"])  # whatever precision --draft-dtype auto picked for the head
+    assert data["settings"]["head_dtype"] in ("float32", "bfloat16")
+    assert "| sequoia | 4 |" in capsys.readouterr().out
+
+
+def test_rank_acceptance_counts_accepted_sibling_ranks():
+    # root -> a (0.6), b (0.3); a -> c (0.9). Pass 1 accepts b (rank 1); pass 2 accepts a then c (rank 0 twice).
+    tree = DraftTree([0, 5, 6, 7], [-1, 0, 0, 1], draft_probs=[1.0, 0.6, 0.3, 0.9])
+    assert bench.rank_acceptance([(tree, [0, 2]), (tree, [0, 1, 3])], k=3) == [2 / 3, 1 / 3, 0.0]
+    assert bench.rank_acceptance([(tree, [0])], k=3) is None  # nothing accepted: use the default
+
+
+def test_profile_only_on_cpu_with_a_config_file(tmp_path, capsys):
+    tiny_config("llama").to_json_file(tmp_path / "config.json")
+    out = tmp_path / "profile"
+    assert cli_main(["bench", "--profile-only", "--config", str(tmp_path / "config.json"), "--device", "cpu",
+                     "--sizes", "1,4,8", "--reps", "1", "--prefix", "16", "--depth", "3", "--top-k-draft", "3",
+                     "--tokens-per-pass", "1.5", "-o", str(out)]) == 0
+    data = json.loads((out / "profile.json").read_text())
+    assert [r["n"] for r in data["rows"]] == [1, 4, 8] and data["rows"][0]["ratio"] == 1.0
+    assert data["rows"][0]["draft_ms"] == 0.0 and data["rows"][1]["draft_level_ms"] > 0
+    assert [p["budget"] for p in data["projections"]] == [4, 8]
+    assert data["projections"][0]["speedup"] == pytest.approx(1.5 / data["rows"][1]["step_over_t1"])
+    assert "| N | verify ms | t(N)/t(1) |" in capsys.readouterr().out and (out / "profile.md").is_file()
+
+
+def test_projection_from_measured_tokens_per_pass():
+    rows = [{"n": 1, "forward_ms": 10.0, "engine_ms": 0.0, "draft_level_ms": 0.0, "step_over_t1": 1.0},
+            {"n": 8, "forward_ms": 10.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0},
+            {"n": 16, "forward_ms": 12.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0}]
+    out = bench.project(rows, {("eagle2", 16, 6): 2.6, ("chain", 7, 6): 1.5, ("auto", 16, 6): 9.0,
+                               ("eagle2", 60, 6): 3.0})
+    assert [(p["method"], p["budget"]) for p in out] == [("eagle2", 16), ("chain", 7)]  # auto and N > 16 left out
+    assert out[0]["step_over_t1"] == pytest.approx((12 + 1 + 6) / 10) and out[0]["speedup"] == pytest.approx(2.6 / 1.9)
+
+
+def test_builtin_config_has_the_written_down_sizes():
+    c = bench.build_config("llama-3.1-8b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.intermediate_size, c.vocab_size) == (
+        4096, 32, 8, 14336, 128256)
+
+
+def test_speedup_spread_skips_prompts_without_a_decoding_rate():
+    nan = float("nan")
+    s = bench._quantiles([0.5, nan, 1.5])
+    assert (s["median"], s["min"], s["max"], s["per_prompt"]) == (1.0, 0.5, 1.5, [0.5, None, 1.5])
+    assert bench._quantiles([nan])["median"] is None
+    assert bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate != bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate  # NaN
+    assert bench.Run([1, 2, 3], 1.0, 0.5, [1, 2]).decode_rate == 4.0
