@@ -218,7 +218,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             if tree == "eagle2":
                 draft = eagle2_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             elif tree == "auto":
-                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs, draft_time)
+                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs)
             elif tree == "optimal":
                 draft = optimal_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             else:
@@ -272,6 +272,7 @@ class AutoPolicy:
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.search_budget = budget
         self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
+        self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
 
     def should_draft(self) -> bool:
         if self.skip > 0:
@@ -279,25 +280,30 @@ class AutoPolicy:
             return False
         return True
 
-    def tree(self, expand, root, depth, top_k, kwargs, draft_time) -> DraftTree:
-        calls = [0]
+    def tree(self, expand, root, depth, top_k, kwargs) -> DraftTree:
+        calls, seconds = [0], [0.0]
 
-        def counting(nodes, tokens, parents, level):
+        def timed(nodes, tokens, parents, level):
+            t = time.perf_counter()
+            probs = expand(nodes, tokens, parents, level)
             calls[0] += 1
-            return expand(nodes, tokens, parents, level)
+            seconds[0] += time.perf_counter() - t
+            return probs
 
         t_one = float(self.profile.verify(1))
         min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
-        full = optimal_search(counting, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
-        levels = calls[0] + 1  # the drafter's catch-up call on the committed tokens costs about a level too
-        self.draft_s += draft_time[0]
-        self.levels += levels
-        self.profile.draft_s_per_level = self.draft_s / self.levels
+        full = optimal_search(timed, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
+        # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
+        # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
+        self.draft_s += seconds[0]
+        self.levels += calls[0]
+        self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)
-        n, expected, _ = choose_budget(values, self.profile, levels, max_budget=self.search_budget)
-        # This step's drafting is already paid for; the pause decision counts it.
-        rate = expected / (draft_time[0] + float(self.profile.verify(n)))
-        if rate < 1.0 / t_one:
+        n, expected, rate = choose_budget(values, self.profile, calls[0] + 1, max_budget=self.search_budget)
+        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
+        gain = rate * t_one
+        self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
+        if self.gain < 1.0:
             self.wait = min(2 * self.wait or 4, self.max_wait)
             self.skip = self.wait
         else:
