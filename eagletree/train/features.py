@@ -53,8 +53,12 @@ def load_manifest(folder: Path) -> dict | None:
 
 
 def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,
-                   log=sys.stderr) -> dict:
-    """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest."""
+                   log=None) -> dict:
+    """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
+
+    `log` (default: the current sys.stderr, looked up per call) receives the size statement.
+    """
+    log = log if log is not None else sys.stderr
     folder = Path(cfg.features_dir)
     folder.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, model.config)
