@@ -207,7 +207,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             if inspect_step is not None:
                 inspect_step(drafter, root)
                 drafter.begin_tree()
-        if drafting:
+
             def timed(nodes, tokens, parents, level):
                 t = time.perf_counter()
                 probs = drafter(nodes, tokens, parents, level)
@@ -218,7 +218,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
             if tree == "eagle2":
                 draft = eagle2_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             elif tree == "auto":
-                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs)
+                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs, draft_time)
             elif tree == "optimal":
                 draft = optimal_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
             else:
@@ -280,22 +280,20 @@ class AutoPolicy:
             return False
         return True
 
-    def tree(self, expand, root, depth, top_k, kwargs) -> DraftTree:
-        calls, seconds = [0], [0.0]
+    def tree(self, expand, root, depth, top_k, kwargs, draft_time) -> DraftTree:
+        """`expand` adds its seconds to draft_time[0] (which already holds this step's catch-up call)."""
+        calls, before = [0], draft_time[0]
 
-        def timed(nodes, tokens, parents, level):
-            t = time.perf_counter()
-            probs = expand(nodes, tokens, parents, level)
+        def counting(nodes, tokens, parents, level):
             calls[0] += 1
-            seconds[0] += time.perf_counter() - t
-            return probs
+            return expand(nodes, tokens, parents, level)
 
         t_one = float(self.profile.verify(1))
         min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
-        full = optimal_search(timed, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
+        full = optimal_search(counting, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
-        self.draft_s += seconds[0]
+        self.draft_s += draft_time[0] - before
         self.levels += calls[0]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)

@@ -6,6 +6,7 @@ model; no modeling code is copied or patched.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -174,8 +175,13 @@ class TreeForwardOutput:
 
 def _takes(model, name: str) -> bool:
     """Whether the model's forward has a parameter `name` (looking through a torch.compile wrapper)."""
-    module = getattr(model, "_orig_mod", model)
-    return name in inspect.signature(inspect.unwrap(type(module).forward)).parameters
+    return name in _forward_parameters(type(getattr(model, "_orig_mod", model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls) -> frozenset:
+    # Once per class: tree_forward asks on every pass.
+    return frozenset(inspect.signature(inspect.unwrap(cls.forward)).parameters)
 
 
 def _cache_kwarg(model) -> str:
