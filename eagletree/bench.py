@@ -176,14 +176,16 @@ class _StepClock(BaseStreamer):
         pass
 
 
-def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens=None) -> Run:
+def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens=None, top_k=None,
+           top_p=None) -> Run:
     """HF `model.generate`: plain decoding, or prompt-lookup decoding with `lookup_tokens` candidates."""
     inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                      return_dict=True).to(model.device)
     sampling = dict(do_sample=False) if not temperature else dict(do_sample=True, temperature=temperature,
-                                                                    top_k=0, top_p=1.0)
+                                                                    top_k=top_k or 0, top_p=top_p or 1.0)
     clock = _StepClock()
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
         # The same stop tokens as eagletree, so both stop at the same place.

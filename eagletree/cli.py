@@ -76,20 +76,13 @@ def default_budget(model) -> int:
 
 
 def _plain(model, tok, messages, args) -> dict:
-    """Plain HF decoding of the same prompt with the same sampling settings, timed."""
-    import torch
+    """Plain HF decoding of the same prompt with the same sampling settings and stop tokens, timed."""
+    from .bench import run_hf
 
-    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                     return_dict=True).to(model.device)
-    sampling = dict(do_sample=False) if not args.temperature else dict(
-        do_sample=True, temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, **sampling)
-    seconds = time.perf_counter() - t0
-    new = out[0, inputs["input_ids"].shape[1]:]
-    return {"new_tokens": int(new.numel()), "seconds": seconds, "tokens_per_s": new.numel() / seconds,
-            "token_ids": new.tolist()}
+    run = run_hf(model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k,
+                 top_p=args.top_p)
+    return {"new_tokens": len(run.token_ids), "seconds": run.seconds,
+            "tokens_per_s": len(run.token_ids) / run.seconds, "token_ids": run.token_ids}
 
 
 def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
@@ -167,10 +160,19 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def _add_decoding_args(p) -> None:
+def _add_model_args(p) -> None:
+    """--target, --head, --device, --draft-dtype: what `_load` reads."""
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
     p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target; "
                                                 "'none' = plain decoding")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
+                        "else the target's (outputs do not depend on it)")
+
+
+def _add_decoding_args(p) -> None:
+    _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -181,10 +183,6 @@ def _add_decoding_args(p) -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--top-k-draft", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
-                        "else the target's (outputs do not depend on it)")
 
 
 def cmd_viz(args) -> int:
@@ -318,13 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
-    p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    _add_model_args(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the head's precision, as for generate")
     p.add_argument("--prompts", default=None, help="heldout:N (held-out ShareGPT first user turns; default "
                                                    "heldout:8, --quick heldout:2) or a .jsonl file of prompts/messages")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
