@@ -50,18 +50,12 @@ def draft_dtype(name: str, model):
     memory-bound there, so it halves a drafter call; the target's own pass keeps its precision), else the target's."""
     import torch
 
+    from .target import cpu_has_bf16
+
     if name == "auto":
-        cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and _cpu_has_bf16()
+        cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and cpu_has_bf16()
         return torch.bfloat16 if cpu_bf16 else model.dtype
     return getattr(torch, name)
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _options(args) -> dict:
@@ -253,12 +247,16 @@ def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
     from .target import load_target
     from .train.features import cache_features
-    from .train.loop import TrainConfig, training_conversations
+    from .train.loop import TrainConfig, resolve_precision, training_conversations
 
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
-    model, tok = load_target(cfg.target, device=args.device)
+    import torch
+
+    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu) == "bf16" else torch.float32
+    model, tok = load_target(cfg.target, dtype=dtype, device=args.device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
     print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
                       "complete": manifest["complete"],

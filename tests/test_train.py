@@ -209,3 +209,25 @@ def test_config_ranges_and_head_type_on_resume(tmp_path):
     run(tiny_cfg(tmp_path, steps=2, save_every=2))
     with pytest.raises(TrainingError, match="holds a 'eagle' head but the config asks for head_type 'medusa'"):
         run(tiny_cfg(tmp_path, steps=4, head_type="medusa"), resume=True)
+
+
+def test_precision_key(tmp_path, monkeypatch):
+    from eagletree import target
+    from eagletree.train.loop import resolve_precision
+
+    with pytest.raises(TrainingError, match="precision must be 'auto', 'bf16' or 'fp32', got 'fp16'"):
+        TrainConfig.from_sources(None, ["precision=fp16"])
+    monkeypatch.setattr(target, "cpu_has_bf16", lambda: False)
+    assert (resolve_precision("auto", on_cpu=True), resolve_precision("auto", on_cpu=False)) == ("fp32", "bf16")
+    assert resolve_precision("bf16", on_cpu=True) == "bf16"
+    monkeypatch.setattr(target, "cpu_has_bf16", lambda: True)
+    assert resolve_precision("auto", on_cpu=True) == "bf16" and resolve_precision("fp32", on_cpu=True) == "fp32"
+    # bf16 runs the head under autocast with fp32 master weights: close to the fp32 run, but not the same numbers.
+    full, _ = run(tiny_cfg(tmp_path / "fp32", steps=4, precision="fp32"))
+    half, _ = run(tiny_cfg(tmp_path / "bf16", steps=4, precision="bf16"))
+    diffs = []
+    for (name, a), (_, b) in zip(full.state_dict().items(), half.state_dict().items()):
+        if a.is_floating_point():
+            assert a.dtype == b.dtype == torch.float32, name
+            diffs.append(float((a - b).abs().max()))
+    assert 0 < max(diffs) < 0.05
