@@ -25,10 +25,12 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from .generate import GenerationStats, decode_steps, encode_prompt, stop_token_ids
+from .packing import is_packed, stock_kernels
 from .tree_search import acceptance_pairs
 
 TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto")
-METHODS = TREE_METHODS + ("lookup",)
+METHODS = TREE_METHODS + ("lookup", "packed")
+BASELINE_LABELS = {"lookup": "HF prompt lookup", "packed": "plain, packed kernels"}
 FULL = dict(prompts="heldout:8", max_new_tokens=64, budgets="8,16,32,60", temperatures="0,1")
 QUICK = dict(prompts="heldout:2", max_new_tokens=24, budgets="8,32", temperatures="0,1")
 # Sizes written down from the models' config.json, so the profile needs no download.
@@ -102,8 +104,8 @@ def method_grid(names, budgets, depth: int = 6, top_k: int = 10) -> list[Method]
         raise ValueError(f"depth and top-k must be >= 1, got depth {depth} and top-k {top_k}")
     grid = []
     for name in dict.fromkeys(names):
-        if name == "lookup":
-            grid.append(Method("lookup"))
+        if name in BASELINE_LABELS:
+            grid.append(Method(name))
             continue
         for b in budgets:
             m = Method(name, b, depth, top_k) if name != "chain" else Method(name, min(b, depth + 1), min(b - 1, depth))
@@ -213,7 +215,10 @@ def run_tree(model, tok, head, messages, method: Method, max_new_tokens, tempera
 
 def run_method(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed, lookup_tokens,
                accept_by_rank, record_steps=False) -> Run:
-    if method.name in ("plain", "lookup"):
+    if method.name == "plain":  # the reference: HF generate as it runs without eagletree
+        with stock_kernels(model):
+            return run_hf(model, tok, messages, max_new_tokens, temperature, seed)
+    if method.name in ("lookup", "packed"):
         return run_hf(model, tok, messages, max_new_tokens, temperature, seed,
                       lookup_tokens if method.name == "lookup" else None)
     return run_tree(model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank,
@@ -242,8 +247,9 @@ def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) 
     """Untimed first runs (kernels, caches, auto's latency profile); returns Sequoia's measured per-rank acceptance."""
     names = {m.name for m in methods}
     short = min(8, max_new_tokens)
-    run_hf(model, tok, messages, short, 0.0, 0)
-    if "lookup" in names:
+    with stock_kernels(model):
+        run_hf(model, tok, messages, short, 0.0, 0)
+    if "lookup" in names or "packed" in names:
         run_hf(model, tok, messages, short, 0.0, 0, lookup_tokens)
     trees = [m for m in methods if m.name in TREE_METHODS]
     if head is None or not trees:
@@ -433,7 +439,9 @@ def markdown_report(report: dict) -> str:
     where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if "gpu" in m else "")
     out = [f"# eagletree bench\n\n`{report['command']}`\n",
            f"Machine: {where}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
-           f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}.\n",
+           f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}; "
+           + ("target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels).\n"
+              if s.get("packed") else "PyTorch's stock kernels.\n"),
            f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
            f"{report['max_new_tokens']} new tokens each; depth {s['depth']}, top-k {s['top_k_draft']}; "
            f"prompt lookup {report['lookup_tokens']} tokens; Sequoia acceptance by rank "
@@ -477,8 +485,9 @@ def write_plots(report: dict, out: Path) -> list[str]:
         for ax, t in zip(axes[0], temps):
             families = _families(report, t)
             for j, (name, rs) in enumerate(families.items()):
-                if name == "lookup":
-                    ax.axhline(value(rs[0]), color="gray", ls="--", label="HF prompt lookup")
+                if name in BASELINE_LABELS:
+                    ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
+                               label=BASELINE_LABELS[name])
                     continue
                 # Methods side by side at each budget (a small shift on the log axis), so points never hide.
                 shift = 2 ** (0.05 * (j - (len(families) - 1) / 2))
@@ -782,12 +791,14 @@ def main(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = load_prompts(pick("prompts"))
 
-    from .cli import SHIPPED_HEADS, draft_dtype
+    from .cli import SHIPPED_HEADS, draft_dtype, pack_target
     from .draft_heads import load_head
     from .target import load_target
 
     model, tok = load_target(args.target, dtype=getattr(torch, args.dtype) if args.dtype else None,
                              device=args.device)
+    if pack_target(model, args.pack) and not any(m.name == "packed" for m in methods):
+        methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
     head_path = args.head or SHIPPED_HEADS.get(args.target)
     head = None
     if head_path is not None and str(head_path) != "none":
@@ -796,6 +807,7 @@ def main(args) -> int:
     report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens)
     report.update(command=command, machine=machine_info(model),
                   settings={"target": args.target, "head": str(head_path), "prompts": pick("prompts"),
+                            "packed": is_packed(model),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,
                             "methods": [m.label for m in methods], "quick": args.quick})

@@ -43,7 +43,7 @@ def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
     assert {"command", "machine", "settings", "results", "calibration", "accept_by_rank"} <= set(data)
     labels = [m.label for m in methods]
     assert labels == ["chain 3", "chain 4", "sequoia 3", "sequoia 8", "eagle2 3", "eagle2 8", "optimal 3",
-                      "optimal 8", "auto 3", "auto 8", "lookup"]
+                      "optimal 8", "auto 3", "auto 8", "lookup", "packed"]
     assert [r["label"] for r in data["results"]] == (["plain"] + labels) * 2
     for r in data["results"]:
         assert {"tokens_per_pass", "predicted_tokens_per_pass", "tokens_per_s", "speedup", "identical",
@@ -140,13 +140,43 @@ def test_cli_runs_end_to_end_on_a_jsonl_file(tiny_setup, tmp_path, monkeypatch, 
     out = tmp_path / "out"
     assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
                      str(tmp_path / "p.jsonl"), "--methods", "eagle2,sequoia,lookup", "--budgets", "4",
-                     "--temperatures", "0", "--max-new-tokens", "6", "-o", str(out)]) == 0
+                     "--temperatures", "0", "--max-new-tokens", "6", "-o", str(out), "--pack", "off"]) == 0
     data = json.loads((out / "results.json").read_text())
     assert [r["label"] for r in data["results"]] == ["plain", "eagle2 4", "sequoia 4", "lookup"]
     assert data["settings"]["budgets"] == [4] and data["prompts"] == 2
     assert all(r["identical"] for r in data["results"])  # whatever precision --draft-dtype auto picked for the head
     assert data["settings"]["head_dtype"] in ("float32", "bfloat16")
     assert "| sequoia | 4 |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_path, monkeypatch, capsys):
+    from eagletree.packing import PackedLinear
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    kernels = []  # per HF generate call: were the packed kernels on?
+    real_run_hf = bench.run_hf
+
+    def spy(model_, *args, **kwargs):
+        kernels.append(all(m.enabled for m in model_.modules() if isinstance(m, PackedLinear)))
+        return real_run_hf(model_, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_hf", spy)
+    out = tmp_path / "out"
+    (tmp_path / "p.jsonl").write_text('"hello how are you"\n')
+    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"),
+                     "--methods", "eagle2", "--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6",
+                     "-o", str(out), "--pack", "on"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in data["results"]] == ["plain", "packed", "eagle2 4"]
+    assert all(r["identical"] for r in data["results"]) and data["settings"]["packed"] is True
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    # warm-up (stock, packed), then per prompt: plain with the stock kernels, the packed row with the packed ones.
+    assert kernels == [False, True, False, True]
+    assert "packed for oneDNN in every row but plain" in (out / "results.md").read_text()
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():

@@ -9,6 +9,7 @@ import torch
 from eagletree.cli import SHIPPED_HEADS
 from eagletree.draft_heads import EagleHead, load_head
 from eagletree.generate import generate
+from eagletree.packing import pack_linears, packing_problem, stock_kernels, unpack_linears
 
 HEAD = SHIPPED_HEADS["smollm2-135m"]
 
@@ -37,7 +38,8 @@ def setup(smollm2):
     candidates = heldout_prompts(heldout[200:], 40)
     lengths = [len(tok.apply_chat_template(m, add_generation_prompt=True)) for m in candidates]
     chosen = sorted(range(len(candidates)), key=lambda i: lengths[i])[:10]
-    return model, tok, head, [candidates[i] for i in sorted(chosen)]
+    yield model, tok, head, [candidates[i] for i in sorted(chosen)]
+    unpack_linears(model)  # the target is shared with other test modules
 
 
 def plain(model, tok, messages, n):
@@ -59,18 +61,28 @@ def first_difference(model, tok, messages, ours, ref) -> str:
 
 @pytest.mark.real
 def test_greedy_with_the_shipped_head_equals_plain_decoding(setup):
-    """10 held-out prompts x 128 new tokens with every tree method (some drafting with the head in bf16)."""
+    """10 held-out prompts x 128 new tokens with every tree method (some drafting with the head in bf16), the
+    target's Linears packed for oneDNN as the CLI does on CPU (EAGLE-2 also with PyTorch's stock kernels),
+    against HF generate with the stock kernels."""
     model, tok, head, prompts = setup
     assert len(prompts) == 10
+    if not packing_problem(model):
+        pack_linears(model)
     low = load_head(HEAD, target_config=model.config, dtype=torch.bfloat16)  # what --draft-dtype auto picks on CPU
     methods = [("eagle2", 128, head, dict(budget=60, depth=6, top_k_draft=10)),
                ("optimal", 128, low, dict(budget=24, depth=6)), ("chain", 128, head, dict(depth=5)),
-               ("sequoia", 128, low, dict(budget=16, depth=6)), ("auto", 128, low, dict(budget=32, depth=6))]
+               ("sequoia", 128, low, dict(budget=16, depth=6)), ("auto", 128, low, dict(budget=32, depth=6)),
+               ("eagle2-stock", 128, low, dict(budget=16, depth=6))]
     passes = new = 0
     for messages in prompts:
-        ref = plain(model, tok, messages, 128)
+        with stock_kernels(model):
+            ref = plain(model, tok, messages, 128)
         for tree, n, drafter, kw in methods:
-            out = generate(model, tok, drafter, messages, max_new_tokens=n, tree=tree, **kw)
+            if tree == "eagle2-stock":
+                with stock_kernels(model):
+                    out = generate(model, tok, drafter, messages, max_new_tokens=n, tree="eagle2", **kw)
+            else:
+                out = generate(model, tok, drafter, messages, max_new_tokens=n, tree=tree, **kw)
             # Both stop at EOS (and emit it); otherwise both give exactly n tokens.
             assert out.token_ids == ref[:n], f"{tree}: " + first_difference(model, tok, messages, out.token_ids, ref)
             if tree == "eagle2":
