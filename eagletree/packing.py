@@ -53,6 +53,17 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def packed_weight(owner: nn.Module, weight: torch.Tensor, rows_hint: int = 8) -> torch.Tensor:
+    """A packed copy of a frozen `weight` used outside an nn.Linear (e.g. the drafter's lm_head slice),
+    cached on `owner` while `weight` is the same tensor, unchanged."""
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    cached = getattr(owner, "_packed_weight", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
+        object.__setattr__(owner, "_packed_weight", cached)  # a plain attribute, not a registered buffer
+    return cached[1]
+
+
 def packing_problem(model) -> str | None:
     """Why `model` cannot be packed here, or None when it can."""
     if not torch.backends.mkldnn.is_available():

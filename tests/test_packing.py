@@ -85,6 +85,7 @@ def test_packed_model_outputs_and_lossless_generation():
         for p, want in zip(prompts, reference):
             assert generate(model, tok, head, p, max_new_tokens=40, tree=tree, budget=12, depth=4,
                             top_k_draft=3).token_ids == want
+    assert is_packed(head)  # a packed target's drafter packs the head (and its lm_head slice) too
     weights = [p for p in model.parameters()]
     assert unpack_linears(model) == n and not is_packed(model)
     assert [p for p in model.parameters()] == weights and all(type(m) is not PackedLinear for m in model.modules())

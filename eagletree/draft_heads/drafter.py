@@ -45,6 +45,15 @@ class TreeDrafter:
         self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
         self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
                                                                                                self.dtype)
+        self.lm_packed = None
+        from ..packing import is_packed, pack_linears, packed_weight, packing_problem
+
+        if is_packed(target_model) and not packing_problem(head):
+            # The target runs oneDNN-packed kernels (--pack): so does the drafter, whose calls are all small.
+            if not is_packed(head):
+                pack_linears(head)
+            if self.lm_weight is not None:
+                self.lm_packed = packed_weight(head, self.lm_weight)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
         self.cache = head.new_cache()
         self.committed = 0
@@ -54,7 +63,11 @@ class TreeDrafter:
         """[..., H] predicted features -> [..., V'] draft distributions (through the target's lm_head)."""
         if self.own_lm_head:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
-        logits = torch.nn.functional.linear(hidden.to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)
+        hidden = hidden.to(self.lm_weight.dtype)
+        if self.lm_packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.lm_packed, self.lm_bias, "none", [], "")
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
         return torch.softmax(logits.float(), dim=-1)
 
     def _truncate(self, length: int) -> None:
