@@ -3,16 +3,23 @@
     .venv/bin/python benchmarks/verify_cost.py                       # real SmolLM2 on CPU
     .venv/bin/python benchmarks/verify_cost.py --device cuda         # bf16, SDPA with the boolean mask
     .venv/bin/python benchmarks/verify_cost.py --config cfg.json     # random weights from a config (no download)
+    .venv/bin/python benchmarks/verify_cost.py --pack off            # PyTorch's stock CPU kernels only
 
 Every N is measured round-robin in the same loop, so machine noise hits all of them alike; the
-table reports medians. Overhead = mask + acceptance + KV commit, as a fraction of the target pass.
+table reports medians. Overhead = mask + acceptance + KV commit, as a fraction of the target pass. With the target's
+Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) the same sizes are also
+measured with the stock kernels, and the last column compares each packed pass with a stock one-token pass.
 """
 
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
+
 import torch
 
+from eagletree.cli import pack_target
+from eagletree.packing import stock_kernels
 from eagletree.target import load_target
 from eagletree.verify.profile import measure_verify
 
@@ -39,25 +46,34 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1,4,8,16,32,64,128")
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
+                    help="pack the target's Linears for oneDNN (CPU); auto = where it can")
     args = ap.parse_args(argv)
 
     model, name = load(args)
     device = next(model.parameters()).device
     sizes = [int(s) for s in args.sizes.split(",")]
-    med = measure_verify(model, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps)
-    base = med[sizes[0]]["forward"]
-    print(f"\nverify pass on {name}, {device.type}, {model.dtype}, prefix {args.prefix}, depth <= {args.depth}, "
-          f"median of {args.reps} round-robin reps")
-    print("| N | forward ms | t(N)/t(1) | mask ms | accept ms (greedy) | accept ms (T=1) | commit ms "
-          "| overhead greedy | overhead T=1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n in sizes:
-        m = med[n]
-        over_g = (m["mask"] + m["accept"] + m["commit"]) / m["forward"]
-        over_s = (m["mask"] + m["accept_t1"] + m["commit"]) / m["forward"]
-        print(f"| {n} | {m['forward'] * 1e3:.1f} | {m['forward'] / base:.2f} | {m['mask'] * 1e3:.2f} | "
-              f"{m['accept'] * 1e3:.2f} | {m['accept_t1'] * 1e3:.2f} | {m['commit'] * 1e3:.2f} | "
-              f"{over_g:.1%} | {over_s:.1%} |")
+    packed = pack_target(model, args.pack) > 0
+    runs = {}
+    for kernels in (["packed"] if packed else []) + ["stock"]:
+        with stock_kernels(model) if kernels == "stock" else nullcontext():
+            runs[kernels] = measure_verify(model, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps)
+    stock_one = runs["stock"][sizes[0]]["forward"]
+    for kernels, med in runs.items():
+        base = med[sizes[0]]["forward"]
+        print(f"\nverify pass on {name}, {device.type}, {model.dtype}, {kernels} kernels, prefix {args.prefix}, "
+              f"depth <= {args.depth}, median of {args.reps} round-robin reps")
+        print("| N | forward ms | t(N)/t(1) | t(N) / stock t(1) | mask ms | accept ms (greedy) | accept ms (T=1) "
+              "| commit ms | overhead greedy | overhead T=1 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for n in sizes:
+            m = med[n]
+            over_g = (m["mask"] + m["accept"] + m["commit"]) / m["forward"]
+            over_s = (m["mask"] + m["accept_t1"] + m["commit"]) / m["forward"]
+            print(f"| {n} | {m['forward'] * 1e3:.1f} | {m['forward'] / base:.2f} | {m['forward'] / stock_one:.2f} | "
+                  f"{m['mask'] * 1e3:.2f} | {m['accept'] * 1e3:.2f} | {m['accept_t1'] * 1e3:.2f} | "
+                  f"{m['commit'] * 1e3:.2f} | {over_g:.1%} | {over_s:.1%} |")
+
 
 
 if __name__ == "__main__":
