@@ -7,8 +7,9 @@
 
 Every N is measured round-robin in the same loop, so machine noise hits all of them alike; the
 table reports medians. Overhead = mask + acceptance + KV commit, as a fraction of the target pass. With the target's
-Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) the same sizes are also
-measured with the stock kernels, and the last column compares each packed pass with a stock one-token pass.
+Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) the same sizes are then
+measured again with the stock kernels (a second round-robin run, right after the first), and a
+column compares each pass with a stock one-token pass.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from eagletree.cli import pack_target
-from eagletree.packing import stock_kernels
+from eagletree.packing import pack_target, stock_kernels
 from eagletree.target import load_target
 from eagletree.verify.profile import measure_verify
 
@@ -73,7 +73,6 @@ def main(argv=None):
             print(f"| {n} | {m['forward'] * 1e3:.1f} | {m['forward'] / base:.2f} | {m['forward'] / stock_one:.2f} | "
                   f"{m['mask'] * 1e3:.2f} | {m['accept'] * 1e3:.2f} | {m['accept_t1'] * 1e3:.2f} | "
                   f"{m['commit'] * 1e3:.2f} | {over_g:.1%} | {over_s:.1%} |")
-
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from .generate import GenerationStats, decode_steps, encode_prompt, stop_token_ids
-from .packing import is_packed, stock_kernels
+from .packing import is_packed, pack_target, stock_kernels
 from .tree_search import acceptance_pairs
 
 TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto")
@@ -791,14 +791,18 @@ def main(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = load_prompts(pick("prompts"))
 
-    from .cli import SHIPPED_HEADS, draft_dtype, pack_target
+    from .cli import SHIPPED_HEADS, draft_dtype
     from .draft_heads import load_head
     from .target import load_target
 
     model, tok = load_target(args.target, dtype=getattr(torch, args.dtype) if args.dtype else None,
                              device=args.device)
-    if pack_target(model, args.pack) and not any(m.name == "packed" for m in methods):
-        methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
+    if pack_target(model, args.pack):
+        if not any(m.name == "packed" for m in methods):
+            methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
+    elif any(m.name == "packed" for m in methods):
+        raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
+                         "drop it or pass --pack on/auto on a CPU")
     head_path = args.head or SHIPPED_HEADS.get(args.target)
     head = None
     if head_path is not None and str(head_path) != "none":

@@ -24,6 +24,7 @@ SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m
 def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
     from .draft_heads import load_head
+    from .packing import pack_target
     from .target import load_target
 
     t0 = time.perf_counter()
@@ -45,16 +46,6 @@ def _load(args):
           f"{f', {packed} Linears packed' if packed else ''})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok, head
-
-
-def pack_target(model, mode: str) -> int:
-    """--pack: 'auto' packs a CPU target's Linear weights for oneDNN when this machine can (eagletree.packing),
-    'on' insists (an error says why it cannot), 'off' keeps PyTorch's stock kernels. Returns how many were packed."""
-    from .packing import pack_linears, packing_problem
-
-    if mode == "off" or (mode == "auto" and packing_problem(model)):
-        return 0
-    return pack_linears(model)
 
 
 def draft_dtype(name: str, model):
@@ -179,8 +170,8 @@ def _add_model_args(p) -> None:
                    help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
                         "else the target's (outputs do not depend on it)")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
-                   help="pre-pack the target's Linear weights for oneDNN (CPU; about 1.4x faster passes, one more copy "
-                        "of the weights in memory); auto = on a CPU where oneDNN can")
+                   help="pre-pack the target's Linear weights for oneDNN (CPU: one-token passes ~1.5x faster, tree "
+                        "passes more; one more copy of the weights in memory); auto = on a CPU where oneDNN can")
 
 
 def _add_decoding_args(p) -> None:
@@ -265,15 +256,14 @@ def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
     from .target import load_target
     from .train.features import cache_features
-    from .train.loop import TrainConfig, resolve_precision, training_conversations
+    from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
 
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
     import torch
 
-    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu) == "bf16" else torch.float32
+    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
     model, tok = load_target(cfg.target, dtype=dtype, device=args.device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
     print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),

@@ -25,41 +25,58 @@ class PackingError(ValueError):
     """The model cannot be packed here (device, dtype or a PyTorch without oneDNN)."""
 
 
+def weight_key(weight: torch.Tensor) -> tuple:
+    """Identifies a weight's current values: storage, dtype, shape and in-place version (inference
+    tensors have no version counter; they cannot be modified in place outside inference mode anyway)."""
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), weight.dtype, tuple(weight.shape), version
+
+
+def pack_weight(weight: torch.Tensor, rows_hint: int = 8) -> torch.Tensor:
+    """[out, in] weight -> oneDNN's blocked layout for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through a weight packed by `pack_weight` (same dtype as x, on CPU)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear whose inference forward uses a oneDNN-packed copy of its weight (same Parameters).
 
-    Falls back to the stock kernel while gradients are needed, for other dtypes or devices, and
-    inside `stock_kernels`; repacks when the weight was modified in place since it was packed.
+    Falls back to the stock kernel while gradients are needed, under autocast, for other dtypes or
+    devices, and inside `stock_kernels`; repacks when the weight changed (in place, or by .to()).
     """
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 8):
         nn.Module.__init__(self)
+        self.training = linear.training
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.rows_hint, self.enabled = rows_hint, True
         self._pack()
 
     def _pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.rows_hint)
-        self._packed_version = self.weight._version
+        self.packed, self._packed_key = pack_weight(self.weight, self.rows_hint), weight_key(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not self.enabled or x.device.type != "cpu" or x.dtype != w.dtype or w.device.type != "cpu"
+        if (not self.enabled or x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKABLE
+                or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)
-        if w._version != self._packed_version:
+        if weight_key(w) != self._packed_key:
             self._pack()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def packed_weight(owner: nn.Module, weight: torch.Tensor, rows_hint: int = 8) -> torch.Tensor:
     """A packed copy of a frozen `weight` used outside an nn.Linear (e.g. the drafter's lm_head slice),
     cached on `owner` while `weight` is the same tensor, unchanged."""
-    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
     cached = getattr(owner, "_packed_weight", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
+    if cached is None or cached[0] != weight_key(weight):
+        cached = (weight_key(weight), pack_weight(weight, rows_hint))
         object.__setattr__(owner, "_packed_weight", cached)  # a plain attribute, not a registered buffer
     return cached[1]
 
@@ -82,14 +99,16 @@ def packing_problem(model) -> str | None:
 
 
 def pack_linears(model: nn.Module, rows_hint: int = 8) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear in place; returns how many were packed."""
+    """Replace every nn.Linear in `model` by a PackedLinear in place; returns how many were packed.
+    Linears with hooks are left alone (a replacement would drop them)."""
     problem = packing_problem(model)
     if problem:
         raise PackingError(f"cannot pack {type(model).__name__}: {problem}")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            hooked = child._forward_hooks or child._forward_pre_hooks or child._backward_hooks
+            if type(child) is nn.Linear and not hooked:
                 setattr(parent, name, PackedLinear(child, rows_hint))
                 count += 1
     return count
@@ -103,14 +122,25 @@ def unpack_linears(model: nn.Module) -> int:
             if isinstance(child, PackedLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                    device="meta")
-                linear.weight, linear.bias = child.weight, child.bias
+                linear.weight, linear.bias, linear.training = child.weight, child.bias, child.training
                 setattr(parent, name, linear)
                 count += 1
     return count
 
 
 def is_packed(model: nn.Module) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
+    """Whether `model` runs packed kernels now (False inside `stock_kernels`)."""
+    return any(isinstance(m, PackedLinear) and m.enabled for m in model.modules())
+
+
+def pack_target(model, mode: str) -> int:
+    """The CLI's --pack: 'auto' packs a CPU model's Linears when this machine can, 'on' insists (an error
+    says why it cannot), 'off' keeps PyTorch's stock kernels. Returns how many were packed."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"pack must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off" or (mode == "auto" and packing_problem(model)):
+        return 0
+    return pack_linears(model)
 
 
 @contextmanager

@@ -47,8 +47,9 @@ def test_stock_kernels_grads_and_in_place_updates():
         assert all(m.enabled for m in model if isinstance(m, PackedLinear))
     assert close(fast, stock)
     with pytest.raises(RuntimeError), stock_kernels(model):
+        assert not is_packed(model)  # e.g. a latency profile measured here is the stock kernels'
         raise RuntimeError("the kernels come back even after an error")
-    assert all(m.enabled for m in model if isinstance(m, PackedLinear))
+    assert all(m.enabled for m in model if isinstance(m, PackedLinear)) and is_packed(model)
     # Training through a packed model takes the stock kernel, so gradients flow.
     model(x).sum().backward()
     assert model[0].weight.grad is not None
@@ -56,6 +57,14 @@ def test_stock_kernels_grads_and_in_place_updates():
     with torch.no_grad():
         model[2].weight.mul_(2.0)
         assert close(model(x) - model[2].bias, 2 * (stock - model[2].bias))
+        doubled = model(x)
+        # Under autocast the stock kernel runs (autocast decides the dtype); other dtypes too.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x).dtype == torch.bfloat16
+        model.double()
+        assert model(x.double()).dtype == torch.float64 and close(model(x.double()).float(), doubled)
+        model.float()  # new storage: repacked
+        assert close(model(x), doubled)
 
 
 def test_what_cannot_be_packed_is_named():
@@ -86,6 +95,11 @@ def test_packed_model_outputs_and_lossless_generation():
             assert generate(model, tok, head, p, max_new_tokens=40, tree=tree, budget=12, depth=4,
                             top_k_draft=3).token_ids == want
     assert is_packed(head)  # a packed target's drafter packs the head (and its lm_head slice) too
+    # Inside inference mode (inference tensors have no version counter), with a draft-vocabulary head.
+    small = EagleHead.for_target(model.config, torch.arange(50)).eval()
+    with torch.inference_mode():
+        assert generate(model, tok, small, prompts[0], max_new_tokens=40, tree="eagle2", budget=12, depth=4,
+                        top_k_draft=3).token_ids == reference[0]
     weights = [p for p in model.parameters()]
     assert unpack_linears(model) == n and not is_packed(model)
     assert [p for p in model.parameters()] == weights and all(type(m) is not PackedLinear for m in model.modules())

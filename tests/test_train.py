@@ -218,10 +218,10 @@ def test_precision_key(tmp_path, monkeypatch):
     with pytest.raises(TrainingError, match="precision must be 'auto', 'bf16' or 'fp32', got 'fp16'"):
         TrainConfig.from_sources(None, ["precision=fp16"])
     monkeypatch.setattr(target, "cpu_has_bf16", lambda: False)
-    assert (resolve_precision("auto", on_cpu=True), resolve_precision("auto", on_cpu=False)) == ("fp32", "bf16")
-    assert resolve_precision("bf16", on_cpu=True) == "bf16"
+    assert (resolve_precision("auto", cpu=True), resolve_precision("auto", cpu=False)) == ("fp32", "bf16")
+    assert resolve_precision("bf16", cpu=True) == "bf16"
     monkeypatch.setattr(target, "cpu_has_bf16", lambda: True)
-    assert resolve_precision("auto", on_cpu=True) == "bf16" and resolve_precision("fp32", on_cpu=True) == "fp32"
+    assert resolve_precision("auto", cpu=True) == "bf16" and resolve_precision("fp32", cpu=True) == "fp32"
     # bf16 runs the head under autocast with fp32 master weights: close to the fp32 run, but not the same numbers.
     full, _ = run(tiny_cfg(tmp_path / "fp32", steps=4, precision="fp32"))
     half, _ = run(tiny_cfg(tmp_path / "bf16", steps=4, precision="bf16"))
@@ -231,3 +231,7 @@ def test_precision_key(tmp_path, monkeypatch):
             assert a.dtype == b.dtype == torch.float32, name
             diffs.append(float((a - b).abs().max()))
     assert 0 < max(diffs) < 0.05
+    # Resuming in another precision than the checkpoint's says so.
+    run(tiny_cfg(tmp_path / "mixed", steps=4, stop_after=2, precision="fp32"))
+    with pytest.warns(UserWarning, match=r"was trained in fp32 and continues in bf16"):
+        run(tiny_cfg(tmp_path / "mixed", steps=4, precision="bf16"), resume=True)

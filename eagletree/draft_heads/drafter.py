@@ -48,7 +48,7 @@ class TreeDrafter:
         self.lm_packed = None
         from ..packing import is_packed, pack_linears, packed_weight, packing_problem
 
-        if is_packed(target_model) and not packing_problem(head):
+        if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
             # The target runs oneDNN-packed kernels (--pack): so does the drafter, whose calls are all small.
             if not is_packed(head):
                 pack_linears(head)
@@ -65,7 +65,9 @@ class TreeDrafter:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
         hidden = hidden.to(self.lm_weight.dtype)
         if self.lm_packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.lm_packed, self.lm_bias, "none", [], "")
+            from ..packing import packed_linear
+
+            logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
         return torch.softmax(logits.float(), dim=-1)

@@ -127,10 +127,12 @@ def heldout_prompts(conversations, n: int) -> list[list[dict]]:
 
 def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
     """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
+    from ..packing import pack_target
     from ..target import load_target
     from .data import load_dataset, split
 
     target, tok = load_target(cfg.target)
+    pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

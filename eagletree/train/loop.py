@@ -254,14 +254,15 @@ def _set_rng_state(state, noise_gen):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int):
+def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
+                    precision: str = "fp32"):
     """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones."""
     root = folder / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
     head.save_pretrained(tmp / "head")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "counters": counters, "rng": _rng_state(noise_gen)}, tmp / "trainer.pt")
+                "counters": counters, "rng": _rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     final = root / f"step-{step:07d}"
     if final.exists():
@@ -298,12 +299,16 @@ def zero_backward(accelerator, dummy_loss, micro: int, cfg: TrainConfig) -> None
         accelerator.backward(dummy_loss())
 
 
-def _dummy_loss(head, embed, lm_weight, lm_bias, device):
-    """0 x (a tiny forward through the whole head), for `zero_backward`."""
+def _dummy_loss(head, embed, lm_weight, lm_bias, device, amp):
+    """0 x (a tiny forward through the whole head, under the loop's autocast `amp`), for `zero_backward`."""
     core = getattr(head, "module", head)
     h = core.config.hidden_size
 
     def loss():
+        with amp():
+            return _zero_forward()
+
+    def _zero_forward():
         if core.config.head_type == "medusa":
             out = head(torch.zeros(2, h, device=device), lm_weight, lm_bias)
         else:
@@ -349,11 +354,12 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_with = _trackers(cfg)
-    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-    bf16 = resolve_precision(cfg.precision, on_cpu) == "bf16"
-    # bf16 autocast is applied below rather than through accelerate's mixed_precision, which fixes one
-    # precision per process (a second train() call with another precision would be refused).
-    accelerator = Accelerator(log_with=log_with, cpu=cfg.device == "cpu")
+    precision = resolve_precision(cfg.precision, on_cpu(cfg.device or None))
+    bf16 = precision == "bf16"
+    # bf16 autocast is applied below (`amp`) rather than through accelerate's mixed_precision, which fixes
+    # one precision per process (a second train() call with another precision would be refused); "no"
+    # also overrides ACCELERATE_MIXED_PRECISION / an `accelerate launch` config, so the config decides.
+    accelerator = Accelerator(log_with=log_with, cpu=cfg.device == "cpu", mixed_precision="no")
     set_seed(cfg.seed)
     device = accelerator.device
     if model_and_tokenizer is None:
@@ -414,13 +420,18 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         scheduler.load_state_dict(state["scheduler"])
         step, counters = state["step"], state["counters"]
         _set_rng_state(state["rng"], noise_gen)
+        if state.get("precision", precision) != precision:  # (checkpoints before the precision key record none)
+            warnings.warn(f"{ckpt} was trained in {state['precision']} and continues in {precision} (precision="
+                          f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
+                          "run exactly; pass precision=... to keep it", stacklevel=2)
         accelerator.print(f"resumed from {ckpt} at step {step}")
     head, optimizer = accelerator.prepare(head, optimizer)
     if log_with:
         accelerator.init_trackers("eagletree", config=asdict(cfg))
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    dummy_loss = _dummy_loss(head, embed, lm_weight, lm_bias, device)
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
+    dummy_loss = _dummy_loss(head, embed, lm_weight, lm_bias, device, amp)
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
     t0, tokens0 = time.perf_counter(), counters["tokens"]
     last_ckpt = ckpt
@@ -450,7 +461,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                     feats = _target_features(model, ids, fused_layers)
             # Noise seeded by the global micro-batch index: the same whatever the process count or resumes.
             noise_gen.manual_seed(cfg.seed * 1_000_003 + index)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with amp():
                 objective = {"medusa": medusa_loss, "eagle3": eagle3_loss}.get(cfg.head_type, eagle_loss)
                 result = objective(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg, noise_gen)
             if result is None:
@@ -492,7 +503,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
-                                            noise_gen, cfg, cfg.keep_checkpoints)
+                                            noise_gen, cfg, cfg.keep_checkpoints, precision)
     bar.close()
     head = accelerator.unwrap_model(head).eval()
     if accelerator.is_main_process:
@@ -505,13 +516,18 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     return head, summary
 
 
-def resolve_precision(precision: str, on_cpu: bool) -> str:
+def on_cpu(device: str | None) -> bool:
+    """Whether a run asked for `device` (None: the default) runs on the CPU."""
+    return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+
+
+def resolve_precision(precision: str, cpu: bool) -> str:
     """'auto' -> 'bf16' on CUDA and on CPUs that multiply bf16 natively, else 'fp32'."""
     from ..target import cpu_has_bf16
 
     if precision != "auto":
         return precision
-    return "bf16" if not on_cpu or cpu_has_bf16() else "fp32"
+    return "bf16" if not cpu or cpu_has_bf16() else "fp32"
 
 
 def _target_features(model, ids, fused_layers=None):
