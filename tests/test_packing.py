@@ -5,8 +5,8 @@ from torch import nn
 
 from eagletree.draft_heads import EagleHead
 from eagletree.generate import generate
-from eagletree.packing import (PackedLinear, PackingError, is_packed, pack_linears, packing_problem, stock_kernels,
-                               unpack_linears)
+from eagletree.packing import (PackedLinear, PackingError, is_packed, pack_linears, pack_target, packing_problem,
+                               stock_kernels, unpack_linears)
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -72,6 +72,16 @@ def test_what_cannot_be_packed_is_named():
     assert "float16" in packing_problem(half)
     with pytest.raises(PackingError, match=r"cannot pack Linear: packing supports .* the model is torch.float16"):
         pack_linears(half)
+    # The CLI's --pack: auto leaves what cannot be packed alone, on insists, anything else is refused.
+    model = nn.Sequential(nn.Linear(4, 4).half())
+    assert pack_target(model, "auto") == 0 and pack_target(model, "off") == 0
+    with pytest.raises(PackingError, match="float16"):
+        pack_target(model, "on")
+    with pytest.raises(ValueError, match="pack must be 'auto', 'on' or 'off', got 'yes'"):
+        pack_target(model, "yes")
+    hooked = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    hooked[0].register_forward_hook(lambda *a: None)
+    assert pack_target(hooked, "on") == 1 and type(hooked[0]) is nn.Linear  # a replacement would drop the hook
 
 
 def test_packed_model_outputs_and_lossless_generation():
