@@ -143,9 +143,10 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 matrix products run
-    about twice as fast as fp32; elsewhere they are emulated and slower."""
+    about twice as fast as fp32; elsewhere they are emulated and slower. Read once per process."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..packing import is_packed, pack_linears, packed_linear, packed_weight, packing_problem
+
 
 def sliced_lm_head(head, target_model, dtype=None):
     """The target's lm_head weight (and bias) restricted to the head's draft vocabulary, cached on the head.
@@ -46,8 +48,6 @@ class TreeDrafter:
         self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
                                                                                                self.dtype)
         self.lm_packed = None
-        from ..packing import is_packed, pack_linears, packed_weight, packing_problem
-
         if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
             # The target runs oneDNN-packed kernels (--pack): so does the drafter, whose calls are all small.
             if not is_packed(head):
@@ -65,8 +65,6 @@ class TreeDrafter:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
         hidden = hidden.to(self.lm_weight.dtype)
         if self.lm_packed is not None:
-            from ..packing import packed_linear
-
             logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
