@@ -1,0 +1,71 @@
+"""`eagletree generate` / `chat` and list prompts on a tiny random model (the real model runs in the README's command)."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from eagletree.cli import main as cli_main
+from eagletree.draft_heads import EagleHead
+from eagletree.generate import generate
+
+from helpers import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture
+def tiny_cli(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
+    return model, tok, ["--target", "tiny", "--head", str(tmp_path / "head")]
+
+
+def test_generate_json_and_compare_plain(tiny_cli, capsys):
+    _, _, args = tiny_cli
+    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
+                     "--compare-plain", "--budget", "6"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"text", "new_tokens", "passes", "tokens_per_pass", "tokens_per_s", "plain_tokens_per_s", "speedup",
+            "identical_to_plain"} <= set(result)
+    assert result["new_tokens"] == 12 and result["identical_to_plain"] is True and result["text"]
+    assert result["tokens_per_pass"] == pytest.approx(result["new_tokens"] / result["passes"], abs=1e-3)
+    with pytest.raises(SystemExit, match="--prompt is empty"):
+        cli_main(["generate", *args, "--prompt", "   "])
+
+
+def test_generate_streams_then_prints_stats(tiny_cli, capsys):
+    _, _, args = tiny_cli
+    assert cli_main(["generate", *args, "--prompt", "hello", "--max-new-tokens", "8", "--tree", "sequoia"]) == 0
+    out = capsys.readouterr().out
+    assert "[sequoia: " in out and "tokens/pass" in out
+
+
+def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsys, monkeypatch):
+    _, _, args = tiny_cli
+    seen = []
+    import eagletree.cli as cli
+
+    real_answer = cli._answer
+
+    def spy(model, tok, head, messages, a, stream_to=None):
+        seen.append([m["role"] for m in messages])
+        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+
+    monkeypatch.setattr(cli, "_answer", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nwhat is two plus four\n\n"))
+    assert cli_main(["chat", *args, "--max-new-tokens", "6"]) == 0
+    assert seen == [["user"], ["user", "assistant", "user"]]
+    assert capsys.readouterr().err.count("tokens/pass") == 2
+
+
+def test_a_list_of_prompts_gives_one_result_each():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    prompts = ["hello how are you", [{"role": "user", "content": "tell me a joke"}], torch.tensor([5, 6, 7])]
+    results = generate(model, tok, head, prompts, max_new_tokens=8)
+    assert len(results) == 3
+    for p, r in zip(prompts, results):
+        assert r.token_ids == generate(model, tok, head, p, max_new_tokens=8).token_ids
