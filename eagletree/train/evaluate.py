@@ -125,7 +125,7 @@ def heldout_prompts(conversations, n: int) -> list[list[dict]]:
     return prompts
 
 
-def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
+def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64) -> dict:
     """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
     from ..packing import pack_target
     from ..target import load_target
@@ -136,12 +136,17 @@ def evaluate_run(cfg, head, n_prompts: int = 10) -> dict:
     head.check_target(target.config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, heldout = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
+        _, heldout = split(load_dataset(cfg.eval_dataset or cfg.dataset), cfg.heldout_fraction)
+    if len(heldout) <= cfg.eval_conversations:
+        raise ValueError(f"{cfg.eval_dataset or cfg.dataset} has {len(heldout)} held-out conversations, too few for "
+                         f"eval_conversations={cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt "
+                         "for a distilled dataset, whose conversations all come from the training split)")
     head = head.to(next(target.parameters()).device).eval()
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
     steps = []
-    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, steps=steps, budget=60, depth=6, top_k_draft=10)
+    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, budget=60, depth=6,
+                                           top_k_draft=10)
     calibrator, metrics["calibration"] = calibrate(steps)
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
@@ -178,12 +183,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt for tokens/pass")
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     head = load_head(Path(cfg.out_dir) / "head")
-    print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts), indent=2))
+    print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens), indent=2))
     if args.ship:
         print(f"shipped to {ship(cfg.out_dir, args.ship)}")
     return 0

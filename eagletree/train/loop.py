@@ -37,6 +37,8 @@ class TrainConfig:
     medusa_heads: int = 4
     fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
     dataset: str = "sharegpt"
+    eval_dataset: str = ""  # held-out conversations and prompts for evaluation; "" = dataset's own held-out split
+    init_head: str = ""  # start from this saved head's weights (fine-tuning, e.g. on distilled answers); "" = fresh
     heldout_fraction: float = 0.04
     max_conversations: int = 0  # 0 = all training conversations
     max_len: int = 512
@@ -387,6 +389,8 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         if head.config.head_type != cfg.head_type:
             raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
                                 f"head_type {cfg.head_type!r}")
+    elif cfg.init_head:
+        head = _initial_head(cfg, model.config)
     else:
         set_seed(cfg.seed)  # the head's initial weights depend on the seed only, not on what ran before
         draft_tokens = None
@@ -514,6 +518,28 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         accelerator.end_training()
     summary = {"steps": step, **counters, "final": history[-1] if history else None}
     return head, summary
+
+
+def _initial_head(cfg: TrainConfig, target_config):
+    """The head named by `init_head`, in fp32 for training; it must suit the config and the target."""
+    from ..draft_heads import HeadError, load_head
+
+    folder = Path(cfg.init_head)
+    if not (folder / "config.json").is_file():
+        raise TrainingError(f"init_head {cfg.init_head!r} is not a saved head (no config.json there)")
+    try:
+        head = load_head(folder, target_config=target_config, dtype=torch.float32)
+    except HeadError as e:
+        raise TrainingError(f"init_head {cfg.init_head!r}: {e}") from e
+    if head.config.head_type != cfg.head_type:
+        raise TrainingError(f"init_head {cfg.init_head!r} holds a {head.config.head_type!r} head but the config asks "
+                            f"for head_type {cfg.head_type!r}")
+    size = head.config.draft_vocab_size or 0
+    if cfg.draft_vocab and cfg.draft_vocab != size:
+        raise TrainingError(f"init_head {cfg.init_head!r} drafts over "
+                            f"{f'{size} tokens' if size else 'the full vocabulary'} but the config asks for draft_vocab={cfg.draft_vocab}; "
+                            f"set draft_vocab={size} (or 0 to keep the head's)")
+    return head
 
 
 def on_cpu(device: str | None) -> bool:

@@ -1,0 +1,189 @@
+"""Self-distillation data (`eagletree distill`) and fine-tuning a head from it (`init_head`, `eval_dataset`)."""
+
+import json
+
+import pytest
+import torch
+
+from eagletree.train.data import Conversation, load_dataset
+from eagletree.train.distill import DistillError, answered_ids, distill, first_turns
+from eagletree.train.loop import TrainConfig, TrainingError, train
+
+from helpers import tiny_conversations, tiny_model, tiny_tokenizer
+
+
+def greedy_alone(model, tok, messages, max_new_tokens):
+    """The model's greedy answer to one prompt, unbatched: what every distilled answer must equal."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        # An explicit all-ones mask: the tiny tokenizer pads with <unk>, which its prompts may contain.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    if tok.eos_token_id in out:
+        out = out[: out.index(tok.eos_token_id)]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def mixed_length_conversations():
+    convs = tiny_conversations(7)
+    convs[2].messages[0]["content"] += " one two three four five six seven eight"  # a longer prompt in the batch
+    convs.append(Conversation("starts-with-assistant", [{"role": "assistant", "content": "hi"}]))
+    convs.append(Conversation("with-system", [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "red green"}]))
+    return convs
+
+
+def test_first_turns_take_the_prompt_up_to_the_first_user_turn():
+    items = dict(first_turns(mixed_length_conversations()))
+    assert "starts-with-assistant" not in items
+    assert [m["role"] for m in items["with-system"]] == ["system", "user"]
+    assert [m["role"] for m in items["t0"]] == ["user"]
+
+
+def test_batched_answers_equal_the_unbatched_greedy_answers(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    counts = distill(model, tok, mixed_length_conversations(), out, max_new_tokens=10, batch_size=3, progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert counts["answered"] == len(records) == 8 and counts["eos"] + counts["length"] == 8
+    for r in records:
+        prompt, answer = r["messages"][:-1], r["messages"][-1]
+        assert answer["role"] == "assistant" and r["finish"] in ("eos", "length")
+        assert answer["content"] == greedy_alone(model, tok, prompt, 10), r["id"]
+    # The file is training data as it stands.
+    data = load_dataset(str(out))
+    assert [c.messages[-1]["role"] for c in data.conversations] == ["assistant"] * 8
+
+
+def test_an_interrupted_run_resumes_without_repeating_or_losing_answers(tmp_path, monkeypatch):
+    from eagletree.train import distill as mod
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    convs, out = tiny_conversations(10), tmp_path / "d.jsonl"
+    real, calls = mod._answer_batch, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "_answer_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(model, tok, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+    assert len(out.read_text().splitlines()) == 4
+    with open(out, "a") as f:
+        f.write('{"id": "t9", "messa')  # a line cut off by a kill in the middle of a write
+    monkeypatch.setattr(mod, "_answer_batch", real)
+    with pytest.warns(UserWarning, match="removed a cut-off last line"):
+        counts = distill(model, tok, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert counts["already"] == 4 and counts["answered"] == 6
+    assert sorted(ids) == sorted(c.id for c in convs)
+    # A rerun has nothing left to do.
+    assert distill(model, tok, convs, out, max_new_tokens=6, progress=False)["answered"] == 0
+
+
+def test_limits_long_prompts_and_bad_values(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    convs = mixed_length_conversations()
+    counts = distill(model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=4, limit=4, max_prompt_tokens=9,
+                     progress=False)  # t0..t3, of which t2's prompt has 16 tokens
+    assert (counts["answered"], counts["skipped_long_prompt"]) == (3, 1)
+    assert "t2" not in answered_ids(tmp_path / "a.jsonl")
+    for kw, message in ((dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+                        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
+                        (dict(temperature=-0.5), "temperature must be >= 0, got -0.5")):
+        with pytest.raises(DistillError, match=message):
+            distill(model, tok, convs, tmp_path / "b.jsonl", progress=False, **kw)
+    bad = tmp_path / "c.jsonl"
+    bad.write_text('{"something": "else"}\n')
+    with pytest.raises(DistillError, match="line 1 is not a distillation record"):
+        answered_ids(bad)
+
+
+def test_sampled_answers_follow_the_seed(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    convs = tiny_conversations(4)
+    texts = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        distill(model, tok, convs, tmp_path / f"{name}.jsonl", max_new_tokens=8, temperature=1.0, seed=seed,
+                progress=False)
+        texts.append((tmp_path / f"{name}.jsonl").read_text())
+    assert texts[0] == texts[1] != texts[2]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(out_dir=str(tmp_path), report_to="none", steps=2, grad_accum=2, save_every=2, warmup_steps=1,
+                max_len=40, lr=1e-3, device="cpu")
+    return TrainConfig(**(base | kw))
+
+
+def _train(cfg):
+    return train(cfg, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                 conversations=tiny_conversations(8), progress=False)
+
+
+def test_init_head_starts_from_the_saved_weights(tmp_path):
+    first, _ = _train(_cfg(tmp_path / "a", draft_vocab=30))
+    # lr 0: the fine-tuning run's head is the saved head exactly (draft vocabulary included).
+    again, _ = _train(_cfg(tmp_path / "b", init_head=str(tmp_path / "a" / "head"), lr=0.0))
+    for (name, a), (_, b) in zip(first.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    tuned, _ = _train(_cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=3))
+    assert torch.equal(tuned.d2t, first.d2t) and not torch.equal(tuned.fc.weight, first.fc.weight)
+
+
+def test_init_head_errors_name_the_problem(tmp_path):
+    _train(_cfg(tmp_path / "a", draft_vocab=30))
+    head = str(tmp_path / "a" / "head")
+    with pytest.raises(TrainingError, match="is not a saved head"):
+        _train(_cfg(tmp_path / "b", init_head=str(tmp_path / "nowhere")))
+    with pytest.raises(TrainingError, match="holds a 'eagle' head but the config asks for head_type 'medusa'"):
+        _train(_cfg(tmp_path / "b", init_head=head, head_type="medusa"))
+    with pytest.raises(TrainingError, match="drafts over 30 tokens but the config asks for draft_vocab=20"):
+        _train(_cfg(tmp_path / "b", init_head=head, draft_vocab=20))
+
+
+def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkeypatch):
+    from eagletree import target
+    from eagletree.draft_heads import EagleHead
+    from eagletree.train.data import is_heldout
+    from eagletree.train.evaluate import evaluate_run
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: (model, tok))
+    convs = tiny_conversations(40)
+    heldout = [c for c in convs if is_heldout(c.id, 0.3)]
+    assert len(heldout) > 4
+
+    def write(path, conversations):
+        path.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in conversations))
+
+    write(tmp_path / "distilled.jsonl", [c for c in convs if not is_heldout(c.id, 0.3)])
+    write(tmp_path / "all.jsonl", convs)
+    head = EagleHead.for_target(model.config).eval()
+    cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), heldout_fraction=0.3, eval_conversations=2)
+    with pytest.raises(ValueError, match=r"has 0 held-out conversations.*set eval_dataset"):
+        evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
+    cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), eval_dataset=str(tmp_path / "all.jsonl"),
+               heldout_fraction=0.3, eval_conversations=2)
+    metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
+    assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
+
+
+@pytest.mark.real
+def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path, capsys, smollm2):
+    from eagletree.cli import main
+    from eagletree.train.data import is_heldout
+
+    out = tmp_path / "smol.jsonl"
+    assert main(["distill", "--out", str(out), "--limit", "3", "--max-new-tokens", "12", "--batch-size", "2",
+                 "--pack", "off"]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == counts["answered"] == 3 - counts["skipped_long_prompt"] > 0
+    model, tok = smollm2
+    for r in records:
+        assert not is_heldout(r["id"])  # evaluation prompts are never answered
+        assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 12)
