@@ -20,17 +20,19 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + ([f"report_to={args.report_to}"] if args.report_to else [])
+    from eagletree.train.evaluate import evaluate_run, evaluation_conversations
+
     try:
         cfg = TrainConfig.from_sources(args.config, overrides)
+        if args.eval:
+            evaluation_conversations(cfg)  # a bad eval_dataset fails now, not after the run
         head, summary = train(cfg, resume=args.resume)
+        print(json.dumps(summary, default=float))
+        if args.eval:
+            print(json.dumps(evaluate_run(cfg, head), indent=2, default=float))
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, default=float))
-    if args.eval:
-        from eagletree.train.evaluate import evaluate_run
-
-        print(json.dumps(evaluate_run(cfg, head), indent=2, default=float))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`eagletree` command line: data, generate (more subcommands arrive with later issues)."""
+"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, bench."""
 
 from __future__ import annotations
 

@@ -13,14 +13,16 @@ from helpers import tiny_conversations, tiny_model, tiny_tokenizer
 
 
 def greedy_alone(model, tok, messages, max_new_tokens):
-    """The model's greedy answer to one prompt, unbatched: what every distilled answer must equal."""
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    """The argmax of the model's logits token by token, one prompt, no cache: what a distilled answer must equal."""
+    from eagletree.generate import encode_prompt, stop_token_ids
+
+    ids, stops, out = encode_prompt(tok, messages), stop_token_ids(model, tok), []
     with torch.no_grad():
-        # An explicit all-ones mask: the tiny tokenizer pads with <unk>, which its prompts may contain.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
-    if tok.eos_token_id in out:
-        out = out[: out.index(tok.eos_token_id)]
+        for _ in range(max_new_tokens):
+            nxt = int(model(torch.cat([ids, torch.tensor(out, dtype=torch.long)])[None]).logits[0, -1].argmax())
+            if nxt in stops:
+                break
+            out.append(nxt)
     return tok.decode(out, skip_special_tokens=True)
 
 
@@ -55,11 +57,14 @@ def test_batched_answers_equal_the_unbatched_greedy_answers(tmp_path):
     assert [c.messages[-1]["role"] for c in data.conversations] == ["assistant"] * 8
 
 
-def test_an_interrupted_run_resumes_without_repeating_or_losing_answers(tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path, monkeypatch):
     from eagletree.train import distill as mod
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    convs, out = tiny_conversations(10), tmp_path / "d.jsonl"
+    convs = tiny_conversations(10)
+    options = dict(max_new_tokens=6, batch_size=2, temperature=1.0, seed=3, progress=False)
+    distill(model, tok, convs, tmp_path / "straight.jsonl", **options)
+    out = tmp_path / "resumed.jsonl"
     real, calls = mod._answer_batch, {"n": 0}
 
     def interrupted(*args, **kwargs):
@@ -70,18 +75,51 @@ def test_an_interrupted_run_resumes_without_repeating_or_losing_answers(tmp_path
 
     monkeypatch.setattr(mod, "_answer_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        distill(model, tok, convs, out, max_new_tokens=6, batch_size=2, progress=False)
+        distill(model, tok, convs, out, **options)
     assert len(out.read_text().splitlines()) == 4
-    with open(out, "a") as f:
-        f.write('{"id": "t9", "messa')  # a line cut off by a kill in the middle of a write
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:25])  # a kill in the middle of the 4th record's write
     monkeypatch.setattr(mod, "_answer_batch", real)
     with pytest.warns(UserWarning, match="removed a cut-off last line"):
-        counts = distill(model, tok, convs, out, max_new_tokens=6, batch_size=2, progress=False)
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
-    assert counts["already"] == 4 and counts["answered"] == 6
-    assert sorted(ids) == sorted(c.id for c in convs)
-    # A rerun has nothing left to do.
-    assert distill(model, tok, convs, out, max_new_tokens=6, progress=False)["answered"] == 0
+        counts = distill(model, tok, convs, out, **options)
+    assert counts["already"] == 3 and counts["answered"] == 7
+
+    def by_id(path):
+        return sorted(path.read_text().splitlines())
+
+    assert by_id(out) == by_id(tmp_path / "straight.jsonl")  # same records, sampled answers included
+    assert distill(model, tok, convs, out, **options)["answered"] == 0  # nothing left to do
+    with pytest.raises(DistillError, match=r"line 1 was made with .*'temperature': 1.0.* this run asks for "
+                                           r".*'temperature': 0.0"):
+        distill(model, tok, convs, out, max_new_tokens=6, progress=False)
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    out = tmp_path / "d.jsonl"
+    distill(model, tok, tiny_conversations(3), out, max_new_tokens=4, progress=False)
+    out.write_text(out.read_text().rstrip("\n"))
+    assert len(answered_ids(out)) == 3 and out.read_text().endswith("\n")
+
+
+def test_answers_stop_at_the_models_own_stop_tokens(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    convs = tiny_conversations(6)
+    distill(model, tok, convs, tmp_path / "free.jsonl", max_new_tokens=8, progress=False)
+    free = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
+    # A token the model writes in the middle of some answer becomes a stop token of its generation_config
+    # (as Llama-3's <|eot_id|> or Gemma's <end_of_turn> are): answers must end right before it.
+    longest = max((r["messages"][-1]["content"].split() for r in free), key=len)
+    assert len(longest) >= 3
+    word = longest[len(longest) // 2]
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(word)]
+    counts = distill(model, tok, convs, tmp_path / "stopped.jsonl", max_new_tokens=8, progress=False)
+    stopped = [json.loads(line) for line in (tmp_path / "stopped.jsonl").read_text().splitlines()]
+    assert counts["eos"] >= 1
+    for a, b in zip(free, stopped):
+        full, cut = a["messages"][-1]["content"].split(), b["messages"][-1]["content"].split()
+        assert word not in cut and full[: len(cut)] == cut
+        assert (b["finish"] == "eos") == (word in full) and (len(cut) < len(full)) == (word in full)
 
 
 def test_limits_long_prompts_and_bad_values(tmp_path):
@@ -134,6 +172,18 @@ def test_init_head_starts_from_the_saved_weights(tmp_path):
     assert torch.equal(tuned.d2t, first.d2t) and not torch.equal(tuned.fc.weight, first.fc.weight)
 
 
+def test_a_checkpoint_takes_precedence_over_init_head_on_resume(tmp_path):
+    _train(_cfg(tmp_path / "a", draft_vocab=30))
+    cfg = _cfg(tmp_path / "b", init_head=str(tmp_path / "a" / "head"), steps=4)
+    straight, _ = _train(cfg)
+    _train(_cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=4, stop_after=2))
+    resumed, _ = train(_cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=4), resume=True,
+                       model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                       conversations=tiny_conversations(8), progress=False)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-6, name
+
+
 def test_init_head_errors_name_the_problem(tmp_path):
     _train(_cfg(tmp_path / "a", draft_vocab=30))
     head = str(tmp_path / "a" / "head")
@@ -164,7 +214,7 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     write(tmp_path / "all.jsonl", convs)
     head = EagleHead.for_target(model.config).eval()
     cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), heldout_fraction=0.3, eval_conversations=2)
-    with pytest.raises(ValueError, match=r"has 0 held-out conversations.*set eval_dataset"):
+    with pytest.raises(TrainingError, match=r"has 0 held-out conversations.*set eval_dataset"):
         evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
     cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), eval_dataset=str(tmp_path / "all.jsonl"),
                heldout_fraction=0.3, eval_conversations=2)

@@ -28,13 +28,14 @@ class DistillError(ValueError):
 
 
 def first_turns(conversations) -> list[tuple[str, list[dict]]]:
-    """(id, messages up to and including the first non-empty user turn, with a system turn before it)."""
+    """(id, messages through the first non-empty user turn) of each conversation that has one.
+
+    The same prompts as evaluation takes from held-out conversations (`evaluate.heldout_prompts`).
+    """
     out = []
     for conv in conversations:
         msgs = []
         for m in conv.messages:
-            if m["role"] == "assistant":
-                break
             msgs.append(m)
             if m["role"] == "user":
                 break
@@ -43,42 +44,63 @@ def first_turns(conversations) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def answered_ids(path: Path) -> set[str]:
-    """Ids already in the output; a last line cut off without its newline is cut from the file."""
+def _record(line: str, where: str, settings: dict | None) -> str:
+    """The id of one output line; an error names the line when it is not a record of these settings."""
+    try:
+        record = json.loads(line)
+        conv_id, made_with = record["id"], record.get("settings")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise DistillError(f"{where} is not a distillation record ({e}); pass another --out or remove the file") from e
+    if settings is not None and made_with != settings:
+        raise DistillError(f"{where} was made with {made_with}, this run asks for {settings}; pass another --out "
+                           "(one file, one way of answering)")
+    return conv_id
+
+
+def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
+    """Ids already in the output (every line must be a record made with `settings`, when given).
+
+    A last line without its newline is kept (newline added) when it is a whole record, else cut off:
+    that is what a kill in the middle of a write leaves.
+    """
     if not path.exists():
         return set()
     raw = path.read_bytes()
     end = raw.rfind(b"\n") + 1
-    if end < len(raw):
+    lines = raw[:end].decode("utf-8").split("\n")
+    done = {_record(line, f"{path}: line {n}", settings) for n, line in enumerate(lines, start=1) if line.strip()}
+    tail = raw[end:]
+    try:
+        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = False
+    if whole:  # a complete record that only lacks its newline (another run's settings are an error)
+        done.add(_record(tail.decode("utf-8"), f"{path}: last line", settings))
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    elif tail:
         with open(path, "r+b") as f:  # an interrupted write: keep the complete lines only
             f.truncate(end)
-        warnings.warn(f"{path}: removed a cut-off last line ({len(raw) - end} bytes) left by an interruption",
+        warnings.warn(f"{path}: removed a cut-off last line ({len(tail)} bytes) left by an interruption",
                       stacklevel=2)
-    done = set()
-    for n, line in enumerate(raw[:end].decode("utf-8").split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DistillError(f"{path}: line {n} is not a distillation record ({e}); "
-                               "pass another --out or remove the file") from e
     return done
 
 
 def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
-    """Prompts of similar length together (less padding), in a fixed order; over-long prompts are skipped."""
-    rendered = []
-    skipped = 0
+    """Prompts of similar length together (less padding), in a fixed order; over-long prompts are skipped.
+
+    Built from all prompts, answered or not, so a resumed run makes the same batches as a straight one.
+    """
+    from ..generate import encode_prompt
+
+    rendered, skipped = [], 0
     for conv_id, msgs in items:
-        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        ids = encode_prompt(tok, msgs).tolist()  # the prompt tokens decoding itself starts from
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        rendered.append((conv_id, msgs, list(ids)))
-    # Sort within windows of 16 batches: similar lengths per batch, yet the file fills in dataset order.
+        rendered.append((conv_id, msgs, ids))
+    # Sorted within windows of 16 batches: similar lengths per batch, yet the file fills in dataset order.
     window = batch_size * 16
     batches = []
     for w in range(0, len(rendered), window):
@@ -88,29 +110,41 @@ def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
 
 
 @torch.inference_mode()
-def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, generator_seed: int):
-    """Left-padded greedy (or sampled) generation of one batch; (text, new token count, finish) per prompt."""
+def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, seed: int):
+    """Left-padded greedy (or sampled) generation of one batch; (text, new token count, finish) per prompt.
+
+    Greedy means the argmax of the model's own logits, as in speculative decoding: the model's
+    generation_config (repetition penalty and the like) is not applied.
+    """
+    from transformers import GenerationConfig
+
+    from ..generate import stop_token_ids
+
     device = next(model.parameters()).device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stops = stop_token_ids(model, tok)
+    if not stops:
+        raise DistillError(f"{getattr(tok, 'name_or_path', 'the tokenizer')}: no EOS token and no eos_token_id in the "
+                           "model's generation_config: answers would never end")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     width = max(len(r[2]) for r in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
     for i, (_, _, p) in enumerate(batch):
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
-    if temperature > 0:
-        torch.manual_seed(generator_seed)
-        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs)[:, width:].cpu()
+    # Every logits-shaping value set explicitly: generate() fills the unset ones from the model's generation_config.
+    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops,
+                              do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+                              top_k=0 if temperature > 0 else 50, top_p=1.0, min_p=0.0, typical_p=1.0,
+                              repetition_penalty=1.0, no_repeat_ngram_size=0)
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config)
     results = []
-    for row in out.tolist():
-        n = len(row)
-        finish = "length"
-        if tok.eos_token_id in row:
-            n, finish = row.index(tok.eos_token_id), "eos"
+    for row in out[:, width:].cpu().tolist():
+        n, finish = len(row), "length"
+        ends = [i for i, t in enumerate(row) if t in stops]
+        if ends:
+            n, finish = ends[0], "eos"
         results.append((tok.decode(row[:n], skip_special_tokens=True), n, finish))
     return results
 
@@ -120,44 +154,54 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     """Answer the first user turn of `conversations` with the target; append JSONL records to `out`.
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
-    "length", "new_tokens"}. Returns counts. `limit` caps the conversations answered in all (0 = all).
+    "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
+    max_new_tokens, seed): resuming with other settings is an error. `limit` caps the conversations whose
+    prompts are answered (0 = all). Returns counts.
     """
+    from ..draft_heads import target_identity
+
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("batch_size", batch_size, 1), ("limit", limit, 0)):
-        if not isinstance(value, int) or value < low:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise DistillError(f"{name} must be an integer >= {low}, got {value!r}")
     if not temperature >= 0:
         raise DistillError(f"temperature must be >= 0, got {temperature!r}")
     if getattr(tok, "chat_template", None) is None:
-        raise DistillError("the target's tokenizer has no chat template: there is no prompt format to answer in")
+        raise DistillError(f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no chat template: there is no "
+                           "prompt format to answer in")
+    settings = {"target": target_identity(model.config)["fingerprint"], "dtype": str(model.dtype).removeprefix("torch."),
+                "temperature": float(temperature), "max_new_tokens": max_new_tokens,
+                **({"seed": seed} if temperature > 0 else {})}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = answered_ids(path)
+    done = answered_ids(path, settings)
     items = first_turns(conversations)
     if limit:
         items = items[:limit]
-    todo = [it for it in items if it[0] not in done]
-    batches, skipped = _batches(todo, tok, batch_size, max_prompt_tokens)
-    counts = {"out": str(path), "already": len(items) - len(todo), "answered": 0, "skipped_long_prompt": skipped,
-              "new_tokens": 0, "eos": 0, "length": 0}
-    bar = tqdm(total=sum(len(b) for b in batches), desc="distill", unit="answer", disable=not progress)
+    batches, skipped = _batches(items, tok, batch_size, max_prompt_tokens)
+    todo = [b for b in batches if any(r[0] not in done for r in b)]
+    counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
+              "skipped_long_prompt": skipped, "new_tokens": 0, "eos": 0, "length": 0}
+    bar = tqdm(total=sum(len(b) for b in todo), desc="distill", unit="answer", disable=not progress)
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
-        for batch in batches:
-            # Sampling seed from the batch's first id, not from how many batches ran before this one.
-            batch_seed = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))
-            answers = _answer_batch(model, tok, batch, max_new_tokens, temperature, batch_seed)
+        for batch in todo:
+            # The whole batch is answered again when a kill cut it short: its answers then match a straight run's.
+            seed_b = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))  # fixed per batch, resumed or not
+            answers = _answer_batch(model, tok, batch, max_new_tokens, temperature, seed_b)
             lines = []
             for (conv_id, msgs, _), (text, n, finish) in zip(batch, answers):
+                if conv_id in done:
+                    continue
                 record = {"id": conv_id, "messages": msgs + [{"role": "assistant", "content": text}],
-                          "finish": finish, "new_tokens": n}
+                          "finish": finish, "new_tokens": n, "settings": settings}
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 counts["new_tokens"] += n
                 counts[finish] += 1
             f.write("".join(lines))  # whole records only; flushed per batch so an interruption loses one batch
             f.flush()
             os.fsync(f.fileno())
-            counts["answered"] += len(batch)
+            counts["answered"] += len(lines)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()

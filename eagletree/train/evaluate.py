@@ -110,37 +110,43 @@ def calibrate(steps, method: str = "isotonic") -> tuple:
 
 
 def heldout_prompts(conversations, n: int) -> list[list[dict]]:
-    """First user turn (with a preceding system turn, if any) of held-out conversations."""
-    prompts = []
-    for conv in conversations:
-        msgs = []
-        for m in conv.messages:
-            msgs.append(m)
-            if m["role"] == "user":
-                break
-        if msgs and msgs[-1]["role"] == "user" and msgs[-1]["content"].strip():
-            prompts.append(msgs)
-        if len(prompts) == n:
-            break
-    return prompts
+    """First user turn (with the turns before it) of the first `n` held-out conversations that have one."""
+    from .distill import first_turns
+
+    return [msgs for _, msgs in first_turns(conversations)][:n]
+
+
+def evaluation_conversations(cfg) -> list:
+    """Held-out conversations of `eval_dataset` (or `dataset`); a TrainingError when they are too few.
+
+    `train.py --eval` calls this before training, so a wrong eval_dataset is found before the run, not after.
+    """
+    from .data import DataError, load_dataset, split
+    from .loop import TrainingError
+
+    source = cfg.eval_dataset or cfg.dataset
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, heldout = split(load_dataset(source), cfg.heldout_fraction)
+    except DataError as e:
+        raise TrainingError(f"eval_dataset: {e}") from e
+    if len(heldout) <= cfg.eval_conversations:
+        raise TrainingError(f"{source} has {len(heldout)} held-out conversations, too few for eval_conversations="
+                            f"{cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt for a distilled "
+                            "dataset, whose conversations all come from the training split)")
+    return heldout
 
 
 def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64) -> dict:
     """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
     from ..packing import pack_target
     from ..target import load_target
-    from .data import load_dataset, split
 
+    heldout = evaluation_conversations(cfg)
     target, tok = load_target(cfg.target)
     pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, heldout = split(load_dataset(cfg.eval_dataset or cfg.dataset), cfg.heldout_fraction)
-    if len(heldout) <= cfg.eval_conversations:
-        raise ValueError(f"{cfg.eval_dataset or cfg.dataset} has {len(heldout)} held-out conversations, too few for "
-                         f"eval_conversations={cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt "
-                         "for a distilled dataset, whose conversations all come from the training split)")
     head = head.to(next(target.parameters()).device).eval()
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
@@ -177,8 +183,10 @@ def main(argv=None) -> int:
     """`python -m eagletree.train.evaluate --config CFG [--ship DIR]`: evaluate a finished run's head."""
     import argparse
 
+    import sys
+
     from ..draft_heads import load_head
-    from .loop import TrainConfig
+    from .loop import TrainConfig, TrainingError
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", required=True)
@@ -187,9 +195,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    cfg = TrainConfig.from_sources(args.config, args.overrides)
-    head = load_head(Path(cfg.out_dir) / "head")
-    print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens), indent=2))
+    try:
+        cfg = TrainConfig.from_sources(args.config, args.overrides)
+        head = load_head(Path(cfg.out_dir) / "head")
+        print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens),
+                         indent=2))
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.ship:
         print(f"shipped to {ship(cfg.out_dir, args.ship)}")
     return 0

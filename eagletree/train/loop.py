@@ -536,9 +536,11 @@ def _initial_head(cfg: TrainConfig, target_config):
                             f"for head_type {cfg.head_type!r}")
     size = head.config.draft_vocab_size or 0
     if cfg.draft_vocab and cfg.draft_vocab != size:
-        raise TrainingError(f"init_head {cfg.init_head!r} drafts over "
-                            f"{f'{size} tokens' if size else 'the full vocabulary'} but the config asks for draft_vocab={cfg.draft_vocab}; "
-                            f"set draft_vocab={size} (or 0 to keep the head's)")
+        keep = f"set draft_vocab={size} or 0" if size else "set draft_vocab=0"
+        over = f"{size} tokens" if size else "the full vocabulary"
+        raise TrainingError(f"init_head {cfg.init_head!r} drafts over {over} but the config asks for "
+                            f"draft_vocab={cfg.draft_vocab}; {keep} to keep the head's")
+    head.source_dir = None  # a new head: the old one's calibration.json does not describe it
     return head
 
 
