@@ -138,7 +138,7 @@ def evaluation_conversations(cfg) -> list:
     return heldout
 
 
-def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64) -> dict:
+def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6) -> dict:
     """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
     from ..packing import pack_target
     from ..target import load_target
@@ -151,8 +151,9 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64) -> di
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
     steps = []
-    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, budget=60, depth=6,
-                                           top_k_draft=10)
+    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, budget=60,
+                                           depth=depth, top_k_draft=10)
+    metrics["eagle2_60"]["depth"] = depth
     calibrator, metrics["calibration"] = calibrate(steps)
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
@@ -182,7 +183,6 @@ def ship(run_dir, dest) -> Path:
 def main(argv=None) -> int:
     """`python -m eagletree.train.evaluate --config CFG [--ship DIR]`: evaluate a finished run's head."""
     import argparse
-
     import sys
 
     from ..draft_heads import load_head
@@ -192,14 +192,15 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt for tokens/pass")
+    ap.add_argument("--depth", type=int, default=6, help="the EAGLE-2 tree's depth (60 nodes, top-k 10)")
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
         cfg = TrainConfig.from_sources(args.config, args.overrides)
         head = load_head(Path(cfg.out_dir) / "head")
-        print(json.dumps(evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens),
-                         indent=2))
+        metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth)
+        print(json.dumps(metrics, indent=2))
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
