@@ -77,17 +77,21 @@ def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         distill(model, tok, convs, out, **options)
     assert len(out.read_text().splitlines()) == 4
-    lines = out.read_text().splitlines(keepends=True)
-    out.write_text("".join(lines[:3]) + lines[3][:25])  # a kill in the middle of the 4th record's write
     monkeypatch.setattr(mod, "_answer_batch", real)
-    with pytest.warns(UserWarning, match="removed a cut-off last line"):
-        counts = distill(model, tok, convs, out, **options)
-    assert counts["already"] == 3 and counts["answered"] == 7
+    counts = distill(model, tok, convs, out, **options)
+    assert counts["already"] == 4 and counts["answered"] == 6
 
     def by_id(path):
-        return sorted(path.read_text().splitlines())
+        return sorted(path.read_text().split("\n"))
 
     assert by_id(out) == by_id(tmp_path / "straight.jsonl")  # same records, sampled answers included
+    # A kill in the middle of a write: the cut record is removed and answered again, nothing else.
+    lines = out.read_text().split("\n")
+    out.write_text("\n".join(lines[:9]) + "\n" + lines[9][:25])  # the last of the 10 records cut
+    with pytest.warns(UserWarning, match="removed a cut-off last line"):
+        counts = distill(model, tok, convs, out, **options)
+    assert counts["already"] == 9 and counts["answered"] == 1
+    assert sorted(json.loads(line)["id"] for line in out.read_text().split("\n") if line) == sorted(c.id for c in convs)
     assert distill(model, tok, convs, out, **options)["answered"] == 0  # nothing left to do
     with pytest.raises(DistillError, match=r"line 1 was made with .*'temperature': 1.0.* this run asks for "
                                            r".*'temperature': 0.0"):

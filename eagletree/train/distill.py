@@ -135,7 +135,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     # Every logits-shaping value set explicitly: generate() fills the unset ones from the model's generation_config.
     config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops,
                               do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-                              top_k=0 if temperature > 0 else 50, top_p=1.0, min_p=0.0, typical_p=1.0,
+                              top_k=0 if temperature > 0 else 50, top_p=1.0, typical_p=1.0,
                               repetition_penalty=1.0, no_repeat_ngram_size=0)
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config)
@@ -182,17 +182,18 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     todo = [b for b in batches if any(r[0] not in done for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
               "skipped_long_prompt": skipped, "new_tokens": 0, "eos": 0, "length": 0}
-    bar = tqdm(total=sum(len(b) for b in todo), desc="distill", unit="answer", disable=not progress)
+    bar = tqdm(total=sum(r[0] not in done for b in todo for r in b), desc="distill", unit="answer", disable=not progress)
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
         for batch in todo:
-            # The whole batch is answered again when a kill cut it short: its answers then match a straight run's.
+            # Only the prompts still missing: a batch is written whole, so after an interruption between
+            # batches the rest matches a straight run exactly; a batch cut short by a kill mid-write (or
+            # batches regrouped by a newer version) answers its missing prompts in a smaller batch.
+            pending = [r for r in batch if r[0] not in done]
             seed_b = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))  # fixed per batch, resumed or not
-            answers = _answer_batch(model, tok, batch, max_new_tokens, temperature, seed_b)
+            answers = _answer_batch(model, tok, pending, max_new_tokens, temperature, seed_b)
             lines = []
-            for (conv_id, msgs, _), (text, n, finish) in zip(batch, answers):
-                if conv_id in done:
-                    continue
+            for (conv_id, msgs, _), (text, n, finish) in zip(pending, answers):
                 record = {"id": conv_id, "messages": msgs + [{"role": "assistant", "content": text}],
                           "finish": finish, "new_tokens": n, "settings": settings}
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
@@ -202,7 +203,7 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
             f.flush()
             os.fsync(f.fileno())
             counts["answered"] += len(lines)
-            bar.update(len(batch))
+            bar.update(len(pending))
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)
