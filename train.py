@@ -24,12 +24,11 @@ def main(argv=None) -> int:
 
     try:
         cfg = TrainConfig.from_sources(args.config, overrides)
-        if args.eval:
-            evaluation_conversations(cfg)  # a bad eval_dataset fails now, not after the run
+        heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
         head, summary = train(cfg, resume=args.resume)
         print(json.dumps(summary, default=float))
         if args.eval:
-            print(json.dumps(evaluate_run(cfg, head), indent=2, default=float))
+            print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

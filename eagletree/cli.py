@@ -276,18 +276,16 @@ def cmd_distill(args) -> int:
     """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
     import warnings
 
+    import torch
+
     from .packing import pack_target
     from .target import load_target
     from .train.data import load_dataset, split
     from .train.distill import distill
 
-    if not 0.0 < args.heldout_fraction < 1.0:
-        raise SystemExit(f"error: --heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)
-    import torch
-
+        train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     model, tok = load_target(args.target, dtype=dtype, device=args.device)
     pack_target(model, args.pack)

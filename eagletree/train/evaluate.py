@@ -138,12 +138,15 @@ def evaluation_conversations(cfg) -> list:
     return heldout
 
 
-def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6) -> dict:
-    """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json."""
+def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None) -> dict:
+    """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json.
+
+    `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
+    """
     from ..packing import pack_target
     from ..target import load_target
 
-    heldout = evaluation_conversations(cfg)
+    heldout = evaluation_conversations(cfg) if heldout is None else heldout
     target, tok = load_target(cfg.target)
     pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
