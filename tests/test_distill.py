@@ -224,6 +224,7 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
                heldout_fraction=0.3, eval_conversations=2)
     metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
     assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
+    assert metrics["agreement_own_answers"]["positions"] == metrics["eagle2_60"]["new_tokens"] - 2  # last one has no next
 
 
 @pytest.mark.real

@@ -40,6 +40,10 @@ def test_config_errors(tmp_path):
     path.write_text("steps: 7\nlr: 1\n")
     cfg = TrainConfig.from_sources(path, ["grad_accum=2"])
     assert (cfg.steps, cfg.lr, cfg.grad_accum) == (7, 1.0, 2)
+    # text keys take the override as written: empty clears, digits stay a name
+    path.write_text("init_head: runs/old/head\n")
+    cfg = TrainConfig.from_sources(path, ["init_head=", "out_dir=2024"])
+    assert (cfg.init_head, cfg.out_dir) == ("", "2024")
 
 
 def tiny_cfg(tmp_path, **kw):
@@ -197,8 +201,22 @@ def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
     steps = []
     prompts = heldout_prompts(convs, 3)
     assert [m[-1]["role"] for m in prompts] == ["user"] * 3
-    report = tokens_per_pass(head, model, tok, prompts, max_new_tokens=12, steps=steps, budget=8, depth=3, top_k_draft=2)
+    answers = []
+    report = tokens_per_pass(head, model, tok, prompts, max_new_tokens=12, steps=steps, answers=answers, budget=8,
+                             depth=3, top_k_draft=2)
     assert report["passes"] == len(steps) and report["tokens_per_pass"] >= 1.0
+    # the answers are the target's own greedy continuations (a no-cache argmax loop)
+    assert len(answers) == 3 and sum(a.numel() for _, a in answers) == report["new_tokens"]
+    for prompt_ids, answer in answers:
+        ids = prompt_ids.clone()
+        with torch.no_grad():
+            for _ in range(answer.numel()):
+                ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax()[None]])
+        assert ids[prompt_ids.numel():].equal(answer)
+    own = agreement(head, model, tok, steps=3, stride=2, sequences=[
+        (torch.cat([p, a]), torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(a.numel(), dtype=torch.bool)]))
+        for p, a in answers])
+    assert own["positions"] == sum(a.numel() - 1 for _, a in answers) and own["chains"] > 0
     calibrator, cal = calibrate(steps)
     assert cal["steps"] == len(steps) - len(steps) // 2 and calibrator.method == "isotonic"
 
@@ -235,3 +253,59 @@ def test_precision_key(tmp_path, monkeypatch):
     run(tiny_cfg(tmp_path / "mixed", steps=4, stop_after=2, precision="fp32"))
     with pytest.warns(UserWarning, match=r"was trained in fp32 and continues in bf16"):
         run(tiny_cfg(tmp_path / "mixed", steps=4, precision="bf16"), resume=True)
+
+
+def test_unrolled_steps_equal_sequential_drafting():
+    """The training-time test of an EAGLE-1/2 head: step k at position p is exactly the depth-k node that
+    chain drafting from the committed position p-k+1 computes, one step at a time with the head's cache."""
+    from eagletree.draft_heads import EagleHead
+    from eagletree.train.loop import unroll_drafts
+
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    head = EagleHead.for_target(model.config, torch.arange(60)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    embed = model.get_input_embeddings()
+    t, h = 9, model.config.hidden_size
+    feats, tokens = torch.randn(t, h), torch.randint(0, 60, (t,))
+    with torch.no_grad():
+        unrolled = dict(unroll_drafts(head, feats, tokens, embed, 3))
+        for k in (1, 2, 3):
+            for p in range(k - 1, t):
+                root = p - k + 1
+                cache = head.new_cache()
+                out = head(feats[None, : root + 1], tokens[None, : root + 1], torch.arange(root + 1), embed, cache=cache)[0]
+                for pos in range(root + 1, p + 1):
+                    out = head(out[None, -1:], tokens[None, pos : pos + 1], torch.tensor([pos]), embed, cache=cache)[0]
+                assert torch.allclose(unrolled[k][p], out[-1], rtol=1e-4, atol=1e-4), (k, p)
+        # one step is the plain causal call
+        plain = head(feats[None], tokens[None], torch.arange(t), embed)[0]
+        assert torch.equal(dict(unroll_drafts(head, feats, tokens, embed, 1))[1], plain)
+
+
+def test_eagle_head_trains_with_the_training_time_test(tmp_path):
+    from eagletree.train import loop
+
+    seen = []
+    real = loop.unroll_drafts
+
+    def spy(*args):
+        seen.append(args[-1])
+        yield from real(*args)
+
+    default, _ = run(tiny_cfg(tmp_path / "a", steps=2))
+    one, _ = run(tiny_cfg(tmp_path / "b", steps=2, ttt_steps=1))
+    for (name, a), (_, b) in zip(default.state_dict().items(), one.state_dict().items()):
+        assert torch.equal(a, b), name  # 0 = the original one-step objective
+    loop.unroll_drafts = spy
+    try:
+        run(tiny_cfg(tmp_path / "c", steps=30, save_every=30, ttt_steps=3, lr=3e-3))
+    finally:
+        loop.unroll_drafts = real
+    assert set(seen) == {3}
+    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
+    assert sum(history[-5:]) < 0.8 * sum(history[:5])
+    with pytest.raises(TrainingError, match="'ttt_steps' must be >= 0"):
+        TrainConfig.from_sources(None, ["ttt_steps=-1"])

@@ -13,14 +13,25 @@ from ..draft_heads import TreeDrafter
 from .render import RenderError, render
 
 
+def _rendered(tokenizer, conversations, max_len: int):
+    for conv in conversations:
+        try:
+            r = render(tokenizer, conv.messages, max_len)
+        except RenderError:
+            continue
+        yield r.input_ids, r.loss_mask
+
+
 @torch.inference_mode()
-def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: int = 512, stride: int = 8) -> dict:
+def agreement(head, target, tokenizer, conversations=(), steps: int = 5, max_len: int = 512, stride: int = 8,
+              sequences=None) -> dict:
     """Top-1 agreement of the head's draft with the target's greedy token.
 
     teacher_forced: every assistant position, the head reading the target's real features.
     free_running[k]: from assistant positions every `stride` tokens, the head drafts k steps ahead from
     its own predicted features (tokens: the conversation's); step k agrees when its argmax equals the
     target's greedy token there.
+    `sequences`: (ids [T], mask [T] bool) pairs to measure instead of rendering `conversations`.
     """
     if getattr(head, "config", None) is not None and head.config.head_type == "medusa":
         return None  # Medusa heads do not draft from their own features: no free-running chain to measure
@@ -30,12 +41,9 @@ def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: i
     hits_tf = total_tf = 0
     hits = [0] * steps
     total = [0] * steps
-    for conv in tqdm(conversations, desc="agreement", leave=False):
-        try:
-            r = render(tokenizer, conv.messages, max_len)
-        except RenderError:
-            continue
-        ids, mask = r.input_ids.to(device), r.loss_mask.to(device)
+    sequences = list(_rendered(tokenizer, conversations, max_len)) if sequences is None else sequences
+    for ids, mask in tqdm(sequences, desc="agreement", leave=False):
+        ids, mask = ids.to(device), mask.to(device)
         if layers:
             states = target.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
             final = states[-1][0]
@@ -71,19 +79,24 @@ def agreement(head, target, tokenizer, conversations, steps: int = 5, max_len: i
             "positions": total_tf, "chains": total[0]}
 
 
-def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=None, **options) -> dict:
+def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=None, answers=None, **options) -> dict:
     """Real tree decoding on chat prompts: mean tokens per target pass, predicted vs measured.
 
-    `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration).
+    `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration); `answers`, a list,
+    receives (prompt ids, answer ids) per prompt: the target's own answer (decoding is lossless).
     """
-    from ..generate import GenerationStats, decode_steps
+    from ..generate import GenerationStats, decode_steps, encode_prompt
 
     new = passes = 0
     predicted = []
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
         stats = GenerationStats(steps=[] if steps is not None else None)
-        for _ in decode_steps(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats, **options):
-            pass
+        answer = []
+        for tokens in decode_steps(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats,
+                                   **options):
+            answer += tokens
+        if answers is not None:
+            answers.append((encode_prompt(tokenizer, prompt).flatten().cpu(), torch.tensor(answer, dtype=torch.long)))
         new += stats.new_tokens
         passes += stats.passes
         predicted += stats.predicted
@@ -139,7 +152,8 @@ def evaluation_conversations(cfg) -> list:
 
 
 def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None) -> dict:
-    """Agreement and tokens/pass on held-out ShareGPT; written to <out_dir>/metrics.json.
+    """Agreement (on held-out ShareGPT answers and on the target's own answers to the held-out prompts) and
+    tokens/pass on held-out ShareGPT prompts; written to <out_dir>/metrics.json.
 
     `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
     """
@@ -153,10 +167,14 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     head = head.to(next(target.parameters()).device).eval()
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
-    steps = []
-    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, budget=60,
-                                           depth=depth, top_k_draft=10)
+    steps, answers = [], []
+    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, answers=answers,
+                                           budget=60, depth=depth, top_k_draft=10)
     metrics["eagle2_60"]["depth"] = depth
+    # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
+    metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=[
+        (torch.cat([p, a]), torch.cat([torch.zeros_like(p, dtype=torch.bool), torch.ones_like(a, dtype=torch.bool)]))
+        for p, a in answers])
     calibrator, metrics["calibration"] = calibrate(steps)
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():

@@ -32,7 +32,9 @@ class TrainingError(RuntimeError):
 class TrainConfig:
     target: str = "smollm2-135m"
     head_type: str = "eagle"  # "eagle" (EAGLE-1/2), "eagle3" or "medusa"
-    ttt_steps: int = 3  # EAGLE-3 training-time test: drafting steps unrolled per position
+    # training-time test: drafting steps unrolled per position (step k reads step k-1's predicted features);
+    # 0 = the head type's default: 3 for eagle3, 1 (the original one-step objective) for eagle
+    ttt_steps: int = 0
     ttt_decay: float = 0.8  # weight of step k is ttt_decay ** (k - 1)
     medusa_heads: int = 4
     fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
@@ -86,7 +88,8 @@ class TrainConfig:
             if "=" not in item:
                 raise TrainingError(f"override {item!r} must look like key=value")
             key, raw = item.split("=", 1)
-            values[key] = yaml.safe_load(raw)
+            # a text key takes the text as written (`init_head=` clears it; `out_dir=2024` stays a name)
+            values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
         unknown = sorted(set(values) - set(valid))
         if unknown:
             raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
@@ -98,11 +101,13 @@ class TrainConfig:
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
         if values.get("head_type", "eagle") not in ("eagle", "eagle3", "medusa"):
             raise TrainingError(f"head_type must be 'eagle', 'eagle3' or 'medusa', got {values['head_type']!r}")
-        positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "ttt_steps",
-                    "medusa_heads")
+        positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads")
         for key in positive:
             if key in values and isinstance(values[key], int) and values[key] < 1:
                 raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
+        if values.get("ttt_steps", 0) < 0:
+            raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
+                                f"got {values['ttt_steps']}")
         if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
             raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
         if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
@@ -121,7 +126,10 @@ def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, ge
     """EAGLE-1/2 objective on one sequence: smooth-L1 to the next feature + w x CE to the target's distribution.
 
     features [T, H]: the target's post-norm features; ids [T]; mask [T] bool (assistant tokens).
-    The head at position t reads (f_t + noise, x_{t+1}) and predicts f_{t+1}.
+    The head at position t reads (f_t + noise, x_{t+1}) and predicts f_{t+1}. With `ttt_steps` k > 1 the
+    drafting steps are unrolled (the training-time test of EAGLE-3 and HASS): step k at position t reads
+    step k-1's predicted f_t instead of the target's, attends as a depth-k draft node does, and is held to
+    the same targets; step k's loss is weighted ttt_decay ** (k - 1). The reported l1/ce/acc are step 1's.
     """
     f_in, f_next, tok_next = features[:-1], features[1:], ids[1:]
     m = mask[1:]
@@ -130,17 +138,27 @@ def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, ge
     if cfg.noise:
         noise = torch.rand(f_in.shape, generator=generator, dtype=torch.float32).to(f_in) - 0.5
         f_in = f_in + noise * cfg.noise
-    pred = head(f_in[None], tok_next[None], torch.arange(f_in.shape[0], device=f_in.device), embed)[0]
-    pred, target = pred[m], f_next[m]
-    l1 = F.smooth_l1_loss(pred.float(), target.float())
     weight, bias = target_lm
+    target = f_next[m]
     with torch.no_grad():
         p_target = torch.softmax(F.linear(target, weight, bias).float(), -1)
-    logp = torch.log_softmax(F.linear(pred, weight, bias).float(), -1)
-    ce = -(p_target * logp).sum(-1).mean()
-    acc = (logp.argmax(-1) == p_target.argmax(-1)).float().mean()
-    return cfg.l1_weight * l1 + cfg.ce_weight * ce, {"l1": l1.detach(), "ce": ce.detach(), "acc": acc.detach(),
-                                                     "tokens": int(m.sum())}
+    positions = torch.arange(f_in.shape[0], device=f_in.device)
+    total, weights, first = 0.0, 0.0, None
+    for k, out in unroll_drafts(head, f_in, tok_next, embed, cfg.ttt_steps or 1):
+        keep = (positions >= k - 1)[m]  # step k needs k-1 drafted positions before it
+        if not keep.any():
+            continue
+        pred = out[m][keep]
+        l1 = F.smooth_l1_loss(pred.float(), target[keep].float())
+        logp = torch.log_softmax(F.linear(pred, weight, bias).float(), -1)
+        ce = -(p_target[keep] * logp).sum(-1).mean()
+        w = cfg.ttt_decay ** (k - 1)
+        total = total + w * (cfg.l1_weight * l1 + cfg.ce_weight * ce)
+        weights += w
+        if first is None:
+            acc = (logp.argmax(-1) == p_target[keep].argmax(-1)).float().mean()
+            first = {"l1": l1.detach(), "ce": ce.detach(), "acc": acc.detach(), "tokens": int(m.sum())}
+    return total / weights, first
 
 
 def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
@@ -179,6 +197,23 @@ def ttt_mask(t: int, k: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def unroll_drafts(head, hidden, tokens, embed, steps: int):
+    """Yield (k, out [t, H]) for drafting steps k = 1..steps over one sequence.
+
+    Step 1 reads `hidden` [t, H] (features at positions 0..t-1) with tokens x_{p+1}; step k > 1 reads step
+    k-1's output at position p-1, attending under `ttt_mask`. steps == 1 is the plain causal call.
+    """
+    t = hidden.shape[0]
+    positions = torch.arange(t, device=hidden.device)
+    cache = getattr(head, "module", head).new_cache() if steps > 1 else None
+    for k in range(1, steps + 1):
+        if k > 1:  # step k at position p continues from step k-1's prediction at p-1
+            hidden = torch.cat([out[:1], out[:-1]])
+        allowed = ttt_mask(t, k, hidden.device) if steps > 1 else None
+        out = head(hidden[None], tokens[None], positions, embed, allowed=allowed, cache=cache)[0]
+        yield k, out
+
+
 def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
     """EAGLE-3 training-time test: unroll `ttt_steps` drafting steps; step k reads step k-1's outputs.
 
@@ -198,12 +233,8 @@ def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, g
         noise = torch.rand(hidden.shape, generator=generator, dtype=torch.float32).to(hidden) - 0.5
         hidden = hidden + noise * cfg.noise
     tokens, positions = ids[1:], torch.arange(t, device=features.device)
-    cache = core.new_cache()
     total, weights, acc = 0.0, 0.0, []
-    for k in range(1, cfg.ttt_steps + 1):
-        if k > 1:  # step k at position p continues from step k-1's prediction at p-1
-            hidden = torch.cat([out[:1], out[:-1]])
-        out = head(hidden[None], tokens[None], positions, embed, allowed=ttt_mask(t, k, features.device), cache=cache)[0]
+    for k, out in unroll_drafts(head, hidden, tokens, embed, cfg.ttt_steps or 3):
         valid = (positions >= k - 1) & mask[1:]
         if not valid.any():
             continue
