@@ -60,8 +60,17 @@ def run(cfg, resume=False):
 def test_resume_gives_identical_weights(tmp_path):
     straight, _ = run(tiny_cfg(tmp_path / "a"))
     run(tiny_cfg(tmp_path / "b", stop_after=4))
+    history = tmp_path / "b" / "history.jsonl"
+    with open(history, "a") as f:  # as if killed after writing step 5's record but before its checkpoint
+        f.write('{"loss": 1.0, "step": 5}\n{"loss": 1.0, "st')
     resumed, summary = run(tiny_cfg(tmp_path / "b"), resume=True)
     assert summary["steps"] == 8
+    import json
+
+    steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    losses = lambda run: [json.loads(line)["loss"] for line in (tmp_path / run / "history.jsonl").read_text().splitlines()]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(losses("a"), losses("b"))) < 1e-6
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert (a - b).abs().max() <= 1e-6, name
 
@@ -86,6 +95,8 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(loop, "eagle_loss", poisoned)
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*step-0000002"):
         run(tiny_cfg(tmp_path))
+    # the history of the checkpointed steps is on disk too
+    assert [line.split('"step": ')[1][0] for line in (tmp_path / "history.jsonl").read_text().splitlines()] == ["1", "2"]
     from eagletree.draft_heads import EagleHead
 
     assert EagleHead.from_pretrained(tmp_path / "checkpoints" / "step-0000002" / "head") is not None

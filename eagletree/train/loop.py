@@ -470,7 +470,10 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
     t0, tokens0 = time.perf_counter(), counters["tokens"]
     last_ckpt = ckpt
-    history = []
+    history, written = [], 0
+    history_path = out / "history.jsonl"
+    if accelerator.is_main_process:
+        _keep_history(history_path, step)  # a fresh run starts it empty; a resumed one redoes the steps after its checkpoint
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     while step < end:
         stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
@@ -537,18 +540,44 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         if step % cfg.save_every == 0 or step == end:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
+                # history first: a kill between the two leaves records past the checkpoint, which a resume drops
+                written = _append_history(history_path, history, written)
                 last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
                                             noise_gen, cfg, cfg.keep_checkpoints, precision)
     bar.close()
     head = accelerator.unwrap_model(head).eval()
     if accelerator.is_main_process:
         head.save_pretrained(out / "head")
-        with open(out / "history.jsonl", "a" if ckpt is not None else "w") as f:  # a resumed run appends
-            f.write("".join(json.dumps(h) + "\n" for h in history))
+        _append_history(history_path, history, written)
     if log_with:
         accelerator.end_training()
     summary = {"steps": step, **counters, "final": history[-1] if history else None}
     return head, summary
+
+
+def _keep_history(path: Path, step: int) -> None:
+    """Rewrite history.jsonl (atomically) with only the records of steps <= `step`."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _append_history(path: Path, history: list, written: int) -> int:
+    """Append the records not yet written; returns how many are written now."""
+    if written < len(history):
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(h) + "\n" for h in history[written:]))
+            f.flush()
+            os.fsync(f.fileno())
+    return len(history)
 
 
 def _initial_head(cfg: TrainConfig, target_config):
