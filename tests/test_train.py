@@ -202,7 +202,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
     from eagletree.draft_heads import EagleHead
-    from eagletree.train.evaluate import agreement, calibrate, heldout_prompts, tokens_per_pass
+    from eagletree.train.evaluate import agreement, answer_sequences, calibrate, heldout_prompts, tokens_per_pass
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config, torch.arange(60)).eval()
@@ -224,9 +224,7 @@ def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
             for _ in range(answer.numel()):
                 ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax()[None]])
         assert ids[prompt_ids.numel():].equal(answer)
-    own = agreement(head, model, tok, steps=3, stride=2, sequences=[
-        (torch.cat([p, a]), torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(a.numel(), dtype=torch.bool)]))
-        for p, a in answers])
+    own = agreement(head, model, tok, steps=3, stride=2, sequences=answer_sequences(answers))
     assert own["positions"] == sum(a.numel() - 1 for _, a in answers) and own["chains"] > 0
     calibrator, cal = calibrate(steps)
     assert cal["steps"] == len(steps) - len(steps) // 2 and calibrator.method == "isotonic"

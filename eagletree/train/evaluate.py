@@ -106,6 +106,11 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
             "prompts": len(prompts), "new_tokens": new, "passes": passes}
 
 
+def answer_sequences(answers) -> list:
+    """(prompt ids, answer ids) pairs -> the (ids, mask over the answer) sequences `agreement` measures."""
+    return [(torch.cat([p, a]), torch.arange(p.numel() + a.numel()) >= p.numel()) for p, a in answers]
+
+
 def calibrate(steps, method: str = "isotonic") -> tuple:
     """Fit a calibrator on the first half of logged steps; report predicted vs measured on the second half."""
     from ..tree_search import Calibrator, acceptance_pairs, calibration_report
@@ -172,9 +177,7 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
                                            budget=60, depth=depth, top_k_draft=10)
     metrics["eagle2_60"]["depth"] = depth
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
-    metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=[
-        (torch.cat([p, a]), torch.cat([torch.zeros_like(p, dtype=torch.bool), torch.ones_like(a, dtype=torch.bool)]))
-        for p, a in answers])
+    metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
