@@ -291,7 +291,8 @@ def cmd_distill(args) -> int:
     pack_target(model, args.pack)
     counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, limit=args.limit, seed=args.seed)
+                     temperature=args.temperature, limit=args.limit, seed=args.seed,
+                     skip_answered=tuple(args.skip_answered))
     print(json.dumps(counts))
     return 0
 
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")
     p.add_argument("--limit", type=int, default=0, help="answer the first N conversations' prompts (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--skip-answered", action="append", default=[], metavar="JSONL",
+                   help="leave out prompts this other distill file answers (e.g. one made with another "
+                        "--max-new-tokens); repeatable")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped (counted)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what T=0 decoding meets)")

@@ -144,6 +144,25 @@ def test_limits_long_prompts_and_bad_values(tmp_path):
         answered_ids(bad)
 
 
+def test_skip_answered_leaves_out_prompts_another_file_answers(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    convs = tiny_conversations(6)
+    long = tmp_path / "long.jsonl"
+    distill(model, tok, convs, long, max_new_tokens=8, limit=3, progress=False)  # t0..t2, another max_new_tokens
+    with open(long, "ab") as f:
+        f.write(b'{"id": "t3", "mess')  # a cut-off line in the other file: ignored, and the file is not touched
+    before = long.read_bytes()
+    short = tmp_path / "short.jsonl"
+    counts = distill(model, tok, convs, short, max_new_tokens=4, skip_answered=(long,), progress=False)
+    assert (counts["answered"], counts["skipped_answered_elsewhere"]) == (3, 3)
+    assert answered_ids(short) == {"t3", "t4", "t5"} and long.read_bytes() == before
+    for r in map(json.loads, short.read_text().splitlines()):  # the same answers as a run without the other file
+        assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 4), r["id"]
+    with pytest.raises(DistillError, match="skip_answered: .*missing.jsonl is not a file; expected a JSONL file"):
+        distill(model, tok, convs, short, max_new_tokens=4, skip_answered=(tmp_path / "missing.jsonl",),
+                progress=False)
+
+
 def test_sampled_answers_follow_the_seed(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     convs = tiny_conversations(4)
@@ -242,3 +261,10 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
     for r in records:
         assert not is_heldout(r["id"])  # evaluation prompts are never answered
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 12)
+    # A second file with shorter answers takes only the prompts the first one lacks.
+    short = tmp_path / "short.jsonl"
+    assert main(["distill", "--out", str(short), "--limit", "4", "--max-new-tokens", "6", "--batch-size", "2",
+                 "--pack", "off", "--skip-answered", str(out)]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert counts["skipped_answered_elsewhere"] == len(records)
+    assert not {json.loads(line)["id"] for line in short.read_text().splitlines()} & {r["id"] for r in records}

@@ -86,6 +86,19 @@ def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
     return done
 
 
+def ids_in(path: str | os.PathLike) -> set[str]:
+    """Ids of the records in another distillation file, read only (a cut-off last line is ignored).
+
+    For `skip_answered`: prompts another file (e.g. one made with a different max_new_tokens) already answers.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DistillError(f"skip_answered: {path} is not a file; expected a JSONL file written by distill")
+    raw = path.read_bytes()
+    lines = raw[: raw.rfind(b"\n") + 1].decode("utf-8").split("\n")
+    return {_record(line, f"{path}: line {n}", None) for n, line in enumerate(lines, start=1) if line.strip()}
+
+
 def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
     """Prompts of similar length together (less padding), in a fixed order; over-long prompts are skipped.
 
@@ -150,13 +163,15 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
 
 
 def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
-            batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0, progress: bool = True) -> dict:
+            batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
+            skip_answered: tuple = (), progress: bool = True) -> dict:
     """Answer the first user turn of `conversations` with the target; append JSONL records to `out`.
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
     "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
     max_new_tokens, seed): resuming with other settings is an error. `limit` caps the conversations whose
-    prompts are answered (0 = all). Returns counts.
+    prompts are answered (0 = all); prompts answered in any file of `skip_answered` are left out (counted).
+    Returns counts.
     """
     from ..draft_heads import target_identity
 
@@ -178,10 +193,14 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     items = first_turns(conversations)
     if limit:
         items = items[:limit]
+    elsewhere = set().union(*(ids_in(p) for p in skip_answered))
+    n_items = len(items)
+    items = [it for it in items if it[0] not in elsewhere]
     batches, skipped = _batches(items, tok, batch_size, max_prompt_tokens)
     todo = [b for b in batches if any(r[0] not in done for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
-              "skipped_long_prompt": skipped, "new_tokens": 0, "eos": 0, "length": 0}
+              "skipped_long_prompt": skipped,
+              "skipped_answered_elsewhere": n_items - len(items), "new_tokens": 0, "eos": 0, "length": 0}
     bar = tqdm(total=sum(r[0] not in done for b in todo for r in b), desc="distill", unit="answer", disable=not progress)
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
