@@ -1,0 +1,115 @@
+"""Tokens per target pass of several draft heads on the same held-out prompts, with the paired difference.
+
+    .venv/bin/python benchmarks/heads.py eagletree/heads/smollm2-135m runs/NEW/head [--prompts 60]
+
+Every head decodes every prompt (greedy, EAGLE-2 tree of --budget nodes): the answers must be the same
+token for token (decoding is lossless), which is checked. A head's tokens/pass is its total new tokens
+over its total target passes. The difference to the first head is paired by prompt, with a 95% bootstrap
+interval over prompts: 30 prompts of 64 tokens leave a few percent of noise, which this makes visible.
+The prompts are the first user turns of held-out ShareGPT conversations after the first --offset ones
+(`python -m eagletree.train.evaluate` uses 20 conversations for agreement, then the prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of (sum new / sum passes) / (sum base_new / sum base_passes) - 1 over prompts."""
+    rng = random.Random(seed)
+    n, out = len(new), []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        a = sum(new[i] for i in idx) / sum(passes[i] for i in idx)
+        b = sum(base_new[i] for i in idx) / sum(base_passes[i] for i in idx)
+        out.append(a / b - 1)
+    out.sort()
+    return out[int(0.025 * reps)], out[int(0.975 * reps) - 1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("heads", nargs="+", help="head folders; the first is the baseline")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=60)
+    ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=60)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
+    args = ap.parse_args(argv)
+    for name, value in (("prompts", args.prompts), ("max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            ap.error(f"--{name} must be >= 1, got {value}")
+    if args.offset < 0:
+        ap.error(f"--offset must be >= 0, got {args.offset}")
+    missing = [h for h in args.heads if not Path(h, "config.json").is_file()]
+    if missing:
+        ap.error(f"not a saved head (no config.json): {', '.join(missing)}")
+
+    from eagletree.draft_heads import load_head
+    from eagletree.packing import pack_target
+    from eagletree.target import load_target
+    from eagletree.train.data import load_dataset, split
+    from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
+
+    _, heldout = split(load_dataset("sharegpt"))
+    prompts = heldout_prompts(heldout[args.offset:], args.prompts)
+    if len(prompts) < args.prompts:
+        ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset}")
+    target, tok = load_target(args.target)
+    pack_target(target, "auto")
+    heads = []
+    for path in args.heads:
+        head = load_head(path).eval()
+        head.check_target(target.config)
+        heads.append(head)
+    options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k)
+    rows = []  # per prompt: [(new, passes)] per head
+    for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+        row, first = [], None
+        for path, head in zip(args.heads, heads):
+            answers = []
+            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, **options)
+            answer = answers[0][1]
+            if first is None:
+                first = answer
+            elif not torch.equal(first, answer):
+                print(f"error: prompt {i}: {path} decoded another answer than {args.heads[0]}; decoding must be "
+                      "lossless", file=sys.stderr)
+                return 1
+            row.append((r["new_tokens"], r["passes"]))
+        rows.append(row)
+
+    base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
+    print(f"{len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes "
+          f"(depth {args.depth}, top-k {args.top_k}), T = 0; the same answers from every head\n")
+    print("| head | tokens/pass | vs first (95% interval over prompts) |\n|---|---|---|")
+    report = []
+    for j, path in enumerate(args.heads):
+        new, passes = [r[j][0] for r in rows], [r[j][1] for r in rows]
+        tpp = sum(new) / sum(passes)
+        if j == 0:
+            versus = "—"
+        else:
+            lo, hi = ratio_interval(new, passes, base_new, base_passes)
+            versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({lo:+.1%} .. {hi:+.1%})"
+        print(f"| {path} | {tpp:.3f} | {versus} |")
+        report.append({"head": path, "tokens_per_pass": tpp, "new_tokens": new, "passes": passes})
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "heads": report}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
