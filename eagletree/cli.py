@@ -281,8 +281,10 @@ def cmd_distill(args) -> int:
     from .packing import pack_target
     from .target import load_target
     from .train.data import load_dataset, split
-    from .train.distill import distill
+    from .train.distill import distill, ids_in
 
+    for other in args.skip_answered:
+        ids_in(other)  # a wrong path or file fails here, before the target is loaded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
@@ -341,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
                    help="the training config's heldout_fraction (held-out prompts are never answered)")
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")
-    p.add_argument("--limit", type=int, default=0, help="answer the first N conversations' prompts (0 = all)")
+    p.add_argument("--limit", type=int, default=0, help="answer the first N conversations' prompts (0 = all; "
+                                                            "those --skip-answered leaves out count toward N)")
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--skip-answered", action="append", default=[], metavar="JSONL",
                    help="leave out prompts this other distill file answers (e.g. one made with another "

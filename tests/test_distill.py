@@ -158,9 +158,20 @@ def test_skip_answered_leaves_out_prompts_another_file_answers(tmp_path):
     assert answered_ids(short) == {"t3", "t4", "t5"} and long.read_bytes() == before
     for r in map(json.loads, short.read_text().splitlines()):  # the same answers as a run without the other file
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 4), r["id"]
-    with pytest.raises(DistillError, match="skip_answered: .*missing.jsonl is not a file; expected a JSONL file"):
-        distill(model, tok, convs, short, max_new_tokens=4, skip_answered=(tmp_path / "missing.jsonl",),
-                progress=False)
+    # A complete last record without its newline counts; a path may be given alone.
+    three = tmp_path / "three.jsonl"
+    three.write_bytes(short.read_bytes().rstrip(b"\n"))
+    counts = distill(model, tok, convs, tmp_path / "rest.jsonl", max_new_tokens=4, skip_answered=three,
+                     progress=False)
+    assert (counts["answered"], counts["skipped_answered_elsewhere"]) == (3, 3)
+    assert answered_ids(tmp_path / "rest.jsonl") == {"t0", "t1", "t2"}
+    for others, message in (((tmp_path / "missing.jsonl",), "skip_answered: .*missing.jsonl is not a file; expected a "
+                             "JSONL file"), ((short,), "skip_answered: .*short.jsonl is the output file itself"),
+                            ((tmp_path / "bad.jsonl",), "bad.jsonl: line 1 is not a distillation record .*; pass "
+                             "another --skip-answered file")):
+        (tmp_path / "bad.jsonl").write_text('{"something": "else"}\n')
+        with pytest.raises(DistillError, match=message):
+            distill(model, tok, convs, short, max_new_tokens=4, skip_answered=others, progress=False)
 
 
 def test_sampled_answers_follow_the_seed(tmp_path):
@@ -267,4 +278,5 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
                  "--pack", "off", "--skip-answered", str(out)]) == 0
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["skipped_answered_elsewhere"] == len(records)
+    assert counts["answered"] == 4 - len(records) - counts["skipped_long_prompt"]
     assert not {json.loads(line)["id"] for line in short.read_text().splitlines()} & {r["id"] for r in records}

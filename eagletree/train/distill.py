@@ -44,13 +44,13 @@ def first_turns(conversations) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def _record(line: str, where: str, settings: dict | None) -> str:
-    """The id of one output line; an error names the line when it is not a record of these settings."""
+def _record(line: str, where: str, settings: dict | None, fix: str = "pass another --out or remove the file") -> str:
+    """The id of one output line; an error names the line (and `fix`) when it is not a record of these settings."""
     try:
         record = json.loads(line)
         conv_id, made_with = record["id"], record.get("settings")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise DistillError(f"{where} is not a distillation record ({e}); pass another --out or remove the file") from e
+        raise DistillError(f"{where} is not a distillation record ({e}); {fix}") from e
     if settings is not None and made_with != settings:
         raise DistillError(f"{where} was made with {made_with}, this run asks for {settings}; pass another --out "
                            "(one file, one way of answering)")
@@ -87,16 +87,29 @@ def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
 
 
 def ids_in(path: str | os.PathLike) -> set[str]:
-    """Ids of the records in another distillation file, read only (a cut-off last line is ignored).
+    """Ids of the records in another distillation file, read only (a last line cut off mid-record is ignored;
+    a complete one without its newline counts, as in `answered_ids`).
 
     For `skip_answered`: prompts another file (e.g. one made with a different max_new_tokens) already answers.
     """
     path = Path(path)
+    fix = "pass another --skip-answered file"
     if not path.is_file():
         raise DistillError(f"skip_answered: {path} is not a file; expected a JSONL file written by distill")
-    raw = path.read_bytes()
-    lines = raw[: raw.rfind(b"\n") + 1].decode("utf-8").split("\n")
-    return {_record(line, f"{path}: line {n}", None) for n, line in enumerate(lines, start=1) if line.strip()}
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DistillError(f"skip_answered: {path} is not UTF-8 ({e}); expected a JSONL file written by distill") from e
+    lines = text.split("\n")
+    *whole, tail = lines  # `tail`: after the last newline
+    ids = {_record(line, f"{path}: line {n}", None, fix) for n, line in enumerate(whole, start=1) if line.strip()}
+    try:
+        complete = isinstance(json.loads(tail), dict)
+    except json.JSONDecodeError:
+        complete = False
+    if complete:
+        ids.add(_record(tail, f"{path}: last line", None, fix))
+    return ids
 
 
 def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
@@ -169,9 +182,9 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
     "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
-    max_new_tokens, seed): resuming with other settings is an error. `limit` caps the conversations whose
-    prompts are answered (0 = all); prompts answered in any file of `skip_answered` are left out (counted).
-    Returns counts.
+    max_new_tokens, seed): resuming with other settings is an error. `limit` takes the first N conversations
+    (0 = all); their prompts answered in any file of `skip_answered` (paths) are left out and counted, so a
+    limit of N answers at most N. Returns counts.
     """
     from ..draft_heads import target_identity
 
@@ -188,27 +201,33 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
                 "temperature": float(temperature), "max_new_tokens": max_new_tokens,
                 **({"seed": seed} if temperature > 0 else {})}
     path = Path(out)
+    if isinstance(skip_answered, (str, os.PathLike)):
+        skip_answered = (skip_answered,)
+    for other in skip_answered:
+        if Path(other).resolve() == path.resolve():
+            raise DistillError(f"skip_answered: {other} is the output file itself; a rerun already continues it")
+    elsewhere = set().union(*(ids_in(p) for p in skip_answered))
     path.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(path, settings)
     items = first_turns(conversations)
     if limit:
         items = items[:limit]
-    elsewhere = set().union(*(ids_in(p) for p in skip_answered))
-    n_items = len(items)
-    items = [it for it in items if it[0] not in elsewhere]
+    # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
     batches, skipped = _batches(items, tok, batch_size, max_prompt_tokens)
-    todo = [b for b in batches if any(r[0] not in done for r in b)]
+    todo = [b for b in batches if any(r[0] not in done and r[0] not in elsewhere for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
               "skipped_long_prompt": skipped,
-              "skipped_answered_elsewhere": n_items - len(items), "new_tokens": 0, "eos": 0, "length": 0}
-    bar = tqdm(total=sum(r[0] not in done for b in todo for r in b), desc="distill", unit="answer", disable=not progress)
+              "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
+              "new_tokens": 0, "eos": 0, "length": 0}
+    bar = tqdm(total=sum(r[0] not in done and r[0] not in elsewhere for b in todo for r in b), desc="distill",
+               unit="answer", disable=not progress)
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
         for batch in todo:
             # Only the prompts still missing: a batch is written whole, so after an interruption between
             # batches the rest matches a straight run exactly; a batch cut short by a kill mid-write (or
             # batches regrouped by a newer version) answers its missing prompts in a smaller batch.
-            pending = [r for r in batch if r[0] not in done]
+            pending = [r for r in batch if r[0] not in done and r[0] not in elsewhere]
             seed_b = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))  # fixed per batch, resumed or not
             answers = _answer_batch(model, tok, pending, max_new_tokens, temperature, seed_b)
             lines = []
