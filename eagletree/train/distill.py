@@ -44,7 +44,7 @@ def first_turns(conversations) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def _record(line: str, where: str, settings: dict | None, fix: str = "pass another --out or remove the file") -> str:
+def _record(line: str, where: str, settings: dict | None, fix: str) -> str:
     """The id of one output line; an error names the line (and `fix`) when it is not a record of these settings."""
     try:
         record = json.loads(line)
@@ -57,6 +57,29 @@ def _record(line: str, where: str, settings: dict | None, fix: str = "pass anoth
     return conv_id
 
 
+def _scan(path: Path, settings: dict | None, fix: str) -> tuple[set[str], int, bool, int]:
+    """(ids, end of the last whole line, whether the bytes after it are a complete record, their length).
+
+    A complete record after the last newline counts (its id is in `ids`); anything else there is what a
+    kill in the middle of a write leaves, possibly a cut UTF-8 character, and is not read.
+    """
+    raw = path.read_bytes()
+    end = raw.rfind(b"\n") + 1
+    try:
+        lines = raw[:end].decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise DistillError(f"{path} is not UTF-8 ({e}); expected a JSONL file written by distill") from e
+    ids = {_record(line, f"{path}: line {n}", settings, fix) for n, line in enumerate(lines, start=1) if line.strip()}
+    tail = raw[end:]
+    try:
+        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = False
+    if whole:  # a complete record that only lacks its newline (another run's settings are an error)
+        ids.add(_record(tail.decode("utf-8"), f"{path}: last line", settings, fix))
+    return ids, end, whole, len(tail)
+
+
 def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
     """Ids already in the output (every line must be a record made with `settings`, when given).
 
@@ -65,51 +88,26 @@ def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
     """
     if not path.exists():
         return set()
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    lines = raw[:end].decode("utf-8").split("\n")
-    done = {_record(line, f"{path}: line {n}", settings) for n, line in enumerate(lines, start=1) if line.strip()}
-    tail = raw[end:]
-    try:
-        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        whole = False
-    if whole:  # a complete record that only lacks its newline (another run's settings are an error)
-        done.add(_record(tail.decode("utf-8"), f"{path}: last line", settings))
+    done, end, whole, tail = _scan(path, settings, "pass another --out or remove the file")
+    if whole:
         with open(path, "ab") as f:
             f.write(b"\n")
     elif tail:
         with open(path, "r+b") as f:  # an interrupted write: keep the complete lines only
             f.truncate(end)
-        warnings.warn(f"{path}: removed a cut-off last line ({len(tail)} bytes) left by an interruption",
-                      stacklevel=2)
+        warnings.warn(f"{path}: removed a cut-off last line ({tail} bytes) left by an interruption", stacklevel=2)
     return done
 
 
 def ids_in(path: str | os.PathLike) -> set[str]:
-    """Ids of the records in another distillation file, read only (a last line cut off mid-record is ignored;
-    a complete one without its newline counts, as in `answered_ids`).
+    """Ids of the records in another distillation file, read only (what `answered_ids` reads, without its repair).
 
     For `skip_answered`: prompts another file (e.g. one made with a different max_new_tokens) already answers.
     """
     path = Path(path)
-    fix = "pass another --skip-answered file"
     if not path.is_file():
         raise DistillError(f"skip_answered: {path} is not a file; expected a JSONL file written by distill")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DistillError(f"skip_answered: {path} is not UTF-8 ({e}); expected a JSONL file written by distill") from e
-    lines = text.split("\n")
-    *whole, tail = lines  # `tail`: after the last newline
-    ids = {_record(line, f"{path}: line {n}", None, fix) for n, line in enumerate(whole, start=1) if line.strip()}
-    try:
-        complete = isinstance(json.loads(tail), dict)
-    except json.JSONDecodeError:
-        complete = False
-    if complete:
-        ids.add(_record(tail, f"{path}: last line", None, fix))
-    return ids
+    return _scan(path, None, "pass another --skip-answered file")[0]
 
 
 def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
@@ -214,20 +212,21 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
         items = items[:limit]
     # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
     batches, skipped = _batches(items, tok, batch_size, max_prompt_tokens)
-    todo = [b for b in batches if any(r[0] not in done and r[0] not in elsewhere for r in b)]
+    left_out = done | elsewhere
+    todo = [b for b in batches if any(r[0] not in left_out for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
               "skipped_long_prompt": skipped,
               "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
               "new_tokens": 0, "eos": 0, "length": 0}
-    bar = tqdm(total=sum(r[0] not in done and r[0] not in elsewhere for b in todo for r in b), desc="distill",
-               unit="answer", disable=not progress)
+    bar = tqdm(total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer",
+               disable=not progress)
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
         for batch in todo:
             # Only the prompts still missing: a batch is written whole, so after an interruption between
             # batches the rest matches a straight run exactly; a batch cut short by a kill mid-write (or
             # batches regrouped by a newer version) answers its missing prompts in a smaller batch.
-            pending = [r for r in batch if r[0] not in done and r[0] not in elsewhere]
+            pending = [r for r in batch if r[0] not in left_out]
             seed_b = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))  # fixed per batch, resumed or not
             answers = _answer_batch(model, tok, pending, max_new_tokens, temperature, seed_b)
             lines = []
