@@ -216,10 +216,12 @@ def cmd_export(args) -> int:
 
     from .draft_heads import load_head
     from .draft_heads.export import export_head
+    from .files import check_output_dir
 
+    check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = export_head(head, args.out, args.format, dtype)
+    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
     return 0
 
@@ -228,10 +230,12 @@ def cmd_import(args) -> int:
     """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) and save it as an eagletree head."""
     from transformers import AutoConfig
 
-    from .draft_heads.export import import_eagle
+    from .draft_heads.export import import_eagle, read_export_config
+    from .files import check_output_dir
     from .target import resolve_target
 
-    foreign = json.loads((Path(args.eagle) / "config.json").read_text())
+    check_output_dir(Path(args.out), args.overwrite, sources=[args.eagle])
+    foreign = read_export_config(args.eagle)
     if "LlamaForCausalLMEagle3" in foreign.get("architectures", []) or "draft_vocab_size" in foreign:
         from .draft_heads.export import import_eagle3
         from .target import load_target
@@ -240,7 +244,7 @@ def cmd_import(args) -> int:
         head = import_eagle3(args.eagle, model)
     else:
         head = import_eagle(args.eagle, AutoConfig.from_pretrained(resolve_target(args.target)))
-    head.save_pretrained(args.out)
+    head.save_pretrained(args.out, keep_others=True)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
     return 0
 
@@ -363,14 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new or empty folder (never the head's own)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
+                                                            "model.safetensors there, keep its other files")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="import an EAGLE-1/2 head trained elsewhere")
     p.add_argument("--eagle", required=True, help="folder with config.json and model.safetensors/pytorch_model.bin")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new or empty folder (never the --eagle folder)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
+                                                            "model.safetensors there, keep its other files")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,24 +76,20 @@ class DraftHead(nn.Module):
 
     # -- persistence --------------------------------------------------------------------------
 
-    def save_pretrained(self, directory, dtype=None) -> None:
-        """Write config.json + model.safetensors atomically (a temporary folder, then rename)."""
+    def save_pretrained(self, directory, dtype=None, keep_others: bool = False) -> None:
+        """Write config.json + model.safetensors atomically (a temporary folder, then rename); an existing
+        folder is replaced as a whole, or with `keep_others` only these two files are."""
         from safetensors.torch import save_file
 
+        from ..files import building, publish
+
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
                  for k, v in self.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "eagletree": "head"})
-        (tmp / CONFIG).write_text(json.dumps(asdict(self.config), indent=2, default=str))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
+        with building(directory) as tmp:
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "eagletree": "head"})
+            (tmp / CONFIG).write_text(json.dumps(asdict(self.config), indent=2, default=str))
+        publish(tmp, directory, keep_others=keep_others)
 
     @classmethod
     def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> "DraftHead":

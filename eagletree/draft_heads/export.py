@@ -23,9 +23,6 @@ LlamaForCausalLMEagle3 and EAGLE's EAGLE-3 code): `fc.weight` [H, 3H] without bi
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -115,20 +112,25 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
     return config
 
 
-def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the export folder (config.json + model.safetensors) atomically."""
+def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write the export folder (config.json + model.safetensors) atomically.
+
+    `out_dir` must be absent or empty unless `overwrite`, which replaces these two files and keeps the
+    folder's other files; it is never the head's own folder.
+    """
     from safetensors.torch import save_file
 
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in exported_state(head, fmt).items()}
+    from ..files import building, check_output_dir, publish
+
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    source = getattr(head, "source_dir", None)
+    check_output_dir(out, overwrite, sources=[source] if source else [])
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in exported_state(head, fmt).items()}
+    with building(out) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
+    return publish(tmp, out, keep_others=True)
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -145,13 +147,28 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise HeadError(f"{str(folder)!r} holds no model.safetensors or pytorch_model.bin")
 
 
+def read_export_config(folder) -> dict:
+    """config.json of a folder to import; HeadError naming the file when it is unreadable, not a JSON object,
+    or an eagletree head's (which needs no import)."""
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise HeadError(f"{str(folder)!r} is not a folder; expected an EAGLE/vLLM/SGLang head folder")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeadError(f"{path} is not a readable JSON config ({e})") from e
+    if not isinstance(config, dict):
+        raise HeadError(f"{path} holds a JSON {type(config).__name__}; expected an object of config keys")
+    if "head_type" in config and "layer_config" in config:
+        raise HeadError(f"{str(folder)!r} is an eagletree head (head_type {config['head_type']!r}), not an EAGLE "
+                        "export: pass it to --head as it is, or copy the folder")
+    return config
+
+
 def import_eagle(folder, target_config) -> EagleHead:
     """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) for `target_config`."""
     folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HeadError(f"{str(folder)!r} has no readable config.json ({e})") from e
+    config = read_export_config(folder)
     if config.get("hidden_size") != target_config.hidden_size:
         raise HeadError(f"EAGLE head has hidden_size = {config.get('hidden_size')}, "
                         f"but this target has hidden_size = {target_config.hidden_size}")
@@ -180,10 +197,7 @@ def import_eagle3(folder, target_model) -> "Eagle3Head":
     from .eagle3 import Eagle3Head
 
     folder = Path(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HeadError(f"{str(folder)!r} has no readable config.json ({e})") from e
+    config = read_export_config(folder)
     weights = _read_weights(folder)
     if "d2t" in weights:
         d2t = weights["d2t"].long() + torch.arange(weights["d2t"].numel())

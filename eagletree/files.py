@@ -1,0 +1,205 @@
+"""Folders and files written so that nothing is lost: built under a temporary name, published by rename.
+
+A folder is built in `.NAME.partial-HOST-PID-RANDOM` next to its final name (HOST: a tag of this machine,
+PID: the writing process), so a later run can tell a partial folder whose writer was killed (same machine,
+no such process) from one another live process is still writing, and removes only the former. Everything
+written follows the umask, as files made with open() do (temporary folders and safetensors files would
+otherwise be private to their owner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_PARTIAL = re.compile(r"^\..+\.partial-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class WriteError(OSError):
+    """An output folder that may not be written (the source, a file, a non-empty folder without overwrite)."""
+
+
+def umask() -> int:
+    """This process's umask (read without changing it where /proc tells it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """chmod `path` (and, for a folder, everything under it) as open()/mkdir() would have created it."""
+    mask = umask()
+    path = Path(path)
+    paths = [path] + (sorted(path.rglob("*")) if path.is_dir() else [])
+    for p in paths:
+        if p.is_symlink():
+            continue
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def stale_partials(parent: Path) -> list[Path]:
+    """Partial folders in `parent` whose writer, a process of this machine, no longer runs."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    found = []
+    for p in parent.iterdir():
+        m = _PARTIAL.match(p.name)
+        if m and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            found.append(p)
+    return sorted(found)
+
+
+def remove_stale_partials(parent: Path) -> list[Path]:
+    """Remove what killed writers left in `parent` (never what a live process is writing); returns them."""
+    removed = stale_partials(parent)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    return removed
+
+
+def partial_path(final: Path) -> Path:
+    """A fresh name next to `final` for building it: .NAME.partial-HOST-PID-RANDOM."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+@contextlib.contextmanager
+def building(final: Path):
+    """Yield a new empty folder next to `final` (stale partial folders there are removed first); it is removed
+    if the block fails or is interrupted, else left for the caller to publish (see publish)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(final.parent)
+    tmp = partial_path(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_output_dir(out: Path, overwrite: bool, sources=(), option: str = "--out") -> None:
+    """Raise WriteError unless `out` may receive a new folder: absent, empty, or (with `overwrite`) a folder;
+    never a file or one of `sources` (or a folder inside one, or one holding one)."""
+    out = Path(out)
+    for source in sources:
+        src = Path(source).resolve()
+        res = out.resolve()
+        if res == src or src in res.parents or res in src.parents:
+            raise WriteError(f"{option} {str(out)!r} is the source {str(source)!r} (or contains or lies in it); "
+                             "write the output to another folder")
+    if out.exists() and not out.is_dir():
+        raise WriteError(f"{option} {str(out)!r} is a file; expected a folder (absent, empty, or with --overwrite)")
+    if out.is_dir() and not overwrite:
+        entries = sorted(p.name for p in out.iterdir())
+        if entries:
+            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise WriteError(f"{option} {str(out)!r} is not empty (it holds {shown}); pass --overwrite to replace "
+                             "the files this command writes there (the others are kept)")
+
+
+def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
+    """Move the finished folder `tmp` to `final` at once, following the umask.
+
+    An existing `final` is replaced as a whole; with `keep_others` its entries that `tmp` does not hold are
+    carried over (hard links, so no copy), i.e. only the files written in `tmp` are replaced. `final` is
+    never missing or half-written: the two folders are swapped atomically where the kernel can (Linux
+    renameat2), else by two renames in a row.
+    """
+    tmp, final = Path(tmp), Path(final)
+    try:
+        follow_umask(tmp)
+        if not final.exists():
+            os.replace(tmp, final)
+            return final
+        if not final.is_dir():
+            raise WriteError(f"{str(final)!r} is a file; expected a folder")
+        if keep_others:
+            for entry in final.iterdir():
+                if not (tmp / entry.name).exists() and not _PARTIAL.match(entry.name):
+                    _link_copy(entry, tmp / entry.name)
+        if not any(final.iterdir()):
+            os.replace(tmp, final)  # rename onto an empty folder
+            return final
+        if _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old folder
+            return final
+        old = final.with_name(f".{final.name}.old-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _link_copy(src: Path, dst: Path) -> None:
+    """dst as a copy of src made of hard links (a plain copy across file systems or for links)."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where that is not available."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file under a temporary name and rename it over `path` (following the umask)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
