@@ -124,3 +124,19 @@ def tiny_conversations(n: int, seed: int = 0):
     return [Conversation(f"t{i}", [{"role": "user", "content": pick(5)}, {"role": "assistant", "content": pick(12)},
                                    {"role": "user", "content": pick(4)}, {"role": "assistant", "content": pick(9)}])
             for i in range(n)]
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts under probs; any draw in a zero-probability cell fails outright.
+
+    Expected counts are normalized in float64 over the support, so they add up to the draws
+    whatever the last bits of a float32 `probs` (which depend on the CPU's kernels); scipy's
+    chisquare refuses expected counts whose sum differs from the observed one by > 1.5e-8.
+    """
+    from scipy.stats import chisquare
+
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token the target never emits was emitted"
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    return float(chisquare(counts[support].numpy(), expected.numpy()).pvalue)
