@@ -24,9 +24,13 @@ SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m
 def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
     from .draft_heads import load_head
+    from .generate import check_options
     from .packing import pack_target
     from .target import load_target
 
+    options = _options(args) if hasattr(args, "tree") else {}
+    options.pop("tree", None)
+    check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
     t0 = time.perf_counter()
     model, tok = load_target(args.target, device=args.device)
     packed = pack_target(model, args.pack)
@@ -110,8 +114,20 @@ def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
             "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"]}
 
 
+def check_utf8(text: str, what: str) -> str:
+    """`text` unchanged, or ValueError when it holds bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
+                         "give UTF-8 text") from None
+    return text
+
+
 def cmd_generate(args) -> int:
     """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it)."""
+    check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give the text to answer")
     model, tok, head = _load(args)
@@ -147,9 +163,14 @@ def cmd_chat(args) -> int:
     print("eagletree chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
-            text = input("you> ")
+            text = check_utf8(input("you> "), "that line")
         except EOFError:
             break
+        except (ValueError, UnicodeDecodeError) as e:  # a bad line is not the end of the conversation
+            print(f"error: {e}" if isinstance(e, ValueError) else
+                  f"error: that line is not valid UTF-8 text ({e.reason} at byte {e.start}); type it again",
+                  file=sys.stderr)
+            continue
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
@@ -192,6 +213,7 @@ def cmd_viz(args) -> int:
     """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
     from .viz import render_html, viz_step
 
+    check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give the text to answer")
     if args.step < 1:
@@ -215,14 +237,21 @@ def cmd_export(args) -> int:
     import torch
 
     from .draft_heads import load_head
-    from .draft_heads.export import export_head
+    from .draft_heads.export import engine_notes, export_head
     from .files import check_output_dir
 
     check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite)
+    target = None
+    if args.format == "eagle3":  # the export carries the target's embedding
+        from .target import load_target
+
+        target, _ = load_target(args.target, device="cpu")
+    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=target)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
+    for note in engine_notes(head, args.format, None if target is None else target.config):
+        print(f"note: {note}")
     return 0
 
 
@@ -371,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
                                                             "model.safetensors there, keep its other files")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--target", default="smollm2-135m", help="eagle3: the target whose embedding the export carries")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="import an EAGLE-1/2 head trained elsewhere")

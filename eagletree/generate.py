@@ -21,6 +21,30 @@ from .verify import DraftTree, prefill, verify_step
 TREES = ("eagle2", "optimal", "chain", "sequoia", "auto")
 # Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
 DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
+# name: (kind, smallest, largest, may be None); a float range's lower end is exclusive where marked
+_OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float, 0.0, None, False),
+                  "top_k": (int, 0, None, True), "top_p": (float, "> 0", 1.0, True), "budget": (int, 1, None, False),
+                  "depth": (int, 1, None, False), "top_k_draft": (int, 1, None, False),
+                  "seed": (int, 0, 2**64 - 1, True)}
+
+
+def check_options(cli: bool = False, **options) -> None:
+    """Raise ValueError for a decoding option outside its range, named as given (`cli`: as its --flag)."""
+    import math
+
+    for name, value in options.items():
+        kind, low, high, optional = _OPTION_RANGES[name]
+        flag = f"--{name.replace('_', '-')}" if cli else name
+        if value is None and optional:
+            continue
+        ok_type = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if not ok_type or (kind is float and not math.isfinite(value)):
+            raise ValueError(f"{flag} must be {'a finite number' if kind is float else 'an integer'}, got {value!r}")
+        if (low == "> 0" and value <= 0) or (low != "> 0" and value < low) or (high is not None and value > high):
+            lower = "> 0" if low == "> 0" else f">= {low}"
+            where = f"{lower} and <= {high}" if high is not None else lower
+            raise ValueError(f"{flag} must be {where}, got {value!r}"
+                             + (" (0 = no top-k filter)" if name == "top_k" else ""))
 
 
 @dataclass
@@ -152,6 +176,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     """
     if tree not in TREES:
         raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, budget=budget,
+                  depth=depth, top_k_draft=top_k_draft, seed=seed)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     stats = stats if stats is not None else GenerationStats()

@@ -13,7 +13,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,13 +94,16 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .files import follow_umask, partial_path, remove_stale_partials
+
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir() / "targets" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (final / _CACHE_COMPLETE).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    tmp.chmod(0o755)
+    remove_stale_partials(final.parent)  # what a killed conversion left (never another live one's)
+    tmp = partial_path(final)
+    tmp.mkdir()
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -113,6 +115,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         # The marker is written last inside the temporary folder; the rename publishes both at once.
         (tmp / _CACHE_COMPLETE).write_text(json.dumps({"source": str(gguf_path)}))
+        follow_umask(tmp)
         try:
             os.replace(tmp, final)
         except OSError:
@@ -143,6 +146,26 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def checked_device(device) -> torch.device:
+    """`device` as a torch.device (None: the default); TargetError for a malformed name or a CUDA device that
+    this machine does not have."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TargetError(f"device {device!r} is not a device name; expected cpu, cuda or cuda:N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetError(f"device {device!r}: CUDA is not available on this machine "
+                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TargetError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise TargetError(f"device {device!r} is not supported; expected cpu or cuda")
+    return dev
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 matrix products run
@@ -161,10 +184,10 @@ def load_target(spec, dtype=None, device=None):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    device = checked_device(device)  # before a de-quantization that would be wasted
     folder = resolve_target(spec)
     config = AutoConfig.from_pretrained(folder)
     check_causal_lm(config)
-    device = torch.device(device) if device is not None else default_device()
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

@@ -38,7 +38,7 @@ def test_export_refuses_a_non_empty_out_and_overwrite_keeps_other_files(saved_he
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sub"]
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
     assert _export(head_dir, out, "--overwrite") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub"]
+    assert {"config.json", "model.safetensors", "notes.txt", "sub"} <= {p.name for p in out.iterdir()}
     assert (out / "notes.txt").read_text() == "n"
     load_head(out, target_config=model.config)
     assert _export(head_dir, tmp_path / "empty") == 0  # absent: created
@@ -129,3 +129,66 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_run_a_live_ones_
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.fixture
+def tiny_cli(tmp_path, monkeypatch):
+    from helpers import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
+    loads = []
+    monkeypatch.setattr("eagletree.target.load_target",
+                        lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok))
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
+    return loads, ["--target", "tiny", "--head", str(tmp_path / "head"), "--max-new-tokens", "4"]
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--depth", "0", "--depth must be >= 1, got 0"), ("--depth", "-2", "--depth must be >= 1, got -2"),
+    ("--top-p", "2", "--top-p must be > 0 and <= 1.0, got 2.0"), ("--top-p", "0", "--top-p must be > 0"),
+    ("--top-k-draft", "0", "--top-k-draft must be >= 1, got 0"), ("--budget", "0", "--budget must be >= 1"),
+    ("--temperature", "-1", "--temperature must be >= 0"), ("--temperature", "nan", "--temperature must be a finite"),
+    ("--top-k", "-1", "--top-k must be >= 0"), ("--max-new-tokens", "-3", "--max-new-tokens must be >= 0"),
+    ("--seed", "-1", "--seed must be >= 0")])
+def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, capsys, option, value, message):
+    loads, args = tiny_cli
+    assert main(["generate", *args, "--prompt", "hello", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert loads == []  # refused before the model is loaded
+
+
+def test_decoding_options_are_checked_in_the_python_api():
+    from eagletree.generate import generate
+    from helpers import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    for bad, message in (({"depth": 0}, "depth must be >= 1, got 0"), ({"top_p": 2.0}, "top_p must be > 0 and <= 1"),
+                         ({"top_k_draft": 0}, "top_k_draft must be >= 1"), ({"temperature": float("inf")}, "finite")):
+        with pytest.raises(ValueError, match=message):
+            generate(model, tok, head, "hello", max_new_tokens=4, **bad)
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_and_chat_goes_on(tiny_cli, capsys, monkeypatch):
+    import io
+
+    _, args = tiny_cli
+    bad = b"caf\xff".decode("utf-8", "surrogateescape")  # how Python passes such an argument
+    assert main(["generate", *args, "--prompt", bad]) == 2
+    assert "--prompt is not valid UTF-8 text (byte 0xff at character 3)" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{bad}\nhello\n\n"))
+    assert main(["chat", *args]) == 0
+    err = capsys.readouterr().err
+    assert "that line is not valid UTF-8 text" in err and err.count("tokens/pass") == 1
+
+
+def test_a_cuda_device_without_cuda_is_one_clear_error(monkeypatch):
+    from eagletree.target import TargetError, load_target
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(TargetError, match="device 'cuda': CUDA is not available on this machine"):
+        load_target("smollm2-135m", device="cuda")
+    with pytest.raises(TargetError, match="device 'gpu0' is not a device name"):
+        load_target("smollm2-135m", device="gpu0")
