@@ -44,7 +44,7 @@ def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -
     return probs
 
 
-def _tree_from_selection(tokens, parents, probs, values, order) -> DraftTree:
+def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) -> DraftTree:
     """DraftTree of the root plus `order` (node ids in rank order, parents always ranked first)."""
     remap = {0: 0}
     for rank, v in enumerate(order, start=1):
@@ -54,6 +54,8 @@ def _tree_from_selection(tokens, parents, probs, values, order) -> DraftTree:
                      draft_probs=[1.0] + [probs[v] for v in order])
     tree.values = torch.tensor([1.0] + [values[v] for v in order], dtype=torch.float64)
     tree.node_ids = [0] + list(order)  # the search's node ids (the ids `expand` saw), per tree node
+    if copy_info is not None:
+        tree.copy_info = [None] + [copy_info.get(v) for v in order]
     return tree
 
 
@@ -65,26 +67,43 @@ def _tree_from_selection(tokens, parents, probs, values, order) -> DraftTree:
 class _Nodes:
     """Growing node table for the reference searches: node 0 is the root."""
 
-    def __init__(self, root_token):
+    def __init__(self, root_token, copies=None):
         self.tokens, self.parents, self.probs, self.values, self.depths = [int(root_token)], [-1], [1.0], [1.0], [0]
         self.paths = [()]
+        self.copies, self.trie_node = copies, ({0: 0} if copies is not None else {})  # node -> copy trie node, same path
+        self.trie_kids = copies.children() if copies is not None else None
+        self.copy_info = {}
 
-    def children(self, child_probs, u, top_k):
-        """Create u's top_k children with non-zero probability; return their ids."""
-        probs = check_distribution(torch.as_tensor(child_probs(self.paths[u])).double(),
-                                   f"child_probs{self.paths[u]}")
-        q, tok = torch.topk(probs, min(top_k, probs.numel()))  # ties: lower token id first
-        made = []
-        for p, t in zip(q.tolist(), tok.tolist()):
-            if p <= 0:
-                continue
-            self.tokens.append(t)
-            self.parents.append(u)
-            self.probs.append(p)
-            self.values.append(self.values[u] * p)
-            self.depths.append(self.depths[u] + 1)
-            self.paths.append(self.paths[u] + (t,))
-            made.append(len(self.tokens) - 1)
+    def _add(self, u, t, p) -> int:
+        self.tokens.append(t)
+        self.parents.append(u)
+        self.probs.append(p)
+        self.values.append(self.values[u] * p)
+        self.depths.append(self.depths[u] + 1)
+        self.paths.append(self.paths[u] + (t,))
+        return len(self.tokens) - 1
+
+    def children(self, child_probs, u, top_k, head=True):
+        """Create u's top_k children with non-zero probability (head=True) and its copied ones; return their ids."""
+        made, by_token = [], {}
+        if head:
+            probs = check_distribution(torch.as_tensor(child_probs(self.paths[u])).double(),
+                                       f"child_probs{self.paths[u]}")
+            q, tok = torch.topk(probs, min(top_k, probs.numel()))  # ties: lower token id first
+            for p, t in zip(q.tolist(), tok.tolist()):
+                if p > 0:
+                    by_token[t] = self._add(u, t, p)
+                    made.append(by_token[t])
+        for c in self.trie_kids[self.trie_node[u]] if u in self.trie_node else ():
+            t, a = self.copies.tokens[c], self.copies.factors[c]
+            v = by_token.get(t)
+            if v is None:
+                v = self._add(u, t, a)
+                made.append(v)
+            elif a > self.probs[v]:  # one node: valued by the better of the two estimates
+                self.probs[v], self.values[v] = a, self.values[u] * a
+            self.trie_node[v] = c
+            self.copy_info[v] = self.copies.info[c]
         return made
 
     def key(self, v):  # rank order: higher value, then shallower, then created earlier
@@ -92,40 +111,48 @@ class _Nodes:
 
     def tree(self, chosen) -> DraftTree:
         order = sorted(chosen, key=self.key)
-        return _tree_from_selection(self.tokens, self.parents, self.probs, self.values, order)
+        return _tree_from_selection(self.tokens, self.parents, self.probs, self.values, order,
+                                    self.copy_info if self.copies is not None else None)
 
 
-def eagle2_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10) -> DraftTree:
-    """EAGLE-2: grow top_k frontier nodes per level, then keep the budget-1 best drafted nodes."""
+def eagle2_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10,
+                copies=None) -> DraftTree:
+    """EAGLE-2: grow top_k frontier nodes per level, then keep the budget-1 best drafted nodes.
+
+    `copies` (a `copy.CopyTrie`): its continuations are drafted too, to the trie's depth; the head
+    drafts under the frontier only, and copied children of frontier nodes may enter the frontier.
+    """
     check_search_args(budget, depth, top_k)
-    nodes = _Nodes(root_token)
+    nodes = _Nodes(root_token, copies)
     frontier, drafted = [0], []
-    for _ in range(depth):
+    for level in range(1, max(depth, copies.depth if copies is not None else 0) + 1):
         candidates = [c for u in frontier for c in nodes.children(child_probs, u, top_k)]
-        drafted += candidates
-        frontier = sorted(candidates, key=nodes.key)[:top_k]
-        if not frontier:
+        others = [u for u in nodes.trie_node if nodes.depths[u] == level - 1 and u not in frontier]
+        drafted += candidates + [c for u in others for c in nodes.children(child_probs, u, top_k, head=False)]
+        frontier = sorted(candidates, key=nodes.key)[:top_k] if level < depth else []
+        if not frontier and (copies is None or level >= copies.depth):
             break
     return nodes.tree(sorted(drafted, key=nodes.key)[: budget - 1])
 
 
-def optimal_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10) -> DraftTree:
+def optimal_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10,
+                 copies=None) -> DraftTree:
     """The budget-node tree (each node among its parent's top_k) with the largest sum of path products.
 
     Best-first: a child is never worth more than its parent, so popping the highest value from a
-    heap of candidates yields the global top nodes in order, each after its parent.
+    heap of candidates yields the global top nodes in order, each after its parent. `copies` (a
+    `copy.CopyTrie`) adds the copied continuations as candidates too, to their own depth.
     """
     check_search_args(budget, depth, top_k)
-    nodes = _Nodes(root_token)
+    nodes = _Nodes(root_token, copies)
     heap = [nodes.key(c) for c in nodes.children(child_probs, 0, top_k)]
     heapq.heapify(heap)
     chosen = []
     while heap and len(chosen) < budget - 1:
         _, d, v = heapq.heappop(heap)
         chosen.append(v)
-        if d < depth:
-            for c in nodes.children(child_probs, v, top_k):
-                heapq.heappush(heap, nodes.key(c))
+        for c in nodes.children(child_probs, v, top_k, head=d < depth):
+            heapq.heappush(heap, nodes.key(c))
     return nodes.tree(chosen)
 
 
@@ -151,6 +178,7 @@ class _Table:
         self.parents = torch.tensor([-1], device=device)
         self.probs = torch.ones(1, dtype=torch.float64, device=device)
         self.values = torch.ones(1, dtype=torch.float64, device=device)
+        self.copy_info: dict[int, tuple[int, int]] = {}
 
     def grow(self, expand, frontier, top_k, level, token_map=None):
         """Draft top_k children for every frontier node; return (new ids, their values; -inf = none)."""
@@ -169,57 +197,122 @@ class _Table:
         ids = torch.arange(start, self.tokens.numel(), device=frontier.device)
         return ids, value.flatten()
 
+    def graft(self, copies, level, placed, frontier, ids, values):
+        """Add the copy trie's nodes at depth `level` under their placed parents, merging with equal head children.
+
+        ids/values: the head's new children at this level (a contiguous id range). Returns the
+        level's (ids, values) with the new copied nodes appended, and the copied nodes the head can
+        expand next (those under this level's frontier: the drafter has their parents' state).
+        """
+        level_nodes = [c for c in range(1, len(copies)) if copies.depths[c] == level]
+        device = self.tokens.device
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        if not level_nodes:
+            return ids, values, none
+        parents = [placed[copies.parents[c]] for c in level_nodes]
+        head_child = {}
+        if ids.numel():
+            mine = torch.isin(self.parents[ids], torch.tensor(parents, device=device))
+            for v, u, t in zip(ids[mine].tolist(), self.parents[ids[mine]].tolist(), self.tokens[ids[mine]].tolist()):
+                head_child[(u, t)] = v
+        start, expanded = int(ids[0]) if ids.numel() else 0, set(frontier.tolist())
+        new_tokens, new_parents, new_probs, new_values, new_ids, can_expand = [], [], [], [], [], []
+        next_id = self.tokens.numel()
+        for c, u in zip(level_nodes, parents):
+            t, a = copies.tokens[c], copies.factors[c]
+            v = head_child.get((u, t))
+            if v is None:
+                v = next_id
+                next_id += 1
+                new_tokens.append(t)
+                new_parents.append(u)
+                new_probs.append(a)
+                new_values.append(float(self.values[u]) * a)
+                new_ids.append(v)
+                can_expand.append(u in expanded)
+            elif a > float(self.probs[v]):  # one node, valued by the better of the two estimates
+                self.probs[v] = a
+                self.values[v] = self.values[u] * a
+                values[v - start] = self.values[v]
+            placed[c] = v
+            self.copy_info[v] = copies.info[c]
+        if not new_ids:
+            return ids, values, none
+        f64 = dict(dtype=torch.float64, device=device)
+        self.tokens = torch.cat([self.tokens, torch.tensor(new_tokens, device=device)])
+        self.parents = torch.cat([self.parents, torch.tensor(new_parents, device=device)])
+        self.probs = torch.cat([self.probs, torch.tensor(new_probs, **f64)])
+        self.values = torch.cat([self.values, torch.tensor(new_values, **f64)])
+        new = torch.tensor(new_ids, device=device)
+        return (torch.cat([ids, new]), torch.cat([values, torch.tensor(new_values, **f64)]),
+                new[torch.tensor(can_expand, device=device)])
+
     def best(self, ids, values, count):
         """The `count` best of `ids` by value (stable: earlier ids win ties), dropping -inf."""
         order = torch.sort(values, descending=True, stable=True).indices[:count]
         order = order[torch.isfinite(values[order])]
         return ids[order]
 
-    def tree(self, drafted_ids) -> DraftTree:
+    def tree(self, drafted_ids, with_copies=False) -> DraftTree:
         tokens, parents = self.tokens.tolist(), self.parents.tolist()
         probs, values = self.probs.tolist(), self.values.tolist()
-        return _tree_from_selection(tokens, parents, probs, values, drafted_ids.tolist())
+        return _tree_from_selection(tokens, parents, probs, values, drafted_ids.tolist(),
+                                    self.copy_info if with_copies else None)
 
 
 def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None,
-            min_gain=0.0) -> DraftTree:
+            min_gain=0.0, copies=None) -> DraftTree:
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
-    frontier = torch.zeros(1, dtype=torch.long, device=device)
+    frontier = torch.zeros(1 if expand is not None else 0, dtype=torch.long, device=device)  # None: copies only
+    none = (torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.float64, device=device))
     drafted, drafted_values = [], []
-    for level in range(1, depth + 1):
-        ids, values = table.grow(expand, frontier, top_k, level, token_map)
+    placed = {0: 0}  # copy trie node -> table node
+    levels = max(depth, copies.depth) if copies is not None else depth
+    for level in range(1, levels + 1):
+        # The head drafts to `depth` under the frontier; copied spans go on to their own depth.
+        ids, values = table.grow(expand, frontier, top_k, level, token_map) if frontier.numel() else none
+        head_ids, head_values = ids, values
+        if copies is not None:
+            ids, values, copied = table.graft(copies, level, placed, frontier, ids, values)
+            head_ids, head_values = torch.cat([head_ids, copied]), torch.cat([head_values, table.values[copied]])
         drafted.append(ids)
         drafted_values.append(values)
-        frontier = table.best(ids, values, width)
-        if frontier.numel() == 0:
-            break
+        frontier = table.best(head_ids, head_values, width) if level < depth else none[0]
         # A child is worth at most its parent times its probability, so the next level can add at
         # most the frontier's total value: stop once that is below what drafting a level costs.
-        if min_gain > 0 and level < depth and float(table.values[frontier].sum()) < min_gain:
+        if min_gain > 0 and frontier.numel() and float(table.values[frontier].sum()) < min_gain:
+            frontier = none[0]
+        if frontier.numel() == 0 and (copies is None or level >= copies.depth):
             break
     ids, values = torch.cat(drafted), torch.cat(drafted_values)
-    return table.tree(table.best(ids, values, budget - 1))
+    return table.tree(table.best(ids, values, budget - 1), with_copies=copies is not None)
 
 
 def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
-                  token_map=None) -> DraftTree:
+                  token_map=None, copies=None) -> DraftTree:
     """Batched EAGLE-2: the frontier is the top_k nodes of each level; same tree as `eagle2_tree`.
 
-    `token_map` (draft id -> target id) is for drafters over a reduced draft vocabulary.
+    `token_map` (draft id -> target id) is for drafters over a reduced draft vocabulary; `copies`
+    (a `copy.CopyTrie`) adds copied continuations as candidates (see `optimal_search`).
     """
-    return _search(expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map)
+    return _search(expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map,
+                   copies=copies)
 
 
 def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
-                   token_map=None, min_gain=0.0) -> DraftTree:
+                   token_map=None, min_gain=0.0, copies=None) -> DraftTree:
     """Batched optimum: a beam of budget-1 nodes per level loses no node of the global top budget-1.
 
     min_gain > 0 stops drafting deeper once the next level could add less than that many expected
-    tokens (the tree is then optimal for the levels drafted).
+    tokens (the tree is then optimal for the levels drafted). `copies` (a `copy.CopyTrie`) adds
+    its copied continuations as candidates, valued by their calibrated acceptance, to the trie's
+    own depth (beyond the head's): a copied token equal to a head candidate is that node (valued by
+    the larger estimate), and the head also drafts under copied nodes of the beam. The result is
+    `optimal_tree(..., copies=)`'s: the best budget-node tree over head and copy candidates.
     """
     return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map,
-                   min_gain=min_gain)
+                   min_gain=min_gain, copies=copies)
 
 
 def path_expand(child_probs: Callable) -> Expand:

@@ -23,7 +23,15 @@ class DraftTree:
     and `parents[i] < i`. `draft_probs[i]` is the drafter's probability of node i's token given its
     parent; for `sampled=True` trees `draft_dists[u]` is the distribution u's children were drawn
     from (without replacement unless `with_replacement`).
+
+    Set by the tree searches, None otherwise: `values` ([N] float64, each node's path value in the
+    search), `node_ids` (the search's id of each node, the ids its drafter saw) and `copy_info`
+    (per node: (match bin, position along the span) when a copied span proposed the node, else None).
     """
+
+    values: torch.Tensor | None
+    node_ids: list[int] | None
+    copy_info: list[tuple[int, int] | None] | None
 
     def __init__(
         self,
@@ -42,6 +50,7 @@ class DraftTree:
         self.draft_probs = None if draft_probs is None else _as_tensor(draft_probs, torch.float64, "draft_probs")
         self.draft_dists = None if draft_dists is None else torch.as_tensor(draft_dists, dtype=torch.float32)
         self._validate(vocab_size)
+        self.values = self.node_ids = self.copy_info = None
         self.depths = self._depths()  # [N] root = 0
         self.depth = int(self.depths.max())
 

@@ -1,0 +1,197 @@
+"""Copy candidates: continuations of earlier text (prompt lookup) as draft-tree nodes.
+
+Answers repeat spans of their prompt and of themselves (code restating a signature, extraction,
+lists, a small model's own loops). `NgramIndex` keeps every n-gram of the committed tokens
+(prompt and emitted text) with where it occurred, updated as tokens commit, so a lookup costs
+the same however long the context. `CopyTrie` holds the continuations that followed the most
+recent, longest matches of the context's last tokens, merged into a trie (matches that agree
+share nodes, siblings are distinct), each node valued by `CopyCalibration`: the measured rate at
+which a copied token was accepted given its parent was, by match length and position along the
+span, learned as decoding goes.
+
+The tree search (`dynamic._search` with `copies=`) grafts the trie onto the head's candidates:
+a copied token equal to a head candidate is one node, and the search chooses among all of them
+under the one node budget. Copied nodes are deterministic drafts (a point mass), which the
+acceptance rules already treat exactly, so the output stays the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Match-length bins: 1, 2, 3, 4-7 and 8+ tokens of context agreeing before the copied span.
+MATCH_BINS = (1, 2, 3, 4, 8)
+COPY_CALIBRATION = "copy_calibration.json"
+
+
+def match_bin(length: int) -> int:
+    """Index into MATCH_BINS of a match of `length` >= 1 tokens."""
+    return sum(length >= b for b in MATCH_BINS) - 1
+
+
+class NgramIndex:
+    """Every 1..max_ngram-gram of a growing token sequence -> the positions right after it."""
+
+    def __init__(self, tokens=(), max_ngram: int = 3, max_match: int = 16):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram, self.max_match = max_ngram, max_match
+        self.tokens: list[int] = []
+        self.table: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        """Append committed tokens (O(max_ngram) each)."""
+        for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens):
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.table.setdefault(tuple(self.tokens[end - n:]), []).append(end)
+
+    def matches(self, per_ngram: int = 8) -> list[tuple[int, int]]:
+        """(match length, position after the match) of earlier occurrences of the context's last tokens.
+
+        Longest first, then most recent; the length is extended backwards past max_ngram (up to
+        max_match) so that calibration can tell a 3-token match from a 12-token one.
+        """
+        tokens, n_tok = self.tokens, len(self.tokens)
+        found: dict[int, int] = {}
+        for n in range(min(self.max_ngram, n_tok), 0, -1):
+            ends = self.table.get(tuple(tokens[n_tok - n:]), ())
+            seen = 0
+            for end in reversed(ends):
+                if end >= n_tok or end in found:
+                    continue
+                length = n
+                while length < self.max_match and end - 1 - length >= 0 and tokens[end - 1 - length] == tokens[n_tok - 1 - length]:
+                    length += 1
+                found[end] = length
+                seen += 1
+                if seen >= per_ngram:
+                    break
+        return sorted(((length, end) for end, length in found.items()), key=lambda m: (-m[0], -m[1]))
+
+    def continuation(self, end: int, length: int) -> list[int]:
+        """The `length` tokens that followed position `end`; running into the present, the copy repeats itself."""
+        tokens, n_tok, span = self.tokens, len(self.tokens), []
+        for pos in range(end, end + length):
+            span.append(tokens[pos] if pos < n_tok else span[pos - n_tok])
+        return span
+
+
+class CopyCalibration:
+    """P(copied token accepted | its parent accepted) by match-length bin and position along the span.
+
+    Beta-smoothed counts: `prior` is the measured table a later run starts from (e.g. measured on
+    held-out prompts and saved next to the head), worth `strength` observations per cell; each
+    decoding step's outcomes are added with `update`, so the values follow the text at hand.
+    """
+
+    def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0):
+        self.max_len, self.strength = max_len, float(strength)
+        shape = (len(MATCH_BINS), max_len)
+        self.prior = torch.full(shape, 0.5, dtype=torch.float64) if prior is None else \
+            torch.as_tensor(prior, dtype=torch.float64).clone()
+        if self.prior.shape != shape:
+            raise ValueError(f"copy calibration prior must be {list(shape)} (match bins x positions), "
+                             f"got {list(self.prior.shape)}")
+        if not ((self.prior > 0) & (self.prior < 1)).all():
+            raise ValueError("copy calibration prior values must lie in (0, 1)")
+        self.tried = torch.zeros(shape, dtype=torch.float64)
+        self.accepted = torch.zeros(shape, dtype=torch.float64)
+
+    def rate(self) -> torch.Tensor:
+        """[bins, positions] smoothed acceptance rates."""
+        return (self.accepted + self.strength * self.prior) / (self.tried + self.strength)
+
+    def update(self, tree, accepted: list[int]) -> None:
+        """Count every copied node of a verified tree that was tried (its parent was accepted)."""
+        if tree.copy_info is None:
+            return
+        on_path = set(accepted)
+        parents = tree.parents.tolist()
+        for v, info in enumerate(tree.copy_info):
+            if info is None or parents[v] not in on_path:
+                continue
+            b, j = info
+            self.tried[b, j] += 1
+            self.accepted[b, j] += v in on_path
+
+    def measured(self) -> torch.Tensor:
+        """Acceptance seen so far per cell (prior where nothing was tried): what `save` writes."""
+        return torch.where(self.tried > 0, self.accepted / self.tried.clamp_min(1), self.prior)
+
+    def save(self, path) -> None:
+        rate = self.measured().clamp(0.01, 0.99)
+        Path(path).write_text(json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
+                                          "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}, indent=1))
+
+    @classmethod
+    def load(cls, path, strength: float = 8.0) -> "CopyCalibration":
+        try:
+            data = json.loads(Path(path).read_text())
+            rate, bins = data["rate"], data["match_bins"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}") from None
+        if list(bins) != list(MATCH_BINS):
+            raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}")
+        return cls(max_len=len(rate[0]), prior=rate, strength=strength)
+
+
+@dataclass
+class CopyTrie:
+    """Copied continuations as a trie under the draft root (node 0 = the root, never a copy)."""
+
+    tokens: list[int]
+    parents: list[int]
+    factors: list[float]  # calibrated P(accept | parent accepted)
+    info: list[tuple[int, int] | None]  # (match bin, position index) per node
+    depths: list[int]
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for v in range(1, len(self.tokens)):
+            kids[self.parents[v]].append(v)
+        return kids
+
+
+def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 3, max_len: int | None = None) -> CopyTrie | None:
+    """The continuations of the `max_spans` best matches as one trie, or None when nothing matches."""
+    max_len = min(max_len or calibration.max_len, calibration.max_len)
+    rate = calibration.rate()
+    trie = CopyTrie([-1], [-1], [1.0], [None], [0])
+    child: dict[tuple[int, int], int] = {}
+    spans = 0
+    for length, end in index.matches():
+        if spans >= max_spans:
+            break
+        span = index.continuation(end, max_len)
+        b, u, new = match_bin(length), 0, False
+        for j, t in enumerate(span):
+            v = child.get((u, t))
+            if v is None:
+                v = len(trie.tokens)
+                child[(u, t)] = v
+                trie.tokens.append(t)
+                trie.parents.append(u)
+                trie.factors.append(float(rate[b, j]))
+                trie.info.append((b, j))
+                trie.depths.append(j + 1)
+                new = True
+            u = v
+        spans += new  # a span that only repeats an earlier one's tokens adds nothing
+    return trie if len(trie) > 1 else None

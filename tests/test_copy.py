@@ -1,0 +1,176 @@
+"""Copy candidates: the n-gram index, the copy trie, calibration, and hybrid (head + copy) tree search."""
+
+import random
+
+import pytest
+import torch
+
+from eagletree.tree_search import eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand
+from eagletree.tree_search.copy import CopyCalibration, CopyTrie, NgramIndex, copy_trie, match_bin
+from eagletree.verify import accept_tree
+
+from test_tree_search import connected_subtrees, drafter, paths_of
+
+
+def naive_matches(tokens, max_ngram, max_match):
+    """Every earlier occurrence of the last 1..max_ngram tokens, with its full match length (rescans everything)."""
+    n_tok, out = len(tokens), {}
+    for end in range(1, n_tok):
+        length = 0
+        while length < min(max_match, end) and tokens[end - 1 - length] == tokens[n_tok - 1 - length]:
+            length += 1
+        if length >= 1:
+            out[end] = length
+    return out
+
+
+def test_index_built_incrementally_finds_what_a_rescan_finds():
+    rng = random.Random(0)
+    tokens = [rng.randrange(5) for _ in range(300)]
+    index = NgramIndex(max_ngram=3, max_match=16)
+    for i in range(0, 300, 7):
+        index.extend(tokens[i:i + 7])  # committed a pass at a time
+        ref = naive_matches(tokens[:i + 7], 3, 16)
+        got = index.matches(per_ngram=10_000)
+        assert dict((end, length) for length, end in got) == ref
+        assert [m[0] for m in got] == sorted((m[0] for m in got), reverse=True)  # longest first
+    assert len(index) == 300
+
+
+def test_continuation_copies_what_followed_and_repeats_into_the_present():
+    index = NgramIndex([7, 1, 2, 3, 9, 9, 1, 2])
+    (length, end), *_ = index.matches()
+    assert (length, end) == (2, 3) and index.continuation(end, 4) == [3, 9, 9, 1]
+    loop = NgramIndex([5, 6, 4, 5, 6, 4, 5, 6])  # a model stuck in a loop: the copy continues the period
+    length, end = loop.matches()[0]
+    assert length == 5 and loop.continuation(end, 7) == [4, 5, 6, 4, 5, 6, 4]
+    assert NgramIndex([1, 2, 3]).matches() == []
+    with pytest.raises(ValueError, match="max_ngram must be >= 1, got 0"):
+        NgramIndex(max_ngram=0)
+
+
+def test_copy_trie_merges_agreeing_spans_and_values_by_match_length_and_position():
+    cal = CopyCalibration(max_len=4)
+    cal.prior[match_bin(3)] = torch.tensor([0.9, 0.8, 0.7, 0.6], dtype=torch.float64)
+    # "1 2 3" occurred before, followed by 4 5 6 7 and once by 4 8 ...; the trie shares the 4.
+    index = NgramIndex([1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 8, 9, 9, 0, 1, 2, 3])
+    trie = copy_trie(index, cal, max_spans=2)
+    # The latest match is 4 tokens long ("0 1 2 3"), the first only 3: it comes first, the other branches off it.
+    assert trie.tokens == [-1, 4, 8, 9, 9, 5, 6, 7] and trie.parents == [-1, 0, 1, 2, 3, 1, 5, 6]
+    assert trie.info[1:] == [(3, 0), (3, 1), (3, 2), (3, 3), (2, 1), (2, 2), (2, 3)]
+    assert trie.factors[1] == pytest.approx(0.5) and trie.factors[5:] == pytest.approx([0.8, 0.7, 0.6])
+    assert trie.depth == 4 and trie.children()[0] == [1]  # one node for the shared first token
+    assert copy_trie(NgramIndex([1, 2, 3]), cal) is None
+    assert match_bin(1) == 0 and match_bin(3) == 2 and match_bin(7) == 3 and match_bin(30) == 4
+
+
+def random_trie(seed, vocab, spans=3, length=5, rate=0.7):
+    rng = random.Random(seed)
+    trie = CopyTrie([-1], [-1], [1.0], [None], [0])
+    for _ in range(spans):
+        u = 0
+        for j in range(rng.randrange(1, length + 1)):
+            t = rng.randrange(vocab)
+            v = next((c for c in range(1, len(trie)) if trie.parents[c] == u and trie.tokens[c] == t), None)
+            if v is None:
+                trie.tokens.append(t)
+                trie.parents.append(u)
+                trie.factors.append(rng.uniform(0.2, 0.99) * rate)
+                trie.info.append((rng.randrange(5), j))
+                trie.depths.append(j + 1)
+                v = len(trie) - 1
+            u = v
+    return trie
+
+
+def brute_force_hybrid(child_probs, trie, budget, depth, top_k):
+    """Max of 1 + sum of path values over every connected tree of head (top_k) and copy candidates."""
+    kids_of = trie.children()
+    value, trie_at = {(): 1.0}, {(): 0}
+
+    def children(path):
+        kids = {}
+        if len(path) < depth:
+            p = child_probs(path)
+            q, t = torch.topk(p, min(top_k, p.numel()))
+            kids = {int(x): float(pr) for x, pr in zip(t, q) if pr > 0}
+        for c in kids_of[trie_at[path]] if path in trie_at else ():
+            kids[trie.tokens[c]] = max(kids.get(trie.tokens[c], 0.0), trie.factors[c])
+            trie_at[path + (trie.tokens[c],)] = c
+        for tok, f in kids.items():
+            value[path + (tok,)] = value[path] * f
+        return [path + (tok,) for tok in kids]
+
+    return max(1.0 + sum(value[v] for v in sub) for sub in connected_subtrees(children, (), budget - 1))
+
+
+def test_hybrid_optimal_equals_brute_force_and_batched_equals_reference():
+    for seed in range(40):
+        child_probs, trie = drafter(seed, vocab=5), random_trie(seed, vocab=5, length=4)
+        for budget in (4, 6):
+            ref = optimal_tree(child_probs, 0, budget, depth=2, top_k=2, copies=trie)
+            assert ref.expected_tokens == pytest.approx(brute_force_hybrid(child_probs, trie, budget, 2, 2), abs=1e-12)
+            assert ref.expected_tokens >= optimal_tree(child_probs, 0, budget, depth=2, top_k=2).expected_tokens - 1e-12
+    for seed in range(30):
+        child_probs, trie = drafter(seed, vocab=12), random_trie(seed, vocab=12, spans=4, length=9)
+        for search, reference in ((optimal_search, optimal_tree), (eagle2_search, eagle2_tree)):
+            ref = reference(child_probs, 0, 20, depth=3, top_k=3, copies=trie)
+            fast = search(path_expand(child_probs), 0, 20, depth=3, top_k=3, copies=trie)
+            assert paths_of(fast) == paths_of(ref), (seed, search.__name__)
+            assert fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
+            assert copy_info_by_path(fast) == copy_info_by_path(ref)
+
+
+def copy_info_by_path(tree):
+    return {tuple(tree.tokens[tree.path_to(v)].tolist()): tree.copy_info[v] for v in range(len(tree))}
+
+
+def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_past_the_head():
+    vocab = 6
+
+    def child_probs(path):  # the head always prefers token 1, then 2
+        p = torch.full((vocab,), 0.02, dtype=torch.float64)
+        p[1], p[2] = 0.6, 0.32
+        return p
+
+    trie = CopyTrie([-1, 2, 3, 4, 5, 3, 2, 1, 4], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [1.0] + [0.9] * 8,
+                    [None] + [(4, j) for j in range(8)], [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    tree = optimal_search(path_expand(child_probs), 0, budget=12, depth=2, top_k=2, copies=trie)
+    kids = tree.children()
+    assert sorted(tree.tokens[kids[0]].tolist()) == [1, 2]  # the copy's 2 merged with the head's 2
+    two = next(c for c in kids[0] if int(tree.tokens[c]) == 2)
+    assert float(tree.draft_probs[two]) == pytest.approx(0.9) and tree.copy_info[two] == (4, 0)
+    one = next(c for c in kids[0] if int(tree.tokens[c]) == 1)
+    assert tree.copy_info[one] is None and float(tree.draft_probs[one]) == pytest.approx(0.6)
+    assert tree.depth == 8  # the copied span runs past the head's depth 2
+    assert tree.tokens[tree.path_to(int(tree.depths.argmax()))].tolist() == [0, 2, 3, 4, 5, 3, 2, 1, 4]
+    # Siblings stay distinct (DraftTree refuses repeats), and a greedy target that follows the copy accepts it all.
+    logits = torch.full((len(tree), vocab), -5.0)
+    path = tree.path_to(int(tree.depths.argmax()))
+    for u, v in zip(path, path[1:]):
+        logits[u, int(tree.tokens[v])] = 5.0
+    assert accept_tree(tree, logits)[0] == path
+    # Without a head (prompt lookup alone), the trie is the tree.
+    alone = optimal_search(None, 0, budget=60, depth=6, top_k=10, copies=trie)
+    assert len(alone) == len(trie) and alone.depth == 8
+
+
+def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
+    cal = CopyCalibration(max_len=3, strength=2.0)
+    trie = CopyTrie([-1, 4, 5, 6], [-1, 0, 1, 2], [1.0, 0.5, 0.5, 0.5], [None, (2, 0), (2, 1), (2, 2)], [0, 1, 2, 3])
+    tree = optimal_search(None, 9, budget=10, depth=1, top_k=1, copies=trie)
+    for _ in range(6):  # the first two copied tokens accepted, the third rejected
+        cal.update(tree, [0, 1, 2])
+    rate = cal.rate()
+    assert rate[2, 0] == pytest.approx((6 + 1) / 8) and rate[2, 2] == pytest.approx(1 / 8)
+    assert rate[0, 0] == pytest.approx(0.5)  # untried cells keep the prior
+    cal.update(tree, [0])  # the first one rejected: the later ones were never tried
+    assert cal.tried[2].tolist() == [7, 6, 6]
+    cal.save(tmp_path / "c.json")
+    back = CopyCalibration.load(tmp_path / "c.json")
+    assert torch.allclose(back.prior, cal.measured().clamp(0.01, 0.99))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a copy calibration file"):
+        CopyCalibration.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match=r"prior must be \[5, 3\]"):
+        CopyCalibration(max_len=3, prior=[[0.5] * 4] * 5)
