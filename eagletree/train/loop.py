@@ -11,7 +11,6 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .render import RenderError, render
+from .render import RenderError, render_item
 
 
 class TrainingError(RuntimeError):
@@ -80,7 +79,12 @@ class TrainConfig:
         valid = {f.name: f for f in fields(cls)}
         values = {}
         if path:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            try:
+                loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            except (OSError, UnicodeDecodeError) as e:
+                raise TrainingError(f"config file {str(path)!r} cannot be read ({e})") from e
+            except yaml.YAMLError as e:
+                raise TrainingError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from e
             if not isinstance(loaded, dict):
                 raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
             values.update(loaded)
@@ -89,14 +93,22 @@ class TrainConfig:
                 raise TrainingError(f"override {item!r} must look like key=value")
             key, raw = item.split("=", 1)
             # a text key takes the text as written (`init_head=` clears it; `out_dir=2024` stays a name)
-            values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
+            try:
+                values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
+            except yaml.YAMLError:
+                values[key] = raw  # not YAML: the type check below names the key and the value
         unknown = sorted(set(values) - set(valid))
         if unknown:
             raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
         for key, value in values.items():
             kind = type(getattr(cls(), key))
-            if kind is float and isinstance(value, int):
-                values[key] = float(value)
+            if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+                try:  # YAML reads 1e-4 (no dot) as text: take every number float() takes
+                    values[key] = value = float(value)
+                except ValueError:
+                    raise TrainingError(f"config key {key!r} must be a number, got {value!r}") from None
+                if not math.isfinite(value):
+                    raise TrainingError(f"config key {key!r} must be a finite number, got {value!r}")
             elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
         if values.get("head_type", "eagle") not in ("eagle", "eagle3", "medusa"):
@@ -105,6 +117,17 @@ class TrainConfig:
         for key in positive:
             if key in values and isinstance(values[key], int) and values[key] < 1:
                 raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
+        ranges = {"lr": (0.0, False), "weight_decay": (0.0, True), "noise": (0.0, True), "clip": (0.0, True),
+                  "l1_weight": (0.0, True), "ce_weight": (0.0, True), "ttt_decay": (0.0, False),
+                  "warmup_steps": (0, True), "max_conversations": (0, True), "draft_vocab": (0, True),
+                  "draft_vocab_sample": (1, True), "eval_conversations": (1, True), "stop_after": (0, True),
+                  "seed": (0, True)}
+        for key, (low, inclusive) in ranges.items():
+            if key in values and (values[key] < low if inclusive else values[key] <= low):
+                raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
+        for key in ("min_lr_ratio", "heldout_fraction"):
+            if key in values and not 0.0 <= values[key] <= 1.0:
+                raise TrainingError(f"config key {key!r} must be in [0, 1], got {values[key]}")
         if values.get("ttt_steps", 0) < 0:
             raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
                                 f"got {values['ttt_steps']}")
@@ -290,17 +313,16 @@ def _set_rng_state(state, noise_gen):
 def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
                     precision: str = "fp32"):
     """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones."""
+    from ..files import building, publish
+
     root = folder / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
-    head.save_pretrained(tmp / "head")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "counters": counters, "rng": _rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
-    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     final = root / f"step-{step:07d}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with building(final) as tmp:  # also removes what a killed save left in `root`
+        head.save_pretrained(tmp / "head")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "counters": counters, "rng": _rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    publish(tmp, final, keep_others=False)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -309,6 +331,72 @@ def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, no
 def latest_checkpoint(folder: Path) -> Path | None:
     found = sorted((folder / "checkpoints").glob("step-*"))
     return found[-1] if found else None
+
+
+# Keys that may differ on --resume without changing the run (where and how it is written, when it stops).
+NOT_RUN_DEFINING = ("out_dir", "stop_after", "save_every", "keep_checkpoints", "log_every", "eval_conversations",
+                    "eval_dataset", "report_to", "device", "precision", "features_dir")
+
+
+def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
+    """{key: (checkpoint's value, config's value)} for the run-defining keys that differ."""
+    now = asdict(cfg)
+    return {k: (saved[k], v) for k, v in now.items() if k in saved and k not in NOT_RUN_DEFINING and saved[k] != v}
+
+
+def resume_point(folder: Path, target_config):
+    """(checkpoint, head, trainer state, saved config) of the newest intact checkpoint, or Nones when there is none.
+
+    A damaged checkpoint (a file cut or missing) is skipped, saying so; TrainingError when none is intact.
+    """
+    import pickle
+    import sys
+
+    from ..draft_heads import HeadError, load_head
+
+    found = sorted((folder / "checkpoints").glob("step-*"), reverse=True)
+    damaged = []
+    for ckpt in found:
+        try:
+            head = load_head(ckpt / "head")
+            state = torch.load(ckpt / "trainer.pt", weights_only=False)
+            saved = json.loads((ckpt / "config.json").read_text())
+            if not isinstance(state, dict) or not {"optimizer", "scheduler", "step", "counters", "rng"} <= set(state):
+                raise ValueError("trainer.pt lacks the trainer state")
+        except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            damaged.append(f"{ckpt.name} ({' '.join(str(e).split())[:160]})")
+            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1]}); trying the one before it", file=sys.stderr)
+            continue
+        head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
+        if damaged:
+            print(f"warning: resuming from {ckpt}, the newest intact checkpoint", file=sys.stderr)
+        return ckpt, head, state, saved
+    if damaged:
+        raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: {'; '.join(damaged)}")
+    return None, None, None, None
+
+
+def apply_changes(optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After loading a checkpoint's optimizer and scheduler, follow the config's lr, weight decay and schedule."""
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    scheduler.lr_lambdas = [_lr_lambda(cfg)] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def has_assistant_text(conversations) -> bool:
+    """Whether some conversation has an assistant turn with text (the loss is on assistant tokens); items that
+    are not chat conversations are taken as trainable."""
+    for conv in conversations:
+        messages = getattr(conv, "messages", None)
+        if messages is None:
+            return True
+        if any(m.get("role") == "assistant" and str(m.get("content") or "").strip() for m in messages):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,16 +464,21 @@ def _trackers(cfg: TrainConfig):
     return "wandb"
 
 
-def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conversations=None, progress=True):
-    """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests."""
+def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conversations=None, progress=True,
+          allow_changes: bool = False):
+    """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests.
+
+    A resume refuses a config whose run-defining keys differ from the checkpoint's, unless `allow_changes`
+    (then the new values apply from the checkpoint's step on)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from ..draft_heads import Eagle3Head, EagleHead, MedusaHead, build_draft_vocab, load_head
+    from ..draft_heads import Eagle3Head, EagleHead, MedusaHead, build_draft_vocab
     from ..target import load_target
 
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out_dir)  # made once the run's inputs are read, so a refused run leaves no empty folder
+    if not cfg.features_dir and conversations is None:
+        conversations = training_conversations(cfg)  # a bad dataset fails before the target is loaded
     log_with = _trackers(cfg)
     precision = resolve_precision(cfg.precision, on_cpu(cfg.device or None))
     bf16 = precision == "bf16"
@@ -411,12 +504,22 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     else:
         train_convs = conversations
     if not train_convs:
-        raise TrainingError("no training conversations")
+        raise TrainingError(f"dataset {cfg.dataset!r} has no training conversations (heldout_fraction="
+                            f"{cfg.heldout_fraction}, max_conversations={cfg.max_conversations})")
+    if store is None and not has_assistant_text(train_convs):
+        raise TrainingError(f"dataset {cfg.dataset!r}: none of its {len(train_convs)} training conversations has an "
+                            "assistant turn with text; the head learns from assistant tokens, so there is nothing to "
+                            "train on")
     stream = Stream(train_convs, cfg.seed)
 
-    ckpt = latest_checkpoint(out) if resume else None
+    ckpt, head, state, saved_cfg = resume_point(out, model.config) if resume else (None,) * 4
+    changes = changed_run_keys(saved_cfg, cfg) if ckpt is not None else {}
+    if changes and not allow_changes:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass --allow-changes "
+                            "to continue with the new values, or give the run another out_dir")
     if ckpt is not None:
-        head = load_head(ckpt / "head", target_config=model.config).train()
+        head = head.train()
         if head.config.head_type != cfg.head_type:
             raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
                                 f"head_type {cfg.head_type!r}")
@@ -450,9 +553,11 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     noise_gen = torch.Generator().manual_seed(cfg.seed + 17 + accelerator.process_index)
     step, counters = 0, {"tokens": 0, "skipped": 0, "truncated": 0, "dropped": 0}
     if ckpt is not None:
-        state = torch.load(ckpt / "trainer.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        if changes:
+            apply_changes(optimizer, scheduler, cfg)
+            accelerator.print(f"resuming with changed keys: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}")
         step, counters = state["step"], state["counters"]
         _set_rng_state(state["rng"], noise_gen)
         if state.get("precision", precision) != precision:  # (checkpoints before the precision key record none)
@@ -460,6 +565,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                           f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
                           "run exactly; pass precision=... to keep it", stacklevel=2)
         accelerator.print(f"resumed from {ckpt} at step {step}")
+    out.mkdir(parents=True, exist_ok=True)
     head, optimizer = accelerator.prepare(head, optimizer)
     if log_with:
         accelerator.init_trackers("eagletree", config=asdict(cfg))
@@ -484,7 +590,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 ids, loss_mask, feats = ids.to(device), loss_mask.to(device), feats.to(device)
             else:
                 try:
-                    r = render(tok, stream[index].messages, cfg.max_len if cfg.long == "truncate" else None)
+                    r = render_item(tok, stream[index], cfg.max_len if cfg.long == "truncate" else None)
                 except RenderError:
                     counters["skipped"] += 1
                     zero_backward(accelerator, dummy_loss, micro, cfg)
@@ -545,6 +651,10 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
                                             noise_gen, cfg, cfg.keep_checkpoints, precision)
     bar.close()
+    if counters["tokens"] == 0 and step > 0:
+        raise TrainingError(f"dataset {cfg.dataset!r}: {step} steps saw no assistant token to train on "
+                            f"({counters['skipped']} conversations skipped, {counters['dropped']} dropped as longer "
+                            f"than max_len={cfg.max_len}); no head was saved")
     head = accelerator.unwrap_model(head).eval()
     if accelerator.is_main_process:
         head.save_pretrained(out / "head")
@@ -644,7 +754,7 @@ def _assistant_tokens(tok, stream, cfg, store=None):
             yield ids[mask].tolist()
             continue
         try:
-            r = render(tok, stream[i].messages, cfg.max_len)
+            r = render_item(tok, stream[i], cfg.max_len)
         except RenderError:
             continue
         yield r.input_ids[r.loss_mask].tolist()

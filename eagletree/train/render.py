@@ -57,3 +57,12 @@ def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rende
     if truncated:
         ids, mask = ids[:max_len], mask[:max_len]
     return Rendered(ids, mask, truncated)
+
+
+def render_item(tokenizer, item, max_len: int | None = None) -> Rendered:
+    """A conversation (anything with `.messages`) rendered, or a pre-tokenized `Rendered` record, cut to `max_len`."""
+    if not isinstance(item, Rendered):
+        return render(tokenizer, item.messages, max_len)
+    if max_len is None or item.input_ids.numel() <= max_len:
+        return item
+    return Rendered(item.input_ids[:max_len], item.loss_mask[:max_len], True)

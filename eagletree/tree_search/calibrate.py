@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from scipy.optimize import isotonic_regression, minimize
 
 from ..verify import DraftTree
 
@@ -50,6 +49,8 @@ class Calibrator:
         if method == "identity":
             return cls("identity")
         if method == "isotonic":
+            from scipy.optimize import isotonic_regression  # only fitting needs scipy, not applying a calibration
+
             order = np.argsort(q, kind="stable")
             fitted = isotonic_regression(y[order], increasing=True).x
             # Collapse equal x to one knot so interpolation is a function.
@@ -57,6 +58,8 @@ class Calibrator:
             ys = np.array([fitted[i:j].mean() for i, j in zip(idx, list(idx[1:]) + [q.size])])
             return cls("isotonic", xs.tolist(), ys.tolist())
         if method == "temperature":
+            from scipy.optimize import minimize
+
             z = np.log(np.clip(q, 1e-9, 1 - 1e-9)) - np.log1p(-np.clip(q, 1e-9, 1 - 1e-9))
 
             def loss(params):

