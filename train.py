@@ -7,6 +7,7 @@ the same model, optimizer, scheduler, data order and RNG state.
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from eagletree.train.loop import TrainConfig, TrainingError, train
 
@@ -17,19 +18,30 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from out_dir's last checkpoint")
     ap.add_argument("--report-to", choices=["wandb", "none"], help="shorthand for report_to=...")
     ap.add_argument("--eval", action="store_true", help="evaluate the head on held-out conversations at the end")
+    ap.add_argument("--allow-changes", action="store_true", help="--resume with changed run-defining keys (lr, "
+                                                                 "dataset, max_len, ...): continue with the new values")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + ([f"report_to={args.report_to}"] if args.report_to else [])
+    from eagletree.draft_heads import HeadError
+    from eagletree.target import TargetError
+    from eagletree.train.data import DataError
     from eagletree.train.evaluate import evaluate_run, evaluation_conversations
+    from eagletree.train.features import FeatureError
 
+    out_dir = None
     try:
         cfg = TrainConfig.from_sources(args.config, overrides)
+        out_dir = Path(cfg.out_dir)
+        existed = out_dir.exists()
         heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
-        head, summary = train(cfg, resume=args.resume)
+        head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes)
         print(json.dumps(summary, default=float))
         if args.eval:
             print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
-    except TrainingError as e:
+    except (TrainingError, DataError, HeadError, TargetError, FeatureError, ValueError, OSError) as e:
+        if out_dir is not None and not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a failed run leaves no empty folder it made
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -192,3 +192,115 @@ def test_a_cuda_device_without_cuda_is_one_clear_error(monkeypatch):
         load_target("smollm2-135m", device="cuda")
     with pytest.raises(TargetError, match="device 'gpu0' is not a device name"):
         load_target("smollm2-135m", device="gpu0")
+
+
+def _train_main(argv):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).parent.parent / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def test_train_py_turns_bad_inputs_into_one_line_and_leaves_no_empty_out_dir(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = [f"out_dir={out}", "report_to=none", "device=cpu"]
+    (tmp_path / "broken.yaml").write_text("steps: [1,\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
+    cases = [(["--config", str(tmp_path / "missing.yaml")], "missing.yaml' cannot be read"),
+             (["--config", str(tmp_path / "broken.yaml")], "broken.yaml' is not valid YAML"),
+             ([f"dataset={tmp_path / 'nowhere.jsonl'}"], "nowhere.jsonl' does not exist"),
+             ([f"dataset={tmp_path / 'empty.jsonl'}"], "empty.jsonl' is empty"),
+             ([f"dataset={tmp_path / 'bad.jsonl'}"], "bad.jsonl: line 2 is not valid JSON"),
+             (["lr=abc"], "config key 'lr' must be a number, got 'abc'")]
+    for argv, message in cases:
+        assert _train_main(argv + common) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+        assert not out.exists(), argv
+
+
+def test_float_keys_take_what_float_takes_and_ranges_are_checked(tmp_path):
+    from eagletree.train.loop import TrainConfig, TrainingError
+
+    assert TrainConfig.from_sources(None, ["lr=1e-4"]).lr == 1e-4
+    (tmp_path / "c.yaml").write_text("lr: 1.0e10\nnoise: 2E-1\nclip: 1\n")
+    cfg = TrainConfig.from_sources(tmp_path / "c.yaml")
+    assert (cfg.lr, cfg.noise, cfg.clip) == (1.0e10, 0.2, 1.0)
+    for bad, message in (("lr=nan", "'lr' must be a finite number"), ("lr=0", "'lr' must be > 0.0, got 0.0"),
+                         ("lr=-1e-3", "'lr' must be > 0.0"), ("min_lr_ratio=1.5", "'min_lr_ratio' must be in [0, 1]"),
+                         ("warmup_steps=-1", "'warmup_steps' must be >= 0"), ("lr=true", "'lr' must be float")):
+        with pytest.raises(TrainingError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            TrainConfig.from_sources(None, [bad])
+
+
+def _tiny_cfg(tmp_path, **kw):
+    from eagletree.train.loop import TrainConfig
+
+    base = dict(out_dir=str(tmp_path), report_to="none", steps=6, grad_accum=2, save_every=2, warmup_steps=2,
+                max_len=40, lr=1e-3, device="cpu", dataset="tiny-chats")
+    return TrainConfig(**(base | kw))
+
+
+def _run(cfg, resume=False, conversations=None, **kw):
+    from eagletree.train.loop import train
+    from helpers import tiny_conversations, tiny_tokenizer
+
+    return train(cfg, resume=resume, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                 conversations=conversations or tiny_conversations(12), progress=False, **kw)
+
+
+def test_no_trainable_tokens_is_an_error_naming_the_dataset_and_saves_no_head(tmp_path):
+    from eagletree.train.data import Conversation
+    from eagletree.train.loop import TrainingError
+
+    users_only = [Conversation(f"u{i}", [{"role": "user", "content": "hello how are you"}]) for i in range(4)]
+    with pytest.raises(TrainingError, match="dataset 'tiny-chats': none of its 4 training conversations has an "
+                                            "assistant turn"):
+        _run(_tiny_cfg(tmp_path / "a"), conversations=users_only)
+    with pytest.raises(TrainingError, match=r"dataset 'tiny-chats': 2 steps saw no assistant token .* 4 dropped"):
+        _run(_tiny_cfg(tmp_path / "b", steps=2, max_len=3, long="drop"))
+    assert not (tmp_path / "b" / "head").exists()
+
+
+def test_resume_refuses_changed_run_keys_unless_allowed_and_then_applies_them(tmp_path):
+    from eagletree.train.loop import TrainingError, _lr_lambda
+
+    _run(_tiny_cfg(tmp_path, stop_after=4))
+    with pytest.raises(TrainingError, match=r"changed run-defining keys: max_len 40 -> 30, lr 0.001 -> 0.002; "
+                                            "pass --allow-changes"):
+        _run(_tiny_cfg(tmp_path, lr=2e-3, max_len=30), resume=True)
+    _run(_tiny_cfg(tmp_path, save_every=3), resume=True)  # where and how often it saves is not the run
+    assert (tmp_path / "checkpoints" / "step-0000006").is_dir()
+    # once more from step 4 with a new lr: the schedule follows it from there
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / "step-0000006")
+    new = _tiny_cfg(tmp_path, lr=2e-3)
+    _run(new, resume=True, allow_changes=True)
+    records = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[4]["lr"] == pytest.approx(2e-3 * _lr_lambda(new)(5))
+    assert records[3]["lr"] == pytest.approx(1e-3 * _lr_lambda(new)(4))
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+    from eagletree.train.loop import TrainingError
+
+    straight, _ = _run(_tiny_cfg(tmp_path / "a"))
+    _run(_tiny_cfg(tmp_path / "b", stop_after=4))
+    trainer = tmp_path / "b" / "checkpoints" / "step-0000004" / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])  # cut, as by a full disk
+    resumed, summary = _run(_tiny_cfg(tmp_path / "b"), resume=True)
+    err = capsys.readouterr().err
+    assert "step-0000004 is damaged" in err and "resuming from" in err and "step-0000002" in err
+    assert summary["steps"] == 6
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-6, name
+    for ckpt in (tmp_path / "b" / "checkpoints").iterdir():
+        (ckpt / "trainer.pt").write_bytes(b"")
+    with pytest.raises(TrainingError, match="no intact checkpoint in .* to resume from: step-0000006"):
+        _run(_tiny_cfg(tmp_path / "b"), resume=True)

@@ -514,15 +514,15 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
 
     ckpt, head, state, saved_cfg = resume_point(out, model.config) if resume else (None,) * 4
     changes = changed_run_keys(saved_cfg, cfg) if ckpt is not None else {}
-    if changes and not allow_changes:
-        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-        raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass --allow-changes "
-                            "to continue with the new values, or give the run another out_dir")
     if ckpt is not None:
         head = head.train()
-        if head.config.head_type != cfg.head_type:
+        if head.config.head_type != cfg.head_type:  # no flag changes this
             raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
                                 f"head_type {cfg.head_type!r}")
+        if changes and not allow_changes:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
+                                "--allow-changes to continue with the new values, or give the run another out_dir")
     elif cfg.init_head:
         head = _initial_head(cfg, model.config)
     else:
