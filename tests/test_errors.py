@@ -304,3 +304,36 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
         (ckpt / "trainer.pt").write_bytes(b"")
     with pytest.raises(TrainingError, match="no intact checkpoint in .* to resume from: step-0000006"):
         _run(_tiny_cfg(tmp_path / "b"), resume=True)
+
+
+def _dead_partial(final):
+    """A partial folder next to `final` as a killed process of this machine leaves it."""
+    from eagletree import files
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    mine = files.partial_path(final)
+    left = mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{int(gone.stdout)}-"))
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"x" * 100)
+    return left
+
+
+def test_killed_checkpoint_saves_and_de_quantizations_leave_nothing_after_the_next_run(tmp_path, monkeypatch):
+    from eagletree import target as target_mod
+
+    left = _dead_partial(tmp_path / "run" / "checkpoints" / "step-0000002")
+    _run(_tiny_cfg(tmp_path / "run", steps=2))
+    assert not left.exists() and [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-0000002"]
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really gguf")
+    left = _dead_partial(tmp_path / "cache" / "targets" / f"m-{target_mod._file_digest(gguf)}")
+    import transformers
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        target_mod.gguf_to_folder(gguf)  # interrupted too, after removing the killed one's folder
+    assert list((tmp_path / "cache" / "targets").iterdir()) == []
