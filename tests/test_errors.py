@@ -192,6 +192,10 @@ def test_a_cuda_device_without_cuda_is_one_clear_error(monkeypatch):
         load_target("smollm2-135m", device="cuda")
     with pytest.raises(TargetError, match="device 'gpu0' is not a device name"):
         load_target("smollm2-135m", device="gpu0")
+    from eagletree.train.loop import TrainConfig, train
+
+    with pytest.raises(TargetError, match="device 'cuda': CUDA is not available"):  # not a silent CPU run
+        train(TrainConfig(device="cuda", report_to="none"), conversations=[], progress=False)
 
 
 def _train_main(argv):

@@ -474,9 +474,11 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     from accelerate.utils import set_seed
 
     from ..draft_heads import Eagle3Head, EagleHead, MedusaHead, build_draft_vocab
-    from ..target import load_target
+    from ..target import checked_device, load_target
 
     out = Path(cfg.out_dir)  # made once the run's inputs are read, so a refused run leaves no empty folder
+    if cfg.device:
+        checked_device(cfg.device)  # a CUDA device on a machine without one is an error, not a CPU run
     if not cfg.features_dir and conversations is None:
         conversations = training_conversations(cfg)  # a bad dataset fails before the target is loaded
     log_with = _trackers(cfg)
