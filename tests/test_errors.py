@@ -341,3 +341,15 @@ def test_killed_checkpoint_saves_and_de_quantizations_leave_nothing_after_the_ne
     with pytest.raises(KeyboardInterrupt):
         target_mod.gguf_to_folder(gguf)  # interrupted too, after removing the killed one's folder
     assert list((tmp_path / "cache" / "targets").iterdir()) == []
+
+
+def test_a_held_out_split_without_assistant_text_is_an_error_naming_the_dataset(tmp_path):
+    from eagletree.train.evaluate import evaluation_conversations
+    from eagletree.train.loop import TrainConfig, TrainingError
+
+    data = tmp_path / "users.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                            for i in range(40)))
+    cfg = TrainConfig(dataset=str(data), heldout_fraction=0.5, eval_conversations=2)
+    with pytest.raises(TrainingError, match=r"users.jsonl: none of its \d+ held-out conversations has an assistant"):
+        evaluation_conversations(cfg)

@@ -140,7 +140,7 @@ def evaluation_conversations(cfg) -> list:
     `train.py --eval` calls this before training, so a wrong eval_dataset is found before the run, not after.
     """
     from .data import DataError, load_dataset, split
-    from .loop import TrainingError
+    from .loop import TrainingError, has_assistant_text
 
     source = cfg.eval_dataset or cfg.dataset
     try:
@@ -153,6 +153,9 @@ def evaluation_conversations(cfg) -> list:
         raise TrainingError(f"{source} has {len(heldout)} held-out conversations, too few for eval_conversations="
                             f"{cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt for a distilled "
                             "dataset, whose conversations all come from the training split)")
+    if not has_assistant_text(heldout):
+        raise TrainingError(f"{source}: none of its {len(heldout)} held-out conversations has an assistant turn with "
+                            "text; agreement is measured on assistant tokens")
     return heldout
 
 
