@@ -291,6 +291,8 @@ def cmd_features(args) -> int:
     from .train.features import cache_features
     from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
 
+    if args.shard_size < 1:
+        raise ValueError(f"--shard-size must be >= 1 (conversations per shard), got {args.shard_size}")
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")

@@ -353,3 +353,8 @@ def test_a_held_out_split_without_assistant_text_is_an_error_naming_the_dataset(
     cfg = TrainConfig(dataset=str(data), heldout_fraction=0.5, eval_conversations=2)
     with pytest.raises(TrainingError, match=r"users.jsonl: none of its \d+ held-out conversations has an assistant"):
         evaluation_conversations(cfg)
+
+
+def test_features_shard_size_is_checked(capsys):
+    assert main(["features", "--config", "configs/smollm2-135m-eagle.yaml", "--shard-size", "0"]) == 2
+    assert "--shard-size must be >= 1 (conversations per shard), got 0" in capsys.readouterr().err
