@@ -111,10 +111,10 @@ def test_eagle3_export_layout_and_import(tmp_path):
     model = four_layer_llama()
     d2t = torch.arange(3, 97, 3)
     head = Eagle3Head.for_target(model, d2t).eval()
-    out = export_head(head, tmp_path / "e3", "eagle3", dtype=torch.float32)
+    out = export_head(head, tmp_path / "e3", "eagle3", dtype=torch.float32, target=model)
     weights = load_file(str(out / "model.safetensors"))
     h = 64
-    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "midlayer.hidden_norm.weight",
                 "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight"} | \
         {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     assert set(weights) == expected

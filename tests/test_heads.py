@@ -179,7 +179,7 @@ def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
     assert weights["fc.weight"].shape == (h, 2 * h)
     assert weights["layers.0.self_attn.k_proj.weight"].shape == (2 * 16, h)  # 2 kv heads x head_dim 16
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1 and config["bias"] is bias
+    assert config["architectures"] == [arch] and config["num_hidden_layers"] == 1 and config["bias"] is False
     back = import_eagle(out, model.config)
     x, t = torch.randn(1, 6, h), torch.randint(97, (1, 6))
     with torch.no_grad():

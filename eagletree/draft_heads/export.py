@@ -1,23 +1,34 @@
 """Export EAGLE-1/2 heads to the layouts the original EAGLE code, vLLM and SGLang load, and import them back.
 
-Rules checked against those projects' loaders (vllm: model_executor/models/llama_eagle.py and
-transformers_utils/configs/eagle.py; sglang: srt/models/llama_eagle.py; SafeAILab/EAGLE:
-eagle/model/cnets1.py and ea_model.py):
+Rules checked against those projects' loaders (vLLM 0.33: model_executor/models/llama_eagle.py,
+llama_eagle3.py, llama.py, v1/worker/gpu_model_runner.py; SGLang 0.5.23: srt/models/llama_eagle.py,
+llama_eagle3.py, llama.py, speculative/eagle_worker_v2.py, spec_utils.py; SafeAILab/EAGLE:
+eagle/model/cnets1.py, cnets.py, ea_model.py, modeling_llama_kv.py):
 - weights `fc.weight` [H, 2H] and `layers.0.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
   post_attention_layernorm}.weight`; layer 0 has no input_layernorm; no lm_head, no final norm
   (the target's embedding and lm_head are used);
 - `fc.bias`: EAGLE keeps it when config "bias" is true; vLLM's fc has none (a head with a bias is
-  refused); SGLang's fc always has one (zeros are written when the head has none);
+  refused); SGLang's fc always has one (zeros are written when the head has none). vLLM and SGLang
+  also read config "bias" as the attention's bias, so it is false for both;
 - `architectures`: ["LlamaForCausalLM"] for EAGLE and vLLM (vLLM maps it to EagleLlamaForCausalLM
-  for method "eagle"), ["LlamaForCausalLMEagle"] for SGLang.
-A draft vocabulary is not part of these formats: exported heads draft over the full vocabulary.
+  for method "eagle"), ["LlamaForCausalLMEagle"] for SGLang;
+- config: `tie_word_embeddings` false (SGLang ties the draft's lm_head to its embedding otherwise and
+  then fails sharing the target's), `rope_theta`/`rope_scaling` at the top level as well as
+  `rope_parameters` (EAGLE's transformers-4 code reads only the former and falls back to base 10000),
+  `dtype` and `torch_dtype` both the exported precision;
+- the draft vocabulary is written as `token_map.pt` (a list of target ids in draft order), SGLang's
+  `--speculative-token-map`; vLLM and EAGLE draft EAGLE-1/2 heads over the full vocabulary.
 
 EAGLE-3 heads (format "eagle3", loaded by vLLM's Eagle3LlamaForCausalLM, SGLang's
 LlamaForCausalLMEagle3 and EAGLE's EAGLE-3 code): `fc.weight` [H, 3H] without bias, `midlayer.*`
 (q/k/v take 2H inputs; `input_layernorm` on the embedding, `hidden_norm`), `norm.weight`,
-`lm_head.weight` [V', H], `d2t` (int64 offsets: target id = draft id + d2t[draft id]) and `t2d`
-(bool over the target vocabulary); config `architectures: ["LlamaForCausalLMEagle3"]` with
-`draft_vocab_size` and `target_hidden_size`.
+`lm_head.weight` [V', H], `d2t` (int64 offsets: target id = draft id + d2t[draft id]), `t2d`
+(bool over the target vocabulary) and `embed_tokens.weight` (the target's: EAGLE's cnets.py does not
+load it when `target_hidden_size` is set); config `architectures: ["LlamaForCausalLMEagle3"]` with
+`draft_vocab_size` and `target_hidden_size`. The fused layers: vLLM reads top-level
+`eagle_aux_hidden_state_layer_ids` as inputs of decoder layers (our output i is its i + 1); SGLang reads
+only `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 itself (our output indices as they
+are); EAGLE's code always fuses the inputs of layers 2, L/2 and L-3.
 """
 
 from __future__ import annotations
@@ -34,8 +45,8 @@ FORMATS = ("eagle", "vllm", "sglang", "eagle3")
 ARCHITECTURES = {"eagle": "LlamaForCausalLM", "vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 
 
-def eagle3_state(head) -> dict[str, torch.Tensor]:
-    """EAGLE-3 layout: `midlayer.*`, own norm and lm_head, d2t as offsets, t2d as a mask."""
+def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """EAGLE-3 layout: `midlayer.*`, own norm and lm_head, d2t as offsets, t2d as a mask, the target's embedding."""
     from .vocab import t2d_mask
 
     state = {}
@@ -50,11 +61,19 @@ def eagle3_state(head) -> dict[str, torch.Tensor]:
     d2t = head.d2t.detach().cpu().long()
     state["d2t"] = d2t - torch.arange(d2t.numel())
     state["t2d"] = t2d_mask(d2t, head.config.target["vocab_size"])
+    if embedding is not None:
+        expected = (head.config.target["vocab_size"], head.config.hidden_size)
+        if tuple(embedding.shape) != expected:
+            raise HeadError(f"the target's embedding has shape {tuple(embedding.shape)}, expected {expected} for this head")
+        state["embed_tokens.weight"] = embedding.detach().cpu()
     return state
 
 
-def exported_state(head: EagleHead, fmt: str) -> dict[str, torch.Tensor]:
-    """The weight dict of an export: our `layer.*` become `layers.0.*`; fc.bias per the format's rule."""
+def exported_state(head: EagleHead, fmt: str, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The weight dict of an export: our `layer.*` become `layers.0.*`; fc.bias per the format's rule.
+
+    `embedding` (the target's input embedding) is required for "eagle3": EAGLE's code loads it from there.
+    """
     if fmt not in FORMATS:
         raise HeadError(f"export format {fmt!r} is not one of {FORMATS}")
     if fmt == "eagle3" or head.config.head_type == "eagle3":
@@ -64,7 +83,10 @@ def exported_state(head: EagleHead, fmt: str) -> dict[str, torch.Tensor]:
         if head.config.target["model_type"] != "llama":
             raise HeadError(f"the EAGLE-3 loaders take Llama-architecture heads; this head's target is "
                             f"{head.config.target['model_type']!r}")
-        return eagle3_state(head)
+        if embedding is None:
+            raise HeadError("an eagle3 export carries the target's embedding (EAGLE's code does not load it for "
+                            "EAGLE-3 heads); pass the target model")
+        return eagle3_state(head, embedding)
     if not isinstance(head, EagleHead):
         raise HeadError(f"only EAGLE-1/2 heads export to {FORMATS}; this head is {head.config.head_type!r}")
     model_type = head.config.target["model_type"]
@@ -87,36 +109,79 @@ def exported_state(head: EagleHead, fmt: str) -> dict[str, torch.Tensor]:
     return state
 
 
+# Keys of a transformers config that say nothing about the head (two are local paths; the dtype is rewritten).
+_NOT_EXPORTED = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "id2label",
+                 "label2id", "problem_type", "output_hidden_states", "output_attentions", "return_dict",
+                 "chunk_size_feed_forward", "is_encoder_decoder", "torch_dtype", "dtype")
+TOKEN_MAP = "token_map.pt"
+
+
+def eagle_code_fused_inputs(num_layers: int) -> list[int]:
+    """The decoder layers whose inputs EAGLE's own EAGLE-3 code fuses (modeling_llama_kv.py), whatever the config says."""
+    return [i for i in range(num_layers) if i in (2, num_layers // 2, num_layers - 3)]
+
+
+def rope_fields(layer_config: dict) -> dict:
+    """Top-level `rope_theta` and `rope_scaling` from transformers-5 `rope_parameters` (older readers take only these)."""
+    params = dict(layer_config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", layer_config.get("rope_theta"))
+    if theta is None:
+        raise HeadError("the head's layer config has no rope_theta (in rope_parameters or at the top level)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = None if rope_type == "default" else {**params, "type": rope_type, "rope_type": rope_type}
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
 def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
-    config = dict(head.config.layer_config)
-    for key in ("quantization_config", "_name_or_path", "transformers_version"):
-        config.pop(key, None)
+    """config.json of an export: the head's Llama layer config with the fields each engine reads, in its convention."""
+    config = {k: v for k, v in head.config.layer_config.items() if k not in _NOT_EXPORTED}
+    dtype_name = str(dtype).removeprefix("torch.")
+    common = {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False,
+              "dtype": dtype_name, "torch_dtype": dtype_name, **rope_fields(config),
+              "eagletree": {"format": fmt, "target": head.config.target}}
     if fmt == "eagle3":
+        config.update(common)
         config.update({
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": head.lm_head.out_features, "target_hidden_size": head.config.hidden_size,
-            "tie_word_embeddings": False, "bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-            # vLLM/SGLang/EAGLE count these as inputs of decoder layers (hidden_states[i]); ours are outputs.
+            "bias": False,
+            # vLLM: inputs of decoder layers (hidden_states[i]); ours are outputs, so i + 1.
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.fused_layers],
-            "eagletree": {"format": fmt, "target": head.config.target},
+            # SGLang reads only this one and adds 1 itself: outputs of decoder layers, ours as they are.
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.fused_layers),
+                             "use_aux_hidden_state": True},
         })
         return config
+    config.update(common)
     config.update({
         "architectures": [ARCHITECTURES[fmt]],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "bias": fmt == "sglang" or head.config.fc_bias,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagletree": {"format": fmt, "target": head.config.target},
+        # EAGLE: whether fc has a bias. vLLM and SGLang read it as the attention's bias (SGLang's fc always has one).
+        "bias": fmt == "eagle" and head.config.fc_bias,
     })
     return config
 
 
-def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> Path:
-    """Write the export folder (config.json + model.safetensors) atomically.
+def engine_notes(head, fmt: str, target_config=None) -> list[str]:
+    """What an engine will do differently from eagletree with this export (printed by `eagletree export`)."""
+    notes = []
+    if fmt == "eagle3" and target_config is not None:
+        inputs, fixed = [i + 1 for i in head.fused_layers], eagle_code_fused_inputs(target_config.num_hidden_layers)
+        if inputs != fixed:
+            notes.append(f"EAGLE's own code always fuses the inputs of layers {fixed}, this head those of {inputs}: "
+                         f"run it with vLLM or SGLang (they read the layer ids from config.json), not EAGLE's EaModel")
+    elif fmt != "eagle3" and head.config.draft_vocab_size is not None:
+        notes.append(f"the draft vocabulary ({head.config.draft_vocab_size} tokens) is in {TOKEN_MAP}: pass it to SGLang "
+                     f"as --speculative-token-map; vLLM and EAGLE draft EAGLE-1/2 heads over the full vocabulary")
+    return notes
 
-    `out_dir` must be absent or empty unless `overwrite`, which replaces these two files and keeps the
-    folder's other files; it is never the head's own folder.
+
+def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False,
+                target=None) -> Path:
+    """Write the export folder (config.json + model.safetensors, and token_map.pt for EAGLE-1/2) atomically.
+
+    `out_dir` must be absent or empty unless `overwrite`, which replaces these files and keeps the
+    folder's other files; it is never the head's own folder. `target` (the target model) is needed for
+    "eagle3", whose export carries the target's embedding.
     """
     from safetensors.torch import save_file
 
@@ -125,11 +190,16 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
     out = Path(out_dir)
     source = getattr(head, "source_dir", None)
     check_output_dir(out, overwrite, sources=[source] if source else [])
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in exported_state(head, fmt).items()}
+    if target is not None:
+        head.check_target(target.config)
+    embedding = None if target is None or fmt != "eagle3" else target.get_input_embeddings().weight
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in exported_state(head, fmt, embedding).items()}
     with building(out) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
+        if fmt != "eagle3":  # always written, so an overwrite never keeps another head's map
+            torch.save(head.d2t.detach().cpu().long().tolist(), tmp / TOKEN_MAP)  # SGLang: torch.tensor(list)
     return publish(tmp, out, keep_others=True)
 
 
@@ -175,9 +245,28 @@ def import_eagle(folder, target_config) -> EagleHead:
     weights = _read_weights(folder)
     # layer 0's input_layernorm and a copied embedding are not used by EAGLE-1/2 heads
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm."))}
-    head = EagleHead.for_target(target_config, fc_bias="fc.bias" in weights)
+    head = EagleHead.for_target(target_config, draft_tokens=_token_map(folder, target_config.vocab_size),
+                                fc_bias="fc.bias" in weights)
     state = {("layer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in weights.items()}
     return _load_checked(head, state, folder, "an EAGLE-1/2 head")
+
+
+def _token_map(folder: Path, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary in `token_map.pt` (SGLang's token map: target ids in draft order), if the folder has one."""
+    path = folder / TOKEN_MAP
+    if not path.is_file():
+        return None
+    try:
+        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True)).long().flatten()
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        raise HeadError(f"{str(path)!r} is not a token map (a list or tensor of target ids): {e}") from e
+    try:
+        from .vocab import check_draft_vocab
+
+        check_draft_vocab(ids, vocab_size)
+    except ValueError as e:
+        raise HeadError(f"{str(path)!r}: {e}") from e
+    return None if ids.numel() == vocab_size and torch.equal(ids, torch.arange(vocab_size)) else ids
 
 
 def _load_checked(head, state, folder, kind: str):
