@@ -143,7 +143,7 @@ def test_rehearsal_packs_unpacks_into_a_fresh_folder_and_runs_every_stage(tmp_pa
     assert subprocess.run([py, str(DEVICE / "run.py"), "check", "--pieces", str(pieces)], cwd=REPO).returncode == 0
     out = tmp_path / "out"
     proc = subprocess.run([py, str(DEVICE / "run.py"), "run", "--pieces", str(pieces), "--out", str(out), "--dry-run",
-                           "--simulate-device", "--work-root", str(tmp_path / "work"), "--scale", "3"],
+                           "--simulate-device", "--work-root", str(tmp_path / "work"), "--scale", "4", "--limit", "3000"],
                           cwd=REPO, capture_output=True, text=True)
     record = json.loads((out / "run.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

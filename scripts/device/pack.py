@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -118,6 +119,7 @@ def pack(args) -> dict:
         info.size = len(note)
         tar.addfile(info, io.BytesIO(note))
 
+    shutil.rmtree(data)  # the arrays live in the payload now
     size = gguf.stat().st_size
     half = (size + 1) // 2
     parts = []

