@@ -15,7 +15,9 @@ import torch
 
 from .draft_heads import make_drafter
 from .target import new_cache
-from .tree_search import chain_shape, choose_budget, eagle2_search, optimal_search, sequoia_tree, static_search
+from .tree_search import (chain_shape, choices_shape, choose_budget, eagle2_search, optimal_search, sequoia_tree,
+                          static_search)
+from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_trie
 from .verify import DraftTree, prefill, verify_step
 
 TREES = ("eagle2", "optimal", "chain", "sequoia", "auto")
@@ -57,6 +59,7 @@ class GenerationStats:
         ("prefill", "draft", "search", "verify", "accept", "commit"), 0.0))
     seconds: float = 0.0
     steps: list | None = None  # (DraftTree, accepted node indices) per pass, when asked for (calibration)
+    copied_tokens: int = 0  # accepted draft tokens that a copied span proposed
 
     @property
     def tokens_per_pass(self) -> float:
@@ -75,6 +78,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "passes": self.passes, "tokens_per_pass": self.tokens_per_pass,
                 "predicted_tokens_per_pass": self.predicted_tokens_per_pass, "accepted_histogram": self.histogram(),
+                "copied_tokens": self.copied_tokens,
                 "seconds": self.seconds, "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
                 "times": dict(self.times)}
 
@@ -154,7 +158,9 @@ def prune(tree: DraftTree, n: int) -> DraftTree:
     if n >= len(tree):
         return tree
     pruned = DraftTree(tree.tokens[:n], tree.parents[:n], draft_probs=tree.draft_probs[:n])
-    pruned.node_ids = getattr(tree, "node_ids", list(range(len(tree))))[:n]
+    pruned.node_ids = (tree.node_ids or list(range(len(tree))))[:n]
+    pruned.values = None if tree.values is None else tree.values[:n]
+    pruned.copy_info = None if tree.copy_info is None else tree.copy_info[:n]
     return pruned
 
 
@@ -165,21 +171,25 @@ def _context_limit(target) -> int | None:
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
                  truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
-                 inspect_step=None):
+                 inspect_step=None, copy=None, copy_spans=3, copy_len=16, copy_calibration=None, tree_paths=None):
     """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes.
 
     tree="auto" drafts an optimal tree of up to `budget` nodes and keeps the prefix that maximizes
     expected tokens per second under the device's latency profile (measured once and cached) and
     the drafting time measured so far; `calibrator` maps draft confidence to acceptance.
+    copy (default: on for eagle2, optimal and auto) adds copied continuations of earlier text to the
+    tree (`copy_spans` matches, up to `copy_len` tokens each, valued by `copy_calibration`, by
+    default the one saved next to the head, learning from every verified tree); with head=None
+    the tree is the copies alone (prompt lookup).
     `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
-    trees from the same drafter state); the drafter's tree is reset after it.
+    trees from the same drafter state); the drafter's tree is reset after it. tree="sequoia" with
+    `tree_paths` (rank paths, e.g. [(0,), (1,), (0, 0)]) drafts that static shape instead of Sequoia's.
     """
     if tree not in TREES:
         raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, budget=budget,
                   depth=depth, top_k_draft=top_k_draft, seed=seed)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    copy = resolve_copy(copy, tree, copy_spans, copy_len)
     stats = stats if stats is not None else GenerationStats()
     ids = encode_prompt(tokenizer, prompt)
     limit = _context_limit(target)
@@ -200,14 +210,20 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     stops = stop_token_ids(target, tokenizer, stop)
     shape = None
-    if tree in ("chain", "sequoia"):
+    if tree == "sequoia" and tree_paths is not None:
+        shape = choices_shape(tree_paths)  # a given static shape, e.g. `eagletree plan`'s
+    elif tree in ("chain", "sequoia"):
         shape = chain_shape(depth) if tree == "chain" else sequoia_tree(accept_by_rank or DEFAULT_ACCEPT_BY_RANK,
                                                                           budget, depth)
 
     auto = None
-    if tree == "auto" and head is not None:
+    if tree == "auto" and (head is not None or copy):
         auto = AutoPolicy(profile if profile is not None else latency_profile(target),
                           calibrator if calibrator is not None else head_calibrator(head), budget)
+    index = calibration = None
+    if copy:
+        index = NgramIndex(ids.tolist())  # the prompt and, as they commit, the emitted tokens
+        calibration = copy_calibration if copy_calibration is not None else head_copy_calibration(head, copy_len)
     t0 = time.perf_counter()
     cache = new_cache(target)
     layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
@@ -226,7 +242,10 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         draft_time = [0.0]
         # Near the end, drafting deeper than the tokens still wanted is wasted work.
         step_depth = min(depth, max_new_tokens - emitted - 1)
+        copies = copy_trie(index, calibration, copy_spans, min(copy_len, max_new_tokens - emitted - 1)) \
+            if copy and max_new_tokens - emitted > 1 else None
         drafting = bool(pending) and step_depth >= 1 and (auto is None or auto.should_draft())
+        expand = None
         if drafting:
             t = time.perf_counter()
             drafter.extend(torch.cat([f for f, _ in pending]), torch.cat([n for _, n in pending]))
@@ -236,25 +255,27 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
                 inspect_step(drafter, root)
                 drafter.begin_tree()
 
-            def timed(nodes, tokens, parents, level):
+            def expand(nodes, tokens, parents, level):
                 t = time.perf_counter()
                 probs = drafter(nodes, tokens, parents, level)
                 draft_time[0] += time.perf_counter() - t
                 return probs
 
-            kwargs = dict(device=device, token_map=drafter.token_map)
+        if expand is None and copies is None:
+            draft = DraftTree([root], [-1], draft_probs=[1.0])
+        else:
+            kwargs = dict(device=device, token_map=drafter.token_map if drafter is not None else None, copies=copies)
+            search_depth = max(step_depth, 1)
             if tree == "eagle2":
-                draft = eagle2_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
+                draft = eagle2_search(expand, root, budget, search_depth, top_k_draft, **kwargs)
             elif tree == "auto":
-                draft = auto.tree(timed, root, step_depth, top_k_draft, kwargs, draft_time)
+                draft = auto.tree(expand, root, search_depth, top_k_draft, kwargs, draft_time)
             elif tree == "optimal":
-                draft = optimal_search(timed, root, budget, step_depth, top_k_draft, **kwargs)
+                draft = optimal_search(expand, root, budget, search_depth, top_k_draft, **kwargs)
             else:
-                draft = static_search(timed, root, shape, **kwargs)
+                draft = static_search(expand, root, shape, device=device, token_map=kwargs["token_map"])
                 if draft.depth > step_depth:
                     draft = prune(draft, int((draft.depths <= step_depth).sum()))
-        else:
-            draft = DraftTree([root], [-1], draft_probs=[1.0])
         stats.times["draft"] += draft_time[0]
         stats.times["search"] += time.perf_counter() - t_search - draft_time[0]
         stats.predicted.append(draft.expected_tokens)
@@ -266,6 +287,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         stats.passes += 1
         stats.new_tokens += len(tokens)
         stats.accepted_lengths.append(len(step.tokens))
+        if draft.copy_info is not None:
+            calibration.update(draft, step.accepted)
+            stats.copied_tokens += sum(draft.copy_info[v] is not None for v in step.accepted[1:])
         if stats.steps is not None:
             stats.steps.append((draft, step.accepted))
         stats.seconds = time.perf_counter() - t0
@@ -275,8 +299,35 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         if drafter is not None:  # also after a one-token prompt's first pass: from then on the head drafts
             pending.append((_features(step.hidden, step.layer_hidden, layers),
                             torch.tensor(step.tokens, device=device)))
+        if index is not None:
+            index.extend(step.tokens)
         root = step.tokens[-1]
     stats.seconds = time.perf_counter() - t0
+
+
+def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
+    """copy=None means on for the dynamic trees (eagle2, optimal, auto), off for static shapes."""
+    if copy is not None and not isinstance(copy, bool):
+        raise ValueError(f"copy must be True, False or None (the tree's default), got {copy!r}")
+    for name, value in (("copy_spans", spans), ("copy_len", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if copy and tree in ("chain", "sequoia"):
+        raise ValueError(f"copy=True needs a searched tree (eagle2, optimal or auto); tree={tree!r} is a fixed shape")
+    return tree not in ("chain", "sequoia") if copy is None else copy
+
+
+def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
+    """The copy calibration saved next to a head (`copy_calibration.json`), else an uninformed one (0.5 everywhere)."""
+    from pathlib import Path
+
+    folder = getattr(head, "source_dir", None)
+    path = Path(folder) / COPY_CALIBRATION if folder else None
+    if path is not None and path.is_file():
+        saved = CopyCalibration.load(path)
+        if saved.max_len >= copy_len:
+            return saved
+    return CopyCalibration(max_len=copy_len)
 
 
 def _features(hidden, layer_hidden, layers):
@@ -309,7 +360,11 @@ class AutoPolicy:
         return True
 
     def tree(self, expand, root, depth, top_k, kwargs, draft_time) -> DraftTree:
-        """`expand` adds its seconds to draft_time[0] (which already holds this step's catch-up call)."""
+        """`expand` adds its seconds to draft_time[0] (which already holds this step's catch-up call).
+
+        expand=None (the head is paused or absent): the copied spans alone, pruned by the same rule;
+        such a step does not change the head's pause.
+        """
         calls, before = [0], draft_time[0]
 
         def counting(nodes, tokens, parents, level):
@@ -318,13 +373,16 @@ class AutoPolicy:
 
         t_one = float(self.profile.verify(1))
         min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
-        full = optimal_search(counting, root, self.search_budget, depth, top_k, min_gain=min_gain, **kwargs)
+        full = optimal_search(counting if expand is not None else None, root, self.search_budget, depth, top_k,
+                              min_gain=min_gain, **kwargs)
+        values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)
+        if expand is None:
+            return prune(full, choose_budget(values, self.profile, 0, max_budget=self.search_budget)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         self.draft_s += draft_time[0] - before
         self.levels += calls[0]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
-        values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)
         n, expected, rate = choose_budget(values, self.profile, calls[0] + 1, max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
         gain = rate * t_one
@@ -339,7 +397,11 @@ class AutoPolicy:
 
 
 def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
+    """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
     a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
+    if tree.copy_info is not None:
+        copied = torch.tensor([info is not None for info in tree.copy_info])
+        a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
     a[0] = 1.0
     return torch.exp(tree.ancestors().double() @ a.log())[1:]
 

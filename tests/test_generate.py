@@ -78,8 +78,10 @@ def test_medusa_generation_is_lossless():
 def test_sampling_through_the_generation_loop_matches_the_target():
     """Chi-square on the first two emitted tokens of full generate runs (tiny model, 8-token vocabulary).
 
-    P2's engine-level tests use 20,000 draws and negative controls; this one checks the whole loop
-    (head, search, verify, commit, drafter update) with 6,000 draws to stay quick.
+    The engine-level tests use 20,000 draws and negative controls; this one checks the whole loop
+    (head, copied spans, search, verify, commit, drafter update) with 6,000 draws to stay quick.
+    The prompt repeats itself, so the first pass's tree holds the head's candidates and a copied
+    continuation (merged where they agree): hybrid trees keep the target's distribution.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -91,21 +93,69 @@ def test_sampling_through_the_generation_loop_matches_the_target():
                       eos_token_id=None, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     head = EagleHead.for_target(model.config).eval()
-    prompt = torch.tensor([1, 2, 3])
+    prompt = torch.tensor([1, 6, 3, 1, 6, 3, 1, 6])  # the target gives the copied 3 p = 0.44, three others the rest
     sampling = dict(temperature=0.8, top_p=0.9)
-    draws = 6000
+    draws, copied = 6000, 0
     pairs = torch.zeros(8, 8)
     for i in range(draws):
+        stats = GenerationStats(steps=[])
         steps = decode_steps(model, None, head, prompt, max_new_tokens=2, budget=6, depth=2, top_k_draft=2, seed=i,
-                             **sampling)
+                             copy=True, stats=stats, **sampling)
         a, b = [t for s in steps for t in s]
         pairs[a, b] += 1
+        tree = stats.steps[0][0]
+        copied += any(info is not None for info in tree.copy_info)
+    assert copied == draws  # every first tree held the copied token 3 (after "... 1 6")
     with torch.no_grad():
         p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
         p2 = torch.stack([target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
                           for a in range(8)])
     assert chi_square_p(pairs, p1[:, None] * p2) > 0.01
     assert chi_square_p(pairs.sum(1), p1) > 0.01
+
+
+@pytest.mark.parametrize("tree", ["eagle2", "auto"])
+def test_copied_spans_are_lossless_and_carry_repetitive_text(tree):
+    from eagletree.tree_search import LatencyProfile
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    profile = LatencyProfile(sizes=[1, 64], verify_s=[0.010, 0.012], draft_s_per_level=0.0005)  # trees pay here
+    g = torch.Generator().manual_seed(3)
+    totals = {}
+    for i in range(2):
+        # A prompt that repeats a phrase, and a random one; the tiny model's greedy text repeats itself too.
+        phrase = torch.randint(97, (6,), generator=g)
+        ids = torch.cat([phrase, torch.randint(97, (3,), generator=g), phrase[:3]]) if i == 0 else \
+            torch.randint(97, (8,), generator=g)
+        want = plain(model, ids, 32)
+        for copy in (True, False):
+            for h in (head, None) if copy else (head,):
+                stats = GenerationStats()
+                out = list(decode_steps(model, tok, h, ids, max_new_tokens=32, tree=tree, budget=16, depth=3,
+                                        top_k_draft=3, copy=copy, stats=stats, profile=profile))
+                assert [t for step in out for t in step] == want, (i, copy, h is None)
+                key = (copy, h is None)
+                totals[key] = [a + b for a, b in zip(totals.get(key, (0, 0, 0)),
+                                                      (stats.new_tokens, stats.passes, stats.copied_tokens))]
+    assert totals[(False, False)][2] == 0
+    assert totals[(True, False)][2] > 0 and totals[(True, True)][2] > 0  # copies were accepted
+    tpp = {k: v[0] / v[1] for k, v in totals.items()}
+    assert tpp[(True, True)] > 1.0  # prompt lookup alone also drafts
+
+
+def test_copy_options_are_checked():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    with pytest.raises(ValueError, match="copy=True needs a searched tree.*'chain'"):
+        generate(model, tok, head, torch.tensor([3, 4]), max_new_tokens=3, tree="chain", copy=True)
+    with pytest.raises(ValueError, match="copy_len must be an integer >= 1, got 0"):
+        generate(model, tok, head, torch.tensor([3, 4]), max_new_tokens=3, copy_len=0)
+    with pytest.raises(ValueError, match="copy must be True, False or None"):
+        generate(model, tok, head, torch.tensor([3, 4]), max_new_tokens=3, copy="yes")
+    chain = generate(model, tok, head, torch.tensor([3, 4, 3]), max_new_tokens=8, tree="chain")  # copy off by default
+    assert chain.stats.copied_tokens == 0
 
 
 def test_streaming_pieces_join_to_the_text():
