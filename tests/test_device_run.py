@@ -2,6 +2,7 @@
 the device checks on CPU, and the rehearsal: pack, unpack into a fresh folder, run every stage (dry run)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,16 @@ def test_rehearsal_packs_unpacks_into_a_fresh_folder_and_runs_every_stage(tmp_pa
     assert trained["conversations"] == manifest["data"]["sharegpt"]["records"] + manifest["data"]["distill"]["records"]
     assert trained["mtbench"]["trained"]["tokens_per_pass"] >= 1.0 and (out / "train" / "head" / "model.safetensors").is_file()
     assert not list((tmp_path / "work").iterdir())  # the unpacked folder is removed after the run
+
+
+def test_readme_gpu_section_names_the_stages_limits_and_pieces_the_code_uses():
+    from eagletree.target import ALIASES
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## GPU: the prepared run"):readme.index("## Measured results")]
+    table = {m.group(1): int(m.group(2)) for m in re.finditer(r"^   \| (\w+) \| (\d+) s \|", section, re.M)}
+    assert table == dict(device_run.STAGES)
+    assert f"within {device_run.RUN_LIMIT:.0f} s in all" in section
+    gguf = ALIASES["smollm2-135m"][1]
+    for piece in (f"{gguf}.1", f"{gguf}.2", "payload.tar", "manifest.json"):
+        assert f"device-pieces/{piece}" in section, piece
