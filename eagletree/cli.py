@@ -1,4 +1,4 @@
-"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, bench."""
+"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, bench."""
 
 from __future__ import annotations
 
@@ -278,6 +278,40 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
+    from .bench import load_prompts
+    from .generate import latency_profile
+    from .plan import Acceptance, load_profile, make_plan, split_prompts, summary, write_json
+
+    acceptance = None
+    if args.acceptance:
+        try:
+            data = json.loads(Path(args.acceptance).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read --acceptance {args.acceptance!r}: {e}") from e
+        acceptance = Acceptance.from_dict(data.get("acceptance", data))
+    profile = load_profile(args.profile) if args.profile else None
+    prompts = load_prompts(args.prompts)
+    measure, check = split_prompts(prompts)
+    model, tok, head = _load(args)
+    if head is None:
+        raise SystemExit("error: plan needs a draft head (--head DIR)")
+    if profile is None:
+        from .bench import measure_drafting
+
+        profile = latency_profile(model)  # the verify pass, measured on --device once and cached
+        profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
+    result = make_plan(model, tok, head, args.engine, profile, measure, check, args.export, acceptance=acceptance,
+                       max_nodes=args.max_nodes, max_depth=args.max_depth, top_k=args.top_k_draft,
+                       max_new_tokens=args.max_new_tokens)
+    result["prompts"] = args.prompts
+    write_json(args.out, result)
+    print(summary(result))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0 if result["check"]["within_tolerance"] else 1
+
+
 def cmd_bench(args) -> int:
     """Benchmark every method against plain and prompt-lookup decoding (or, with --profile-only, the device's costs)."""
     from .bench import main
@@ -412,6 +446,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
                                                             "model.safetensors there, keep its other files")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
+    _add_model_args(p)
+    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "eagle"])
+    p.add_argument("--profile", default=None, help="latency profile JSON (eagletree bench --profile-only's "
+                                                   "profile.json, or a cached LatencyProfile); default: measure "
+                                                   "on --device")
+    p.add_argument("--export", default="EXPORT_DIR", help="the folder the head was exported to (named in the "
+                                                          "engine's settings)")
+    p.add_argument("--max-nodes", type=int, default=64, help="the most tree nodes per pass, root included")
+    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--top-k-draft", type=int, default=10, help="ranks measured per depth")
+    p.add_argument("--prompts", default="heldout:8", help="heldout:N, mtbench[:N] or a .jsonl file; the first "
+                                                          "half measures the acceptance, the second checks the tree")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--acceptance", default=None, help="reuse the acceptance of an earlier plan's JSON (the "
+                                                      "first half of the prompts is then not decoded)")
+    p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)

@@ -51,26 +51,35 @@ def choices_shape(choices: Sequence[Sequence[int]]) -> Shape:
     return Shape(parents, ranks)
 
 
-def sequoia_tree(accept_by_rank: Sequence[float], budget: int, depth: int) -> Shape:
-    """Sequoia's dynamic program: the static shape with the most expected tokens per pass.
+def acceptance_rows(accept_by_rank, depth: int) -> list[list[float]]:
+    """Per-depth acceptance rows for `depth` levels: one list of per-rank probabilities for every depth, or a list
+    of such rows (row d-1 for children at depth d; the last row repeats below the measured depths)."""
+    nested = len(accept_by_rank) > 0 and not isinstance(accept_by_rank[0], (int, float)) and \
+        getattr(accept_by_rank[0], "__len__", None) is not None
+    rows = [[float(x) for x in row] for row in accept_by_rank] if nested else [[float(x) for x in accept_by_rank]]
+    if not rows or not rows[0] or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"accept_by_rank must be one non-empty row of probabilities or rows of equal length, "
+                         f"got {accept_by_rank}")
+    for row in rows:
+        if any(not 0.0 <= x <= 1.0 or math.isnan(x) for x in row):
+            raise ValueError(f"accept_by_rank must hold probabilities in [0, 1], got {row}")
+    return [rows[min(d, len(rows) - 1)] for d in range(depth)]
 
-    accept_by_rank[r] = probability that the parent's (r+1)-th ranked draft token is the accepted
-    one. A node's children occupy ranks 0..m-1 (no gaps). O(budget^2 * depth * k).
-    """
-    p = [float(x) for x in accept_by_rank]
-    check_search_args(budget, depth, len(p))
-    if any(not 0.0 <= x <= 1.0 or math.isnan(x) for x in p):
-        raise ValueError(f"accept_by_rank must hold probabilities in [0, 1], got {p}")
-    k, n_max = len(p), budget
+
+def _sequoia_dp(rows: list[list[float]], budget: int, depth: int):
+    """f[d][n]: best value of a subtree of n nodes (root included, root worth 1) and depth <= d, whose root sits
+    at depth `depth - d` (its children accept with rows[depth - d]); choice[(d, r, m)]: the nodes given to the
+    rank-r child when m nodes hang under ranks r.. of such a root."""
+    k, n_max = len(rows[0]), budget
     neg = -math.inf
-    # f[d][n]: best value of a subtree of n nodes (root included, root worth 1) and depth <= d.
     f = [[neg] * (n_max + 1) for _ in range(depth + 1)]
-    # h[d][r][m]: best value of m nodes hung under ranks r..k-1 (consecutive from r) with subtree depth <= d-1.
+    # h[r][m]: best value of m nodes hung under ranks r..k-1 (consecutive from r) with subtree depth <= d-1.
     choice = {}
     for d in range(depth + 1):
         f[d][1] = 1.0
         if d == 0:
             continue
+        p = rows[depth - d]
         h = [[neg] * (n_max + 1) for _ in range(k + 1)]
         for r in range(k + 1):
             h[r][0] = 0.0
@@ -87,9 +96,10 @@ def sequoia_tree(accept_by_rank: Sequence[float], budget: int, depth: int) -> Sh
                 choice[(d, r, m)] = arg
         for n in range(2, n_max + 1):
             f[d][n] = 1.0 + h[0][n - 1]
-    # The best size: values are non-negative, but a rank with p = 0 adds nothing; prefer fewer nodes.
-    n_best = max(range(1, n_max + 1), key=lambda n: (round(f[depth][n], 12), -n))
+    return f, choice
 
+
+def _sequoia_shape(choice, n: int, depth: int, value: float) -> Shape:
     parents, ranks = [-1], [-1]
 
     def build(node, n, d):
@@ -101,8 +111,23 @@ def sequoia_tree(accept_by_rank: Sequence[float], budget: int, depth: int) -> Sh
             build(len(parents) - 1, j, d - 1)
             m, r = m - j, r + 1
 
-    build(0, n_best, depth)
-    return Shape(parents, ranks, expected_tokens=f[depth][n_best])
+    build(0, n, depth)
+    return Shape(parents, ranks, expected_tokens=value)
+
+
+def sequoia_tree(accept_by_rank, budget: int, depth: int) -> Shape:
+    """Sequoia's dynamic program: the static shape with the most expected tokens per pass.
+
+    accept_by_rank[r] = probability that the parent's (r+1)-th ranked draft token is the accepted
+    one; or rows of these, row d-1 for children at depth d (acceptance measured by depth). A node's
+    children occupy ranks 0..m-1 (no gaps). O(budget^2 * depth * k).
+    """
+    check_search_args(budget, depth, 1)
+    rows = acceptance_rows(accept_by_rank, depth)
+    f, choice = _sequoia_dp(rows, budget, depth)
+    # The best size: values are non-negative, but a rank with p = 0 adds nothing; prefer fewer nodes.
+    n_best = max(range(1, budget + 1), key=lambda n: (round(f[depth][n], 12), -n))
+    return _sequoia_shape(choice, n_best, depth, f[depth][n_best])
 
 
 def static_tree(child_probs: Callable, root_token: int, shape: Shape) -> DraftTree:

@@ -1,0 +1,305 @@
+"""`eagletree plan`: the best static tree for a head on a device, written as a serving engine's configuration.
+
+1. Acceptance by depth and rank, measured on held-out prompts: the target answers greedily; at every
+   position of its answer the head drafts a chain along the true tokens (depth d reads the head's own
+   features of depths < d, exactly as when it drafts that path in a tree), and the rank of each true
+   token in the head's draft distribution is recorded until one falls outside the top-k. A static tree
+   accepts, at a position, 1 + the length of the longest prefix of that rank path among its nodes.
+2. So a tree's expected tokens per pass is 1 + the sum over its nodes of how often the true rank path
+   passes through the node (measured, no independence between depths assumed; `accept[d][r]`, the
+   per-depth acceptance Sequoia's DP takes, is reported too). Those frequencies never grow along a path,
+   so the best tree of N nodes and depth <= D is the N - 1 most frequent paths; the latency profile
+   gives a step's time t(N, D), and the plan is the (N, D) with the most tokens per second.
+3. The engine's configuration: vLLM 0.33 drafts chains only (its SpeculativeConfig has no token tree),
+   so its plan is the best chain; SGLang (steps, top-k, draft tokens) and EAGLE (total_token, depth,
+   top_k) build EAGLE-2 trees of that size and width.
+4. The check: the same static tree through eagletree's own `generate` on other held-out prompts; the
+   measured tokens per pass against the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ENGINES = ("vllm", "sglang", "eagle")
+CHECK_TOLERANCE = 0.10
+
+
+@dataclass
+class Acceptance:
+    """What a head's drafts hit on the target's own answers, by depth and rank.
+
+    paths["r1,r2,..."]: positions whose true tokens were the head's rank-r1 draft at depth 1, rank r2 at
+    depth 2, ... (a prefix of their rank path); accept[d][r]: P(rank r at depth d + 1 | the parent is on
+    the path), reached[d]: positions with every true token above depth d + 1 in the top-k.
+    """
+
+    paths: dict[str, int]
+    positions: int
+    accept: list[list[float]]
+    reached: list[int]
+    top_k: int
+    prompts: int
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Acceptance":
+        keys = ("paths", "positions", "accept", "reached", "top_k", "prompts")
+        try:
+            table = cls(**{k: data[k] for k in keys})
+            bad = [k for k, v in table.paths.items() if not _is_path(k) or not 0 <= int(v) <= table.positions]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"an acceptance table needs {', '.join(keys)}: {e}") from None
+        if bad or table.positions < 1:
+            raise ValueError(f"acceptance: path counts must lie in [0, positions={table.positions}], "
+                             f"keys like '0,1'; bad: {bad[:3]}")
+        return table
+
+    def frequency(self, path: tuple[int, ...]) -> float:
+        return self.paths.get(",".join(map(str, path)), 0) / self.positions
+
+
+def _is_path(key: str) -> bool:
+    return all(part.isdigit() for part in key.split(","))
+
+
+def _rank(probs: torch.Tensor, index: int) -> int:
+    """0-based rank of entry `index` in a distribution (entries strictly more probable come first)."""
+    return int((probs > probs[index]).sum())
+
+
+@torch.inference_mode()
+def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8,
+                       top_k: int = 10) -> Acceptance:
+    """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
+    from .draft_heads import TreeDrafter, make_drafter, target_to_draft
+    from .generate import _features, encode_prompt, generate
+    from .target import new_cache
+    from .verify import prefill
+
+    if not prompts:
+        raise ValueError("measuring acceptance needs at least one prompt")
+    for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    hits = [[0] * top_k for _ in range(depth)]
+    reached = [0] * depth
+    paths: dict[str, int] = {}
+    positions = 0
+    device = next(target.parameters()).device
+    layers = getattr(head, "fused_layers", None)
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt).to(device)
+        # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
+        answer = generate(target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                          tree="chain", depth=4).token_ids
+        if not answer:
+            continue
+        seq = torch.cat([ids, torch.tensor(answer, device=device)])
+        out = prefill(target, new_cache(target), seq[:-1], layers=layers)
+        feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
+        drafter = make_drafter(head, target)
+        if not isinstance(drafter, TreeDrafter):
+            raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
+        to_draft = None if drafter.token_map is None else target_to_draft(drafter.token_map.cpu(),
+                                                                          target.config.vocab_size).to(device)
+        p = ids.numel()
+        probs = drafter.extend(feats[: p - 1], seq[1:p])
+        for t in range(len(answer)):  # the root is seq[p - 1 + t]; its true continuation seq[p + t:]
+            positions += 1
+            path = []
+            for d in range(min(depth, seq.numel() - (p + t))):
+                if d > 0:
+                    node = torch.tensor([d], device=device)
+                    probs = drafter(node, seq[p + t + d - 1: p + t + d], node - 1, d + 1)[0]
+                true = int(seq[p + t + d])
+                index = true if to_draft is None else int(to_draft[true])
+                reached[d] += 1
+                rank = top_k if index < 0 else _rank(probs, index)
+                if rank >= top_k:
+                    break
+                hits[d][rank] += 1
+                path.append(rank)
+                key = ",".join(map(str, path))
+                paths[key] = paths.get(key, 0) + 1
+            if t + 1 < len(answer):
+                probs = drafter.extend(feats[p - 1 + t: p + t], seq[p + t: p + t + 1])
+    if positions == 0:
+        raise ValueError("the target answered none of the prompts (each stopped at once)")
+    accept = [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
+    return Acceptance(paths, positions, accept, reached, top_k, len(prompts))
+
+
+@dataclass
+class Plan:
+    engine: str
+    nodes: int  # tree nodes per pass, root included
+    depth: int
+    width: int  # the most children of one node (= the largest rank + 1)
+    paths: list[list[int]]  # each non-root node as its rank path from the root, e.g. [0], [1], [0, 0]
+    expected_tokens: float  # per pass, under the measured acceptance
+    step_s: float  # predicted seconds per step under the latency profile
+    tokens_per_s: float
+    plain_tokens_per_s: float  # one token per one-node pass, same profile
+
+
+def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64, max_depth: int = 8) -> Plan:
+    """The (nodes, depth) with the most expected tokens per second and its tree (a chain for vLLM).
+
+    A node's value is how often the true rank path passes through it; values never grow along a path, so
+    the most valuable n - 1 paths (shorter first on ties) form the best connected tree of n nodes.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if max_nodes < 2 or max_depth < 1:
+        raise ValueError(f"max_nodes must be >= 2 and max_depth >= 1, got {max_nodes} and {max_depth}")
+    candidates = [tuple(int(r) for r in key.split(",")) for key in acceptance.paths]
+    if engine == "vllm":  # one draft token per step
+        candidates = [p for p in candidates if not any(p)]
+    best = None
+    for depth in range(1, max_depth + 1):
+        ranked = sorted((p for p in candidates if len(p) <= depth), key=lambda p: (-acceptance.frequency(p), len(p), p))
+        ranked = ranked[: max_nodes - 1]
+        if not ranked or max(map(len, ranked)) < depth:
+            continue  # this depth adds nothing: scored at its own depth with fewer drafting levels
+        expected = 1.0
+        for n, path in enumerate(ranked, start=2):
+            expected += acceptance.frequency(path)
+            tree = ranked[: n - 1]
+            if max(map(len, tree)) < depth:
+                continue
+            step = float(profile.step_time(n, depth))
+            if best is None or expected / step > best[0] * (1 + 1e-12):
+                best = (expected / step, tree, expected, depth, step)
+    if best is None:
+        raise ValueError("the head's drafts were never accepted on these prompts: no tree beats plain decoding")
+    rate, tree, expected, depth, step = best
+    paths = sorted(tree, key=lambda p: (len(p), p))
+    width = max(sum(1 for q in paths if q[:-1] == p) for p in [()] + paths)
+    plain = 1.0 / float(profile.step_time(1, 0))
+    return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, step, rate, plain)
+
+
+def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
+    """The engine's own settings for the plan's tree."""
+    if plan.engine == "vllm":
+        return {"speculative_config": {"method": "eagle3" if eagle3 else "eagle", "model": export_dir,
+                                       "num_speculative_tokens": plan.depth}}
+    if plan.engine == "sglang":
+        flags = {"--speculative-algorithm": "EAGLE3" if eagle3 else "EAGLE",
+                 "--speculative-draft-model-path": export_dir,
+                 "--speculative-num-steps": plan.depth, "--speculative-eagle-topk": plan.width,
+                 # SGLang counts the verified root among the draft tokens (steps + 1 for a chain).
+                 "--speculative-num-draft-tokens": plan.nodes}
+        if draft_vocab and not eagle3:
+            flags["--speculative-token-map"] = str(Path(export_dir) / "token_map.pt")
+        return {"flags": flags, "command": "python -m sglang.launch_server --model-path TARGET " +
+                " ".join(f"{k} {v}" for k, v in flags.items())}
+    # EAGLE's EaModel.from_pretrained: total_token counts the root; its first top-k level comes before `depth` more.
+    return {"total_token": plan.nodes, "depth": plan.depth - 1, "top_k": plan.width}
+
+
+def load_profile(path):
+    """A LatencyProfile JSON, or the profile.json of `eagletree bench --profile-only` (rows per tree size)."""
+    from .tree_search import LatencyProfile
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
+    if "rows" not in data:
+        return LatencyProfile.load(path)
+    rows = data["rows"]
+    try:
+        sizes = [int(r["n"]) for r in rows]
+        # bench's engine_ms holds the search's share too; a LatencyProfile counts search per level apart.
+        verify = [(r["forward_ms"] + r["engine_ms"] - r["search_ms"]) / 1e3 for r in rows]
+        levels = [r["draft_level_ms"] / 1e3 for r in rows if r["n"] > 1]
+        search = [r["search_ms"] / 1e3 / max(int(data.get("depth", 6)), 1) for r in rows if r["n"] > 1]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{str(path)!r}: bench profile rows need n, forward_ms, engine_ms, search_ms and "
+                         f"draft_level_ms ({e})") from None
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    return LatencyProfile(sizes, verify, draft_s_per_level=median(levels), search_s_per_level=median(search),
+                          device=str(data.get("device", "")), model=str(data.get("config", "")),
+                          notes={"from": str(path)})
+
+
+def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int) -> dict:
+    """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
+    from .generate import generate
+
+    new = passes = 0
+    for prompt in prompts:
+        stats = generate(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                         tree="sequoia", tree_paths=plan.paths, budget=plan.nodes, depth=plan.depth).stats
+        new, passes = new + stats.new_tokens, passes + stats.passes
+    measured = new / passes if passes else 0.0
+    error = measured / plan.expected_tokens - 1.0
+    return {"prompts": len(prompts), "new_tokens": new, "passes": passes, "measured_tokens_per_pass": measured,
+            "predicted_tokens_per_pass": plan.expected_tokens, "relative_error": error,
+            "within_tolerance": abs(error) <= CHECK_TOLERANCE}
+
+
+def write_json(path, data: dict) -> None:
+    """Write atomically (a temporary file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prompts, export_dir: str,
+              acceptance: Acceptance | None = None, max_nodes: int = 64, max_depth: int = 8, top_k: int = 10,
+              max_new_tokens: int = 48) -> dict:
+    """Measure (unless given) the acceptance, choose the tree, write the engine's settings, check the tree."""
+    if acceptance is None:
+        acceptance = measure_acceptance(target, tokenizer, head, prompts, max_new_tokens, max_depth, top_k)
+    plan = best_plan(acceptance, profile, engine, max_nodes, max_depth)
+    check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
+    eagle3 = head.config.head_type == "eagle3"
+    return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, head.config.draft_vocab_size is not None),
+            "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
+            "expected_tokens_per_pass": plan.expected_tokens, "predicted_step_ms": plan.step_s * 1e3,
+            "predicted_tokens_per_s": plan.tokens_per_s, "predicted_plain_tokens_per_s": plan.plain_tokens_per_s,
+            "check": check, "acceptance": asdict(acceptance),
+            "profile": {"device": profile.device, "model": profile.model, "sizes": profile.sizes,
+                        "verify_s": profile.verify_s, "draft_s_per_level": profile.draft_s_per_level,
+                        "search_s_per_level": profile.search_s_per_level}}
+
+
+def summary(result: dict) -> str:
+    """The plan as a few lines of text: the engine's settings, the tree, predicted and measured tokens per pass."""
+    tree, check = result["tree"], result["check"]
+    lines = [f"{result['engine']}: {json.dumps(result['config'])}",
+             f"tree: {tree['nodes']} nodes, depth {tree['depth']}, width {tree['width']}; paths "
+             f"{[tuple(p) for p in tree['paths']]}",
+             f"expected {result['expected_tokens_per_pass']:.3f} tokens/pass, {result['predicted_tokens_per_s']:.1f} "
+             f"tokens/s under the profile (plain decoding {result['predicted_plain_tokens_per_s']:.1f})"]
+    if check is not None:
+        verdict = "within" if check["within_tolerance"] else "NOT within"
+        lines.append(f"check: eagletree generate with this tree on {check['prompts']} other prompts: measured "
+                     f"{check['measured_tokens_per_pass']:.3f} tokens/pass, predicted "
+                     f"{check['predicted_tokens_per_pass']:.3f} ({check['relative_error']:+.1%}, {verdict} "
+                     f"{CHECK_TOLERANCE:.0%})")
+    return "\n".join(lines)
+
+
+def split_prompts(prompts: list) -> tuple[list, list]:
+    """The first half measures the acceptance, the second checks the tree (disjoint prompts)."""
+    if len(prompts) < 2:
+        raise ValueError(f"plan needs at least 2 prompts (one to measure, one to check), got {len(prompts)}")
+    half = math.ceil(len(prompts) / 2)
+    return prompts[:half], prompts[half:]
