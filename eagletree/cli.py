@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
     p.add_argument("--out", required=True, help="a new or empty folder (never the head's own)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
-                                                            "model.safetensors there, keep its other files")
+                                                            "model.safetensors (and token_map.pt) there, keep the rest "
+                                                            "of its files")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--target", default="smollm2-135m", help="eagle3: the target whose embedding the export carries")
     p.set_defaults(func=cmd_export)

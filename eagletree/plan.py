@@ -270,7 +270,8 @@ def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prom
     plan = best_plan(acceptance, profile, engine, max_nodes, max_depth)
     check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
     eagle3 = head.config.head_type == "eagle3"
-    return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, head.config.draft_vocab_size is not None),
+    draft_vocab = head.config.draft_vocab_size is not None
+    return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, draft_vocab),
             "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
             "expected_tokens_per_pass": plan.expected_tokens, "predicted_step_ms": plan.step_s * 1e3,
             "predicted_tokens_per_s": plan.tokens_per_s, "predicted_plain_tokens_per_s": plan.plain_tokens_per_s,

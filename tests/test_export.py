@@ -49,7 +49,8 @@ def stacked(name: str) -> str:
 def eagle1_params(h, inter, q, kv, fc_bias):
     """The parameters an EAGLE-1/2 draft model of one layer has (layer 0 without input_layernorm), by name -> shape."""
     params = {"model.fc.weight": (h, 2 * h), "model.layers.0.self_attn.qkv_proj.weight": (q + 2 * kv, h),
-              "model.layers.0.self_attn.o_proj.weight": (h, q), "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
+              "model.layers.0.self_attn.o_proj.weight": (h, q),
+              "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
               "model.layers.0.mlp.down_proj.weight": (h, inter), "model.layers.0.post_attention_layernorm.weight": (h,)}
     if fc_bias:
         params["model.fc.bias"] = (h,)

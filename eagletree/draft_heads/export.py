@@ -64,7 +64,8 @@ def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch
     if embedding is not None:
         expected = (head.config.target["vocab_size"], head.config.hidden_size)
         if tuple(embedding.shape) != expected:
-            raise HeadError(f"the target's embedding has shape {tuple(embedding.shape)}, expected {expected} for this head")
+            raise HeadError(f"the target's embedding has shape {tuple(embedding.shape)}, expected {expected} "
+                            "for this head")
         state["embed_tokens.weight"] = embedding.detach().cpu()
     return state
 
@@ -117,12 +118,14 @@ TOKEN_MAP = "token_map.pt"
 
 
 def eagle_code_fused_inputs(num_layers: int) -> list[int]:
-    """The decoder layers whose inputs EAGLE's own EAGLE-3 code fuses (modeling_llama_kv.py), whatever the config says."""
+    """The decoder layers whose inputs EAGLE's own EAGLE-3 code fuses (modeling_llama_kv.py), whatever the config
+    says."""
     return [i for i in range(num_layers) if i in (2, num_layers // 2, num_layers - 3)]
 
 
 def rope_fields(layer_config: dict) -> dict:
-    """Top-level `rope_theta` and `rope_scaling` from transformers-5 `rope_parameters` (older readers take only these)."""
+    """Top-level `rope_theta` and `rope_scaling` from transformers-5 `rope_parameters` (older readers take only
+    these)."""
     params = dict(layer_config.get("rope_parameters") or {})
     theta = params.pop("rope_theta", layer_config.get("rope_theta"))
     if theta is None:
@@ -170,8 +173,9 @@ def engine_notes(head, fmt: str, target_config=None) -> list[str]:
             notes.append(f"EAGLE's own code always fuses the inputs of layers {fixed}, this head those of {inputs}: "
                          f"run it with vLLM or SGLang (they read the layer ids from config.json), not EAGLE's EaModel")
     elif fmt != "eagle3" and head.config.draft_vocab_size is not None:
-        notes.append(f"the draft vocabulary ({head.config.draft_vocab_size} tokens) is in {TOKEN_MAP}: pass it to SGLang "
-                     f"as --speculative-token-map; vLLM and EAGLE draft EAGLE-1/2 heads over the full vocabulary")
+        notes.append(f"the draft vocabulary ({head.config.draft_vocab_size} tokens) is in {TOKEN_MAP}: pass it to "
+                     "SGLang as --speculative-token-map; vLLM and EAGLE draft EAGLE-1/2 heads over the full "
+                     "vocabulary")
     return notes
 
 
