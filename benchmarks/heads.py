@@ -1,6 +1,11 @@
 """Tokens per target pass of several draft heads on the same held-out prompts, with the paired difference.
 
     .venv/bin/python benchmarks/heads.py eagletree/heads/smollm2-135m runs/NEW/head [--prompts 60]
+    .venv/bin/python benchmarks/heads.py eagletree/heads/smollm2-135m --prompts mtbench:40 --copy both
+
+--prompts N takes held-out ShareGPT prompts (below); mtbench[:N] MT-bench first turns (with a table per
+category) and humaneval[:N] HumanEval problems. --copy off|on|both: decode with the head alone, with copied
+spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
 
 Every head decodes every prompt (greedy, EAGLE-2 tree of --budget nodes); decoding is lossless, so the heads'
 answers must be the same token for token, which is checked (against each other; the tests compare decoding
@@ -42,7 +47,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="head folders; the first is the baseline")
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--prompts", type=int, default=60)
+    ap.add_argument("--prompts", default="60", help="N held-out ShareGPT prompts, mtbench[:N] or humaneval[:N]")
+    ap.add_argument("--copy", default="off", choices=["off", "on", "both"],
+                    help="copied spans in the tree: off (the head alone), on, or both (each head twice)")
     ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts")
     ap.add_argument("--skip-prompts", type=int, default=30, help="then this many prompts skipped (the evaluation's)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -51,7 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
     args = ap.parse_args(argv)
-    for name, value in (("prompts", args.prompts), ("max-new-tokens", args.max_new_tokens), ("budget", args.budget),
+    benchmark = None if args.prompts.isdigit() else args.prompts
+    if benchmark is None:
+        args.prompts = int(args.prompts)
+    for name, value in (("prompts", args.prompts if benchmark is None else 1), ("max-new-tokens", args.max_new_tokens),
+                        ("budget", args.budget),
                         ("depth", args.depth), ("top-k", args.top_k)):
         if value < 1:
             ap.error(f"--{name} must be >= 1, got {value}")
@@ -70,13 +81,26 @@ def main(argv=None) -> int:
     from eagletree.train.data import load_dataset, split
     from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the shipped ShareGPT file's known cut-off, reported by `eagletree data`
-        _, heldout = split(load_dataset("sharegpt"))
-    prompts = heldout_prompts(heldout[args.offset:], args.skip_prompts + args.prompts)[args.skip_prompts:]
-    if len(prompts) < args.prompts:
-        ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
-                 f"and --skip-prompts {args.skip_prompts}")
+    categories = None
+    if benchmark is not None:
+        from eagletree.bench import load_prompts
+        from eagletree.prompts import mtbench_subset
+
+        try:
+            prompts = load_prompts(benchmark)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(str(e))
+        if benchmark.startswith("mtbench"):
+            n = benchmark.removeprefix("mtbench").removeprefix(":")
+            categories = [q.category for q in mtbench_subset(int(n) if n else None)]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the shipped ShareGPT file's known cut-off, reported by `eagletree data`
+            _, heldout = split(load_dataset("sharegpt"))
+        prompts = heldout_prompts(heldout[args.offset:], args.skip_prompts + args.prompts)[args.skip_prompts:]
+        if len(prompts) < args.prompts:
+            ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
+                     f"and --skip-prompts {args.skip_prompts}")
     target, tok = load_target(args.target)
     pack_target(target, "auto")
     device = next(target.parameters()).device
@@ -89,28 +113,32 @@ def main(argv=None) -> int:
             ap.error(f"{path}: {e}")
         heads.append(head)
     options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k)
-    rows = []  # per prompt: [(new, passes)] per head
+    copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
+    configs = [(path, head, copy) for path, head in zip(args.heads, heads) for copy in copies]
+    labels = [path + (" +copy" if copy else "") for path, _, copy in configs]
+    rows = []  # per prompt: [(new, passes)] per config
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
-        for path, head in zip(args.heads, heads):
+        for label, (path, head, copy) in zip(labels, configs):
             answers = []
-            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, **options)
+            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy, **options)
             answer = answers[0][1]
             if first is None:
                 first = answer
             elif not torch.equal(first, answer):
-                print(f"error: prompt {i}: {path} decoded another answer than {args.heads[0]}; decoding must be "
+                print(f"error: prompt {i}: {label} decoded another answer than {labels[0]}; decoding must be "
                       "lossless", file=sys.stderr)
                 return 1
             row.append((r["new_tokens"], r["passes"]))
         rows.append(row)
 
     base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
-    print(f"{len(prompts)} held-out prompts x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes "
-          f"(depth {args.depth}, top-k {args.top_k}), T = 0; the same answers from every head\n")
+    source = benchmark or "held-out ShareGPT"
+    print(f"{len(prompts)} prompts ({source}) x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes "
+          f"(depth {args.depth}, top-k {args.top_k}), T = 0; the same answers from every row\n")
     print("| head | tokens/pass | vs first (95% interval over prompts) |\n|---|---|---|")
     report = []
-    for j, path in enumerate(args.heads):
+    for j, label in enumerate(labels):
         new, passes = [r[j][0] for r in rows], [r[j][1] for r in rows]
         tpp = sum(new) / sum(passes)
         if j == 0:
@@ -118,12 +146,30 @@ def main(argv=None) -> int:
         else:
             lo, hi = ratio_interval(new, passes, base_new, base_passes)
             versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({lo:+.1%} .. {hi:+.1%})"
-        print(f"| {path} | {tpp:.3f} | {versus} |")
-        report.append({"head": path, "tokens_per_pass": tpp, "new_tokens": new, "passes": passes})
+        print(f"| {label} | {tpp:.3f} | {versus} |")
+        report.append({"head": configs[j][0], "copy": configs[j][2], "tokens_per_pass": tpp, "new_tokens": new,
+                       "passes": passes})
+    if categories is not None:
+        print(category_table(categories, rows, labels))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "heads": report}, indent=2))
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "categories": categories, "heads": report},
+                                             indent=2))
     return 0
+
+
+def category_table(categories, rows, labels) -> str:
+    """Tokens/pass per MT-bench category (columns) for every row, as in the EAGLE papers' tables."""
+    names = list(dict.fromkeys(categories))
+    lines = ["", "| head | " + " | ".join(names) + " | mean |", "|---|" + "---|" * (len(names) + 1)]
+    for j, label in enumerate(labels):
+        cells = []
+        for c in names:
+            idx = [i for i, cat in enumerate(categories) if cat == c]
+            cells.append(f"{sum(rows[i][j][0] for i in idx) / sum(rows[i][j][1] for i in idx):.2f}")
+        total = sum(r[j][0] for r in rows) / sum(r[j][1] for r in rows)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {total:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

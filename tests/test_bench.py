@@ -107,7 +107,7 @@ def test_prompt_specs_and_jsonl(tmp_path):
         bench.load_prompts("heldout:abc")
     with pytest.raises(ValueError, match="no such file"):
         bench.load_prompts(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match="expected mtbench\\[:N\\], heldout:N or a .jsonl file"):
+    with pytest.raises(ValueError, match="expected mtbench\\[:N\\], humaneval\\[:N\\], heldout:N or a .jsonl file"):
         bench.load_prompts("prompts.txt")
     with pytest.raises(ValueError, match="'mtbench:0': expected mtbench or mtbench:N"):
         bench.load_prompts("mtbench:0")

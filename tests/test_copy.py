@@ -168,7 +168,7 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
     assert cal.tried[2].tolist() == [7, 6, 6]
     cal.save(tmp_path / "c.json")
     back = CopyCalibration.load(tmp_path / "c.json")
-    assert torch.allclose(back.prior, cal.measured().clamp(0.01, 0.99))
+    assert torch.allclose(back.prior, cal.rate().clamp(0.01, 0.99)) and back.max_len == 3
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a copy calibration file"):
         CopyCalibration.load(tmp_path / "bad.json")

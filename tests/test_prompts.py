@@ -3,7 +3,7 @@ import json
 import pytest
 
 from eagletree import bench
-from eagletree.prompts import MTBENCH_CATEGORIES, mtbench_questions, mtbench_subset
+from eagletree.prompts import MTBENCH_CATEGORIES, humaneval_prompts, mtbench_questions, mtbench_subset
 
 
 def test_mtbench_ships_80_questions_in_8_categories_of_10():
@@ -30,3 +30,13 @@ def test_a_malformed_question_file_names_the_line(tmp_path):
     path.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["a", "b"]}) + "\n{\"turns\": []}\n")
     with pytest.raises(ValueError, match="line 2: expected an MT-bench question"):
         mtbench_questions(path)
+
+
+def test_humaneval_prompts_ask_to_complete_each_function():
+    prompts = humaneval_prompts()
+    assert len(prompts) == 164
+    first = prompts[0][0]["content"]
+    assert first.startswith("Complete the following Python function.") and "def has_close_elements(" in first
+    assert humaneval_prompts(2, offset=1) == prompts[1:3] == bench.load_prompts("humaneval:3")[1:]
+    with pytest.raises(ValueError, match="'humaneval:x': expected humaneval or humaneval:N"):
+        bench.load_prompts("humaneval:x")

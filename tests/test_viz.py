@@ -41,12 +41,17 @@ def test_viz_step_is_the_real_step(tiny, tree):
     stats = GenerationStats(steps=[])
     emitted = [t for tokens in decode_steps(model, tok, head, PROMPT, max_new_tokens=30, stats=stats, tree=tree,
                                             **SEARCH) for t in tokens]
-    for step in (1, 3):
+    # The first step whose tree holds copied spans (the tiny model's text repeats itself): marked on the page.
+    copy_step = next((i + 1 for i, (draft, _) in enumerate(stats.steps) if any(draft.copy_info or ())), None)
+    assert (copy_step is None) == (tree == "sequoia")
+    for step in (1, 3) + ((copy_step,) if copy_step else ()):
         d = viz_step(model, tok, head, PROMPT, step=step, max_new_tokens=30, tree=tree, **SEARCH)
         draft, accepted = stats.steps[step - 1]
         assert d["tokens"] == draft.tokens.tolist() and d["parents"] == draft.parents.tolist()
         assert len(d["tokens"]) == len(draft) and len(draft) <= SEARCH["budget"]
         assert d["expected"] == pytest.approx(draft.expected_tokens)
+        assert d["copied"] == [info is not None for info in draft.copy_info or [None] * len(draft)]
+        assert any(d["copied"]) == (step == copy_step)
         # The context is the prompt plus what the steps before emitted; the root is its last token.
         before = sum(stats.accepted_lengths[: step - 1])
         context = torch.cat([PROMPT, torch.tensor(emitted[:before], dtype=torch.long)])

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from ..draft_heads import TreeDrafter
+from ..tree_search.copy import COPY_CALIBRATION
 from .render import RenderError, render
 
 
@@ -106,6 +107,20 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
             "prompts": len(prompts), "new_tokens": new, "passes": passes}
 
 
+def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=128, copy_len=16, **options):
+    """Acceptance of copied spans by match length and position, measured by decoding `prompts` with copying on.
+
+    Returns (CopyCalibration, tokens/pass result); save the calibration next to the head
+    (`copy_calibration.json`) and decoding starts from it instead of an uninformed 0.5.
+    """
+    from ..tree_search.copy import CopyCalibration
+
+    calibration = CopyCalibration(max_len=copy_len)
+    result = tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens, copy=True, copy_len=copy_len,
+                             copy_calibration=calibration, **options)
+    return calibration, result
+
+
 def answer_sequences(answers) -> list:
     """(prompt ids, answer ids) pairs -> the (ids, mask over the answer) sequences `agreement` measures."""
     return [(torch.cat([p, a]), torch.arange(p.numel() + a.numel()) >= p.numel()) for p, a in answers]
@@ -177,8 +192,10 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
     steps, answers = [], []
     metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, answers=answers,
-                                           budget=60, depth=depth, top_k_draft=10)
+                                           budget=60, depth=depth, top_k_draft=10, copy=False)  # the head alone
     metrics["eagle2_60"]["depth"] = depth
+    copy_calibration, metrics["eagle2_60_copy"] = measure_copy_calibration(head, target, tok, prompts, max_new_tokens,
+                                                                           budget=60, depth=depth, top_k_draft=10)
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
@@ -187,6 +204,7 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
         from dataclasses import asdict
 
         Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
+        copy_calibration.save(head_dir / COPY_CALIBRATION)
     Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
@@ -200,8 +218,9 @@ def ship(run_dir, dest) -> Path:
     src = Path(run_dir) / "head"
     head = load_head(src)
     head.save_pretrained(dest, dtype=torch.bfloat16)
-    if (src / "calibration.json").is_file():
-        shutil.copy(src / "calibration.json", Path(dest) / "calibration.json")
+    for name in ("calibration.json", COPY_CALIBRATION):
+        if (src / name).is_file():
+            shutil.copy(src / name, Path(dest) / name)
     if (Path(run_dir) / "metrics.json").is_file():
         shutil.copy(Path(run_dir) / "metrics.json", Path(dest) / "metrics.json")
     return Path(dest)

@@ -124,14 +124,13 @@ class CopyCalibration:
             self.tried[b, j] += 1
             self.accepted[b, j] += v in on_path
 
-    def measured(self) -> torch.Tensor:
-        """Acceptance seen so far per cell (prior where nothing was tried): what `save` writes."""
-        return torch.where(self.tried > 0, self.accepted / self.tried.clamp_min(1), self.prior)
-
     def save(self, path) -> None:
-        rate = self.measured().clamp(0.01, 0.99)
-        Path(path).write_text(json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
-                                          "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}, indent=1))
+        """Write the smoothed rates (the next run's prior) with the counts behind them, atomically."""
+        from ..files import write_text_atomic
+
+        rate = self.rate().clamp(0.01, 0.99)
+        write_text_atomic(Path(path), json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
+                                                  "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}))
 
     @classmethod
     def load(cls, path, strength: float = 8.0) -> "CopyCalibration":
