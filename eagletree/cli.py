@@ -67,7 +67,8 @@ def draft_dtype(name: str, model):
 
 def _options(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed)
+                tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed,
+                copy={"on": True, "off": False}.get(args.copy))
 
 
 def default_budget(model) -> int:
@@ -207,6 +208,9 @@ def _add_decoding_args(p) -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--top-k-draft", type=int, default=10)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--copy", default="auto", choices=["auto", "on", "off"],
+                   help="copied spans of the prompt and the answer so far as extra tree candidates (auto: on for "
+                        "eagle2, optimal and auto trees, off for the fixed chain and sequoia shapes)")
 
 
 def cmd_viz(args) -> int:
@@ -220,7 +224,7 @@ def cmd_viz(args) -> int:
         raise SystemExit(f"error: --step must be >= 1 (1 = the first decoding step), got {args.step}")
     model, tok, head = _load(args)
     options = _options(args)
-    search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft")}
+    search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
     data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step, **options, **search)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +314,30 @@ def cmd_plan(args) -> int:
     print(summary(result))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if result["check"]["within_tolerance"] else 1
+
+
+def cmd_calibrate_copy(args) -> int:
+    """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
+    from .bench import load_prompts
+    from .generate import check_options
+    from .train.evaluate import measure_copy_calibration
+    from .tree_search.copy import COPY_CALIBRATION
+
+    check_options(cli=True, max_new_tokens=args.max_new_tokens, budget=args.budget, depth=args.depth)
+    if args.head == "none":
+        raise ValueError("--head none: calibrate-copy measures the copied spans next to a head's candidates; "
+                         "pass a head folder")
+    prompts = load_prompts(args.prompts)
+    model, tok, head = _load(args)
+    calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
+                                                   depth=args.depth, top_k_draft=10)
+    out = Path(args.out) if args.out else Path(head.source_dir) / COPY_CALIBRATION
+    calibration.save(out)
+    first = calibration.rate()[:, 0].tolist()
+    print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
+          f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass); first-token acceptance "
+          f"by match length 1/2/3/4-7/8+: " + " ".join(f"{r:.2f}" for r in first))
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -467,16 +495,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
+    _add_model_args(p)
+    p.add_argument("--prompts", default="heldout:30", help="heldout:N, mtbench[:N], humaneval[:N] or a .jsonl file "
+                                                          "(default heldout:30: held-out ShareGPT, not MT-bench)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json")
+    p.set_defaults(func=cmd_calibrate_copy)
+
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
-    p.add_argument("--prompts", default=None, help="heldout:N (held-out ShareGPT first user turns; default "
-                                                   "heldout:8, --quick heldout:2) or a .jsonl file of prompts/messages")
+    p.add_argument("--prompts", default=None, help="mtbench[:N] (MT-bench first turns), humaneval[:N], heldout:N (held-out ShareGPT "
+                                                   "first user turns; default heldout:8, --quick heldout:2) or a .jsonl "
+                                                   "file of prompts/messages")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
-    p.add_argument("--methods", default="chain,sequoia,eagle2,optimal,auto,lookup",
+    p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
                    help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
-                        "decoding with the packed kernels); lookup = HF prompt-lookup decoding")
+                        "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
+                        "text; copy = copied spans alone in eagletree's tree (no head); lookup = HF prompt-lookup "
+                        "decoding")
     p.add_argument("--budgets", default=None,
                    help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)")
     p.add_argument("--temperatures", default=None, help="default 0,1")
