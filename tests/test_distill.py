@@ -255,6 +255,16 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
     assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
     assert metrics["agreement_own_answers"]["positions"] == metrics["eagle2_60"]["new_tokens"] - 2  # last one has no next
+    # The head alone, and with copied spans (same prompts, same lossless answers); the copy calibration is saved.
+    assert metrics["eagle2_60_copy"]["new_tokens"] == metrics["eagle2_60"]["new_tokens"]
+    (tmp_path / "run" / "head").mkdir(parents=True, exist_ok=True)
+    cfg.out_dir = str(tmp_path / "run")
+    evaluate_run(cfg, head, n_prompts=2, max_new_tokens=12)
+    from eagletree.tree_search.copy import CopyCalibration
+
+    saved = json.loads((tmp_path / "run" / "head" / "copy_calibration.json").read_text())
+    assert CopyCalibration.load(tmp_path / "run" / "head" / "copy_calibration.json").max_len == 16
+    assert sum(map(sum, saved["tried"])) >= sum(map(sum, saved["accepted"]))
 
 
 @pytest.mark.real
