@@ -30,6 +30,7 @@ def _load(args):
 
     options = _options(args) if hasattr(args, "tree") else {}
     options.pop("tree", None)
+    options.pop("copy", None)  # a choice argparse already checked
     check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
     t0 = time.perf_counter()
     model, tok = load_target(args.target, device=args.device)
@@ -94,7 +95,10 @@ def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
     from .generate import GenerationStats, _stream_text, decode_steps, decode_text
 
     stats = GenerationStats()
-    steps = decode_steps(model, tok, head, messages, stats=stats, **_options(args))
+    options = _options(args)
+    if head is None and options["copy"] is None:  # --head none is plain decoding unless --copy on asks for lookup
+        options["copy"] = False
+    steps = decode_steps(model, tok, head, messages, stats=stats, **options)
     ids = []
 
     def collect():
@@ -112,7 +116,8 @@ def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
     return {"text": decode_text(tok, ids), "token_ids": ids, "new_tokens": d["new_tokens"],
             "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
             "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
-            "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"]}
+            "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"],
+            "copied_tokens": d["copied_tokens"]}
 
 
 def check_utf8(text: str, what: str) -> str:
@@ -134,7 +139,8 @@ def cmd_generate(args) -> int:
     model, tok, head = _load(args)
     messages = [{"role": "user", "content": args.prompt}]
     result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
-    result["method"] = "plain" if head is None else args.tree
+    result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
+        args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
     if args.compare_plain:
         plain = _plain(model, tok, messages, args)
         result["plain_tokens_per_s"] = round(plain["tokens_per_s"], 2)
