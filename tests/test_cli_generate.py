@@ -69,3 +69,31 @@ def test_a_list_of_prompts_gives_one_result_each():
     assert len(results) == 3
     for p, r in zip(prompts, results):
         assert r.token_ids == generate(model, tok, head, p, max_new_tokens=8).token_ids
+
+
+def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
+    from eagletree.tree_search.copy import CopyCalibration
+
+    _, _, args = tiny_cli
+    prompt = "one two three four one two three four one two"
+    runs = {}
+    for copy in ("on", "off"):
+        assert cli_main(["generate", *args, "--prompt", prompt, "--max-new-tokens", "24", "--json", "--copy", copy,
+                         "--budget", "12"]) == 0
+        runs[copy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["on"]["method"] == "eagle2+copy" and runs["off"]["method"] == "eagle2"
+    assert runs["off"]["copied_tokens"] == 0 and runs["on"]["text"] == runs["off"]["text"]
+    assert cli_main(["generate", "--target", "tiny", "--head", "none", "--prompt", prompt, "--max-new-tokens", "8",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "plain"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(prompt) + "\n" + json.dumps("five six five six five six") + "\n")
+    out = tmp_path / "copy.json"
+    assert cli_main(["calibrate-copy", *args, "--prompts", str(prompts), "--max-new-tokens", "24", "--budget", "12",
+                     "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"wrote {out}: ") and "accepted on 2 prompts" in line
+    saved = json.loads(out.read_text())
+    assert sum(map(sum, saved["tried"])) > 0 and CopyCalibration.load(out).max_len == 16
+    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", "none", "--prompts", str(prompts)]) == 2
+    assert "pass a head folder" in capsys.readouterr().err
