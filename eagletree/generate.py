@@ -1,6 +1,6 @@
 """Speculative generation: draft a tree with the head, verify it in one target pass, accept, commit.
 
-`generate` is the decoding step of ../shared/DESIGN.md in a loop; it returns the text and the
+`generate` is the decoding step of docs/design.md in a loop; it returns the text and the
 statistics people tune with (tokens per pass, predicted vs measured, where the time went).
 """
 
@@ -120,15 +120,15 @@ def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
 def latency_profile(target, path=None):
     """The verify-latency profile of this target on this device: loaded from `path`/the cache, or measured once."""
     from .draft_heads import target_identity
-    from .packing import is_packed
+    from .packing import kernels_tag, machine_key
     from .target import cache_dir
     from .tree_search import LatencyProfile
     from .verify.profile import measure_verify
 
     device = next(target.parameters()).device
     if path is None:
-        name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{str(target.dtype).removeprefix('torch.')}"
-        name += "-packed" if is_packed(target) else ""  # other kernels, other costs
+        name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
+        name += kernels_tag(target)  # other kernels, other costs
         path = cache_dir() / "profiles" / f"{name}.json"
     return LatencyProfile.load_or_measure(path, lambda: LatencyProfile.from_measurements(
         measure_verify(target, sizes=(1, 8, 16, 32, 64), prefix=128, reps=3, progress=False),

@@ -1,4 +1,4 @@
-"""Tree search: choose which draft nodes one target pass verifies (see ../shared/DESIGN.md)."""
+"""Tree search: choose which draft nodes one target pass verifies (see docs/design.md)."""
 
 from .calibrate import Calibrator, acceptance_pairs, calibration_report
 from .cost import LatencyProfile, choose_budget, choose_depth_and_budget

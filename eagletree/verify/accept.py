@@ -1,7 +1,7 @@
 """Acceptance: walk a verified draft tree top-down and pick the tokens the target would have produced.
 
 Greedy acceptance is vectorized over the tree. Sampling follows the lossless rules of
-../shared/DESIGN.md; it moves the tree's target distributions to the host once per step
+docs/design.md; it moves the tree's target distributions to the host once per step
 (O(1) syncs) and walks only the nodes it visits.
 """
 
