@@ -9,7 +9,9 @@
    passes through the node (measured, no independence between depths assumed; `accept[d][r]`, the
    per-depth acceptance Sequoia's DP takes, is reported too). Those frequencies never grow along a path,
    so the best tree of N nodes and depth <= D is the N - 1 most frequent paths; the latency profile
-   gives a step's time t(N, D), and the plan is the (N, D) with the most tokens per second.
+   gives a step's time t(N, D), and the plan is the (N, D) with the most tokens per second. Its
+   prediction is the tokens per pass of decoding the measured answers with it (a pass starts where the
+   last one ended, as in `generate`, rather than at every position).
 3. The engine's configuration: vLLM 0.33 drafts chains only (its SpeculativeConfig has no token tree),
    so its plan is the best chain; SGLang (steps, top-k, draft tokens) and EAGLE (total_token, depth,
    top_k) build EAGLE-2 trees of that size and width.
@@ -47,12 +49,30 @@ class Acceptance:
     reached: list[int]
     top_k: int
     prompts: int
+    rank_paths: list[list[list[int]]] | None = None  # per prompt, per answer position: the true rank path
+
+    def decoded_tokens_per_pass(self, tree: set[tuple[int, ...]]) -> float | None:
+        """Tokens per pass of greedy decoding with this static tree on the measured answers: passes start where
+        the last one ended (not at every position), each accepting 1 + the longest prefix of its rank path in
+        the tree, as `generate` does on these prompts."""
+        if not self.rank_paths:
+            return None
+        tokens = passes = 0
+        for answer in self.rank_paths:
+            t = 0
+            while t < len(answer):
+                m = 0
+                while m < len(answer[t]) and tuple(answer[t][: m + 1]) in tree:
+                    m += 1
+                step = min(1 + m, len(answer) - t)
+                tokens, passes, t = tokens + step, passes + 1, t + step
+        return tokens / passes
 
     @classmethod
     def from_dict(cls, data: dict) -> "Acceptance":
         keys = ("paths", "positions", "accept", "reached", "top_k", "prompts")
         try:
-            table = cls(**{k: data[k] for k in keys})
+            table = cls(**{k: data[k] for k in keys}, rank_paths=data.get("rank_paths"))
             bad = [k for k, v in table.paths.items() if not _is_path(k) or not 0 <= int(v) <= table.positions]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"an acceptance table needs {', '.join(keys)}: {e}") from None
@@ -92,6 +112,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
     reached = [0] * depth
     paths: dict[str, int] = {}
     positions = 0
+    rank_paths = []
     device = next(target.parameters()).device
     layers = getattr(head, "fused_layers", None)
     for prompt in prompts:
@@ -111,6 +132,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
                                                                           target.config.vocab_size).to(device)
         p = ids.numel()
         probs = drafter.extend(feats[: p - 1], seq[1:p])
+        rank_paths.append([])
         for t in range(len(answer)):  # the root is seq[p - 1 + t]; its true continuation seq[p + t:]
             positions += 1
             path = []
@@ -128,12 +150,13 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
                 path.append(rank)
                 key = ",".join(map(str, path))
                 paths[key] = paths.get(key, 0) + 1
+            rank_paths[-1].append(path)
             if t + 1 < len(answer):
                 probs = drafter.extend(feats[p - 1 + t: p + t], seq[p + t: p + t + 1])
     if positions == 0:
         raise ValueError("the target answered none of the prompts (each stopped at once)")
     accept = [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
-    return Acceptance(paths, positions, accept, reached, top_k, len(prompts))
+    return Acceptance(paths, positions, accept, reached, top_k, len(prompts), rank_paths)
 
 
 @dataclass
@@ -143,7 +166,8 @@ class Plan:
     depth: int
     width: int  # the most children of one node (= the largest rank + 1)
     paths: list[list[int]]  # each non-root node as its rank path from the root, e.g. [0], [1], [0, 0]
-    expected_tokens: float  # per pass, under the measured acceptance
+    expected_tokens: float  # per pass, averaged over every measured position
+    decoded_tokens: float | None  # per pass when decoding the measured answers (passes start where one ended)
     step_s: float  # predicted seconds per step under the latency profile
     tokens_per_s: float
     plain_tokens_per_s: float  # one token per one-node pass, same profile
@@ -183,7 +207,8 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
     paths = sorted(tree, key=lambda p: (len(p), p))
     width = max(sum(1 for q in paths if q[:-1] == p) for p in [()] + paths)
     plain = 1.0 / float(profile.step_time(1, 0))
-    return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, step, rate, plain)
+    decoded = acceptance.decoded_tokens_per_pass(set(paths))
+    return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, decoded, step, rate, plain)
 
 
 def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
@@ -241,9 +266,10 @@ def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int
                          tree="sequoia", tree_paths=plan.paths, budget=plan.nodes, depth=plan.depth).stats
         new, passes = new + stats.new_tokens, passes + stats.passes
     measured = new / passes if passes else 0.0
-    error = measured / plan.expected_tokens - 1.0
+    predicted = plan.decoded_tokens if plan.decoded_tokens is not None else plan.expected_tokens
+    error = measured / predicted - 1.0
     return {"prompts": len(prompts), "new_tokens": new, "passes": passes, "measured_tokens_per_pass": measured,
-            "predicted_tokens_per_pass": plan.expected_tokens, "relative_error": error,
+            "predicted_tokens_per_pass": predicted, "relative_error": error,
             "within_tolerance": abs(error) <= CHECK_TOLERANCE}
 
 
@@ -273,7 +299,8 @@ def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prom
     draft_vocab = head.config.draft_vocab_size is not None
     return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, draft_vocab),
             "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
-            "expected_tokens_per_pass": plan.expected_tokens, "predicted_step_ms": plan.step_s * 1e3,
+            "expected_tokens_per_pass": plan.expected_tokens, "decoded_tokens_per_pass": plan.decoded_tokens,
+            "predicted_step_ms": plan.step_s * 1e3,
             "predicted_tokens_per_s": plan.tokens_per_s, "predicted_plain_tokens_per_s": plan.plain_tokens_per_s,
             "check": check, "acceptance": asdict(acceptance),
             "profile": {"device": profile.device, "model": profile.model, "sizes": profile.sizes,
@@ -287,8 +314,10 @@ def summary(result: dict) -> str:
     lines = [f"{result['engine']}: {json.dumps(result['config'])}",
              f"tree: {tree['nodes']} nodes, depth {tree['depth']}, width {tree['width']}; paths "
              f"{[tuple(p) for p in tree['paths']]}",
-             f"expected {result['expected_tokens_per_pass']:.3f} tokens/pass, {result['predicted_tokens_per_s']:.1f} "
-             f"tokens/s under the profile (plain decoding {result['predicted_plain_tokens_per_s']:.1f})"]
+             f"expected {result['expected_tokens_per_pass']:.3f} tokens/pass over all measured positions "
+             f"({_x(result['decoded_tokens_per_pass'])} decoding the measured answers), "
+             f"{result['predicted_tokens_per_s']:.1f} tokens/s under the profile (plain decoding "
+             f"{result['predicted_plain_tokens_per_s']:.1f})"]
     if check is not None:
         verdict = "within" if check["within_tolerance"] else "NOT within"
         lines.append(f"check: eagletree generate with this tree on {check['prompts']} other prompts: measured "
@@ -296,6 +325,10 @@ def summary(result: dict) -> str:
                      f"{check['predicted_tokens_per_pass']:.3f} ({check['relative_error']:+.1%}, {verdict} "
                      f"{CHECK_TOLERANCE:.0%})")
     return "\n".join(lines)
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def split_prompts(prompts: list) -> tuple[list, list]:

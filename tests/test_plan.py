@@ -123,6 +123,28 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
     assert chain.expected_tokens == pytest.approx(1 + 0.60 + 0.40 + 0.25)
 
 
+def test_decoding_the_measured_answers_with_a_tree():
+    acceptance = Acceptance({}, 5, [[0.0]], [5], 2, 1, rank_paths=[[[0, 0], [1], [], [0], [0, 1]]])
+    # position 0: (0,) and (0, 0) in the tree -> 3 tokens; position 3: (0,) -> 2 tokens (the answer ends there)
+    assert acceptance.decoded_tokens_per_pass({(0,), (0, 0)}) == pytest.approx(5 / 2)
+    assert acceptance.decoded_tokens_per_pass({(1,)}) == pytest.approx(5 / 4)  # position 1 starts a pass: 2 tokens
+
+
+def test_the_plans_prediction_is_what_generate_measures_on_the_same_prompts():
+    from eagletree.plan import make_plan
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config, torch.arange(60)).eval()
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 2, 40, 8, 8])]
+    profile = LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0005)
+    result = make_plan(model, tok, head, "eagle", profile, prompts, prompts, "o", max_new_tokens=16, max_nodes=8,
+                       max_depth=3)
+    check = result["check"]
+    assert check["predicted_tokens_per_pass"] == result["decoded_tokens_per_pass"]
+    assert check["measured_tokens_per_pass"] == pytest.approx(check["predicted_tokens_per_pass"], abs=1e-9)
+
+
 def test_engine_settings_follow_each_engines_conventions():
     acceptance, profile = ACCEPT, LatencyProfile([1, 64], [0.010, 0.0101])
     vllm = engine_config(best_plan(acceptance, profile, "vllm", 8, 2), "out/v", eagle3=False, draft_vocab=True)
