@@ -48,9 +48,15 @@ def _load(args):
     if getattr(args, "budget", 0) is None:
         args.budget = default_budget(model)
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
-          f"{f', {packed} Linears packed' if packed else ''})"
+          f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok, head
+
+
+def _kernels_note(model) -> str:
+    """Where --pack auto measured the kernels: each tree size's choice with both timings."""
+    choice = getattr(model, "kernel_choice", None)
+    return "" if choice is None else f"; kernels measured here: {choice.summary()}"
 
 
 def draft_dtype(name: str, model):
@@ -74,21 +80,42 @@ def _options(args) -> dict:
 
 def default_budget(model) -> int:
     """Tree nodes per pass when --budget is not given: 60 on a GPU (verifying 60 nodes costs about one
-    token there), 8 on a CPU, where a pass over N nodes costs ~1.5x a one-token pass already at N = 8."""
+    token there), 8 on a CPU (trees of 16-32 nodes lost to 8 in every tree method on the dev machine's bench).
+    With the default --tree auto this is a ceiling: auto keeps the prefix that pays on this machine's measured
+    latency profile, down to the root alone (plain decoding) where no tree pays."""
     return 60 if model.device.type == "cuda" else 8
 
 
-def _plain(model, tok, messages, args) -> dict:
-    """Plain HF decoding (PyTorch's stock kernels) of the same prompt with the same sampling settings and stop
-    tokens, timed."""
+def _plain(model, tok, messages, args, stock: bool = False) -> dict:
+    """Plain HF decoding of the same prompt with the same sampling settings and stop tokens, timed: with the
+    kernels the speculative run used, or (`stock`) PyTorch's stock kernels, i.e. HF `generate` as users run it."""
+    from contextlib import nullcontext
+
     from .bench import run_hf
     from .packing import stock_kernels
 
-    with stock_kernels(model):
+    with stock_kernels(model) if stock else nullcontext():
         run = run_hf(model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k,
                      top_p=args.top_p)
     return {"new_tokens": len(run.token_ids), "seconds": run.seconds,
             "tokens_per_s": len(run.token_ids) / run.seconds, "token_ids": run.token_ids}
+
+
+def compare_plain(result: dict, model, tok, messages, args) -> dict:
+    """Like-for-like speedups: vs plain decoding with the same kernels (`speedup`) and vs stock HF `generate`
+    (`speedup_vs_hf`; the same run when the target runs stock kernels), and the kernels' own gain."""
+    from .packing import is_packed, kernels_used
+
+    plain = _plain(model, tok, messages, args)
+    hf = _plain(model, tok, messages, args, stock=True) if is_packed(model) else plain
+    result.update(kernels=kernels_used(model), plain_tokens_per_s=round(plain["tokens_per_s"], 2),
+                  speedup=round(result["tokens_per_s"] / plain["tokens_per_s"], 3),
+                  hf_tokens_per_s=round(hf["tokens_per_s"], 2),
+                  speedup_vs_hf=round(result["tokens_per_s"] / hf["tokens_per_s"], 3),
+                  kernels_gain=round(plain["tokens_per_s"] / hf["tokens_per_s"], 3))
+    if not args.temperature:
+        result["identical_to_plain"] = plain["token_ids"] == result["token_ids"] == hf["token_ids"]
+    return result
 
 
 def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
@@ -142,11 +169,7 @@ def cmd_generate(args) -> int:
     result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
         args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
     if args.compare_plain:
-        plain = _plain(model, tok, messages, args)
-        result["plain_tokens_per_s"] = round(plain["tokens_per_s"], 2)
-        result["speedup"] = round(result["tokens_per_s"] / plain["tokens_per_s"], 3)
-        if not args.temperature:
-            result["identical_to_plain"] = plain["token_ids"] == result["token_ids"]
+        compare_plain(result, model, tok, messages, args)
     if args.json:
         result.pop("times")
         result.pop("token_ids")
@@ -156,7 +179,9 @@ def cmd_generate(args) -> int:
             f"{result['tokens_per_s']} tokens/s, {result['tokens_per_pass']} tokens/pass "
             f"(predicted {result['predicted_tokens_per_pass']})")
     if args.compare_plain:
-        line += f" | plain decoding: {result['plain_tokens_per_s']} tokens/s | speedup {result['speedup']}x"
+        line += (f" | plain decoding, same kernels ({result['kernels']['kernels']}): {result['plain_tokens_per_s']} "
+                 f"tokens/s | speedup {result['speedup']}x | HF generate, stock kernels: {result['hf_tokens_per_s']} "
+                 f"tokens/s | speedup vs HF {result['speedup_vs_hf']}x")
         if "identical_to_plain" in result:
             line += f" | identical to plain: {result['identical_to_plain']}"
     print(line + "]")
@@ -198,17 +223,21 @@ def _add_model_args(p) -> None:
                    help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
                         "else the target's (outputs do not depend on it)")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
-                   help="pre-pack the target's Linear weights for oneDNN (CPU: one-token passes ~1.5x faster, tree "
-                        "passes more; one more copy of the weights in memory); auto = on a CPU where oneDNN can")
+                   help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in memory); "
+                        "auto = measure stock vs packed here once per CPU model, threads and dtype (cached) and keep "
+                        "packing only at the tree sizes where it is faster; on = packed at every size")
 
 
-def _add_decoding_args(p) -> None:
+def _add_decoding_args(p, tree: str = "auto") -> None:
+    """Decoding flags; `tree` is the default tree kind (generate and chat: auto, see `default_budget`)."""
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "chain", "sequoia", "auto"])
+    p.add_argument("--tree", default=tree, choices=["eagle2", "optimal", "chain", "sequoia", "auto"],
+                   help=f"default {tree}" + (": the cost-aware tree, which drafts only while trees beat a one-token "
+                                             "pass on this machine" if tree == "auto" else ""))
     p.add_argument("--budget", type=int, default=None, help="tree nodes per target pass, root included "
                                                             "(default: 60 on CUDA, 8 on CPU)")
     p.add_argument("--depth", type=int, default=6)
@@ -426,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
-    _add_decoding_args(p)
+    _add_decoding_args(p, tree="eagle2")  # a picture of a tree: auto may verify the root alone
     p.add_argument("--prompt", required=True)
     p.add_argument("--step", type=int, default=1, help="show the K-th target pass of the generation (1 = the first)")
     p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")

@@ -341,19 +341,23 @@ class AutoPolicy:
     After drafting, the optimal tree's prefix with the most expected tokens per second is kept
     (latency profile of the device, drafting time measured so far, calibrated acceptance). When
     even that is slower than a plain one-token pass, the next steps skip drafting (4, then 8, ...
-    up to 32 steps) before probing again, so on a device where trees do not pay `auto` decodes at
-    about plain speed. The search width follows the budgets chosen lately, and drafting stops
-    early once a deeper level could not pay for itself.
+    up to 64 steps; x4 while a tree would lose more than 10%) before probing again, so on a device where
+    trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
+    pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
+    follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
     """
 
-    def __init__(self, profile, calibrator=None, budget: int = 60, max_wait: int = 32):
+    def __init__(self, profile, calibrator=None, budget: int = 60, max_wait: int = 64):
         self.profile, self.calibrator, self.budget, self.max_wait = profile, calibrator, budget, max_wait
+        self.never = not trees_can_pay(profile, budget)
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.search_budget = budget
         self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
         self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
 
     def should_draft(self) -> bool:
+        if self.never:
+            return False
         if self.skip > 0:
             self.skip -= 1
             return False
@@ -388,12 +392,19 @@ class AutoPolicy:
         gain = rate * t_one
         self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
         if self.gain < 1.0:
-            self.wait = min(2 * self.wait or 4, self.max_wait)
+            self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
             self.skip = self.wait
         else:
             self.wait = 0
         self.search_budget = min(self.budget, max(8, 2 * n))
         return prune(full, n)
+
+
+def trees_can_pay(profile, budget: int) -> bool:
+    """Whether some tree of 2..budget nodes could beat a one-token pass on this profile at all: at best
+    every drafted token is accepted (N tokens for N nodes), so trees cannot pay where t(N) >= N t(1)."""
+    n = torch.arange(2, max(budget, 2) + 1, dtype=torch.float64)
+    return bool((n * profile.verify(1) > profile.verify(n) * (1 + 1e-9)).any())
 
 
 def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:

@@ -8,11 +8,22 @@ in summation order (~1e-6 relative), as they already do between a 1-row and an N
 
 Packing keeps the module's Parameters (ties, state_dict and `.weight` readers are unaffected) and adds
 the packed copy, so it costs one more copy of the weights in memory.
+
+Which kernels win depends on the CPU (on an Intel Xeon with AVX512-BF16 the packed one-token pass was
+31% slower), so `pack_target(model, "auto")` measures both on this machine, per row count, and keeps
+packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model, threads and dtype).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import tempfile
+import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +53,52 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+@dataclass
+class KernelChoice:
+    """Stock vs packed kernels measured on this machine per row count (the tree size of a pass); packing is
+    kept only at the row counts where it was faster."""
+
+    sizes: list[int]  # row counts measured, ascending
+    stock_s: list[float]  # seconds of all the target's Linears at that many rows, PyTorch's stock kernel
+    packed_s: list[float]  # the same with the oneDNN-packed weights
+    machine: str = ""  # the cache key: CPU model, threads, dtype
+    seconds: float = 0.0  # what measuring took
+
+    def __post_init__(self):
+        if not self.sizes or not (len(self.sizes) == len(self.stock_s) == len(self.packed_s)):
+            raise ValueError(f"kernel choice needs one stock and one packed time per size, got sizes {self.sizes}, "
+                             f"stock {self.stock_s}, packed {self.packed_s}")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"kernel choice sizes must be distinct, ascending and >= 1, got {self.sizes}")
+
+    @property
+    def packed(self) -> list[bool]:
+        """Per measured size: whether the packed kernel was faster."""
+        return [p < s for p, s in zip(self.packed_s, self.stock_s)]
+
+    def use_packed(self, rows: int) -> bool:
+        """The decision for a product of `rows` rows: that of the smallest measured size >= rows (the largest's
+        beyond it, e.g. a prefill)."""
+        for size, packed in zip(self.sizes, self.packed):
+            if rows <= size:
+                return packed
+        return self.packed[-1]
+
+    def summary(self) -> str:
+        """One line: each size's decision with both timings."""
+        return ", ".join(f"N={n}: {'packed' if p else 'stock'} ({ps * 1e3:.1f} vs stock {ss * 1e3:.1f} ms)"
+                         for n, p, ps, ss in zip(self.sizes, self.packed, self.packed_s, self.stock_s))
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "packed": self.packed}
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear whose inference forward uses a oneDNN-packed copy of its weight (same Parameters).
 
     Falls back to the stock kernel while gradients are needed, under autocast, for other dtypes or
-    devices, and inside `stock_kernels`; repacks when the weight changed (in place, or by .to()).
+    devices, inside `stock_kernels`, and at row counts where its `choice` (a measured KernelChoice,
+    None = always packed) found the stock kernel faster; repacks when the weight changed (in place, or by .to()).
     """
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 8):
@@ -54,7 +106,7 @@ class PackedLinear(nn.Linear):
         self.training = linear.training
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.rows_hint, self.enabled = rows_hint, True
+        self.rows_hint, self.enabled, self.choice = rows_hint, True, None
         self._pack()
 
     def _pack(self) -> None:
@@ -65,6 +117,8 @@ class PackedLinear(nn.Linear):
         if (not self.enabled or x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKABLE
                 or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)
+        if self.choice is not None and not self.choice.use_packed(x.numel() // max(x.shape[-1], 1)):
             return F.linear(x, w, self.bias)
         if weight_key(w) != self._packed_key:
             self._pack()
@@ -133,14 +187,143 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) and m.enabled for m in model.modules())
 
 
-def pack_target(model, mode: str) -> int:
-    """The CLI's --pack: 'auto' packs a CPU model's Linears when this machine can, 'on' insists (an error
-    says why it cannot), 'off' keeps PyTorch's stock kernels. Returns how many were packed."""
+KERNEL_SIZES = (1, 4, 8, 16, 32, 64)  # row counts `pack_target(..., "auto")` measures: a one-token pass and trees
+
+
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    import platform
+
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key(model) -> str:
+    """What kernel timings depend on besides the model: CPU model, thread count, dtype (a file-name-safe string)."""
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    return f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
+
+
+def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4) -> KernelChoice:
+    """Seconds of the packed model's Linears per pass, stock vs packed kernel, at each row count.
+
+    Times every `sample`-th Linear (and the largest one, the output layer), scaled to the whole model by
+    parameter count: all decoder layers have the same shapes, and the sampled weights still stream from
+    memory as in a real pass. One warm-up round, then `reps` rounds; each round measures every size with
+    both kernels (their order alternating), so machine noise hits them alike; the fastest round is kept
+    (the kernel's own speed; a busy machine only adds time). Attention and the rest of a pass do not
+    depend on the kernel, so only the Linears are timed.
+    """
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not linears:
+        raise PackingError(f"measure_kernels needs a packed model (pack_linears); {type(model).__name__} has no "
+                           "PackedLinear")
+    largest = max(linears, key=lambda m: m.weight.numel())
+    timed = linears[::sample] + ([largest] if all(m is not largest for m in linears[::sample]) else [])
+    scale = sum(m.weight.numel() for m in linears) / sum(m.weight.numel() for m in timed)
+    sizes = sorted(set(int(n) for n in sizes))
+    dtype = linears[0].weight.dtype
+    g = torch.Generator().manual_seed(0)
+    inputs = {(n, k): torch.randn(n, k, generator=g).to(dtype) for n in sizes for k in {m.in_features for m in timed}}
+    times = {(n, kernel): [] for n in sizes for kernel in ("stock", "packed")}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for m in timed:
+            if weight_key(m.weight) != m._packed_key:
+                m._pack()
+        for rep in range(reps + 1):
+            for n in sizes:
+                for kernel in (("stock", "packed") if rep % 2 else ("packed", "stock")):
+                    start = time.perf_counter()
+                    for m in timed:
+                        x = inputs[(n, m.in_features)]
+                        if kernel == "stock":
+                            F.linear(x, m.weight, m.bias)
+                        else:
+                            packed_linear(x, m.packed, m.bias)
+                    if rep:  # round 0 warms up
+                        times[(n, kernel)].append((time.perf_counter() - start) * scale)
+    return KernelChoice(sizes, [min(times[(n, "stock")]) for n in sizes], [min(times[(n, "packed")]) for n in sizes],
+                        machine_key(model), time.perf_counter() - t0)
+
+
+def kernel_choice_path(model) -> Path:
+    """Where this model's kernel choice on this machine is cached (next to the latency profiles)."""
+    from .draft_heads import target_identity
+    from .target import cache_dir
+
+    return cache_dir() / "profiles" / f"kernels-{target_identity(model.config)['fingerprint']}-{machine_key(model)}.json"
+
+
+def load_or_measure_kernels(model, path=None) -> KernelChoice:
+    """The cached KernelChoice for this model and machine, or measured now and cached (written atomically)."""
+    path = Path(path) if path is not None else kernel_choice_path(model)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            data.pop("packed", None)
+            return KernelChoice(**data)
+        except (OSError, json.JSONDecodeError, TypeError, ValueError):
+            pass  # a damaged cache entry is measured again and replaced
+    choice = measure_kernels(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(choice.as_dict(), f, indent=2)
+    os.replace(tmp, path)
+    return choice
+
+
+def apply_choice(model: nn.Module, choice: KernelChoice | None) -> None:
+    """Every PackedLinear of `model` follows `choice` (None: packed at every row count)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.choice = choice
+    object.__setattr__(model, "kernel_choice", choice)  # what the CLI and the bench report
+
+
+def kernels_used(model) -> dict:
+    """What kernels `model` runs and why: {"kernels": "stock"|"packed"|"mixed", "choice": KernelChoice dict|None}."""
+    choice = getattr(model, "kernel_choice", None)
+    if not is_packed(model):
+        kind = "stock"
+    elif choice is None or all(choice.packed):
+        kind = "packed"
+    else:
+        kind = "mixed"
+    return {"kernels": kind, "choice": None if choice is None else choice.as_dict()}
+
+
+def kernels_tag(model) -> str:
+    """A file-name tag for the kernels `model` runs now ('' for stock ones), e.g. for a latency profile's cache."""
+    if not is_packed(model):
+        return ""
+    choice = getattr(model, "kernel_choice", None)
+    if choice is None or all(choice.packed):
+        return "-packed"
+    return "-packed-" + ".".join(str(n) for n, p in zip(choice.sizes, choice.packed) if p)
+
+
+def pack_target(model, mode: str, choice_path=None) -> int:
+    """The CLI's --pack: 'auto' packs a CPU model's Linears where this machine can and keeps the packed kernel
+    only at the row counts where it measured faster here (`load_or_measure_kernels`; nothing packed when it is
+    faster nowhere), 'on' packs every row count (an error says why it cannot), 'off' keeps PyTorch's stock
+    kernels. Returns how many Linears were packed."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"pack must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off" or (mode == "auto" and packing_problem(model)):
         return 0
-    return pack_linears(model)
+    count = pack_linears(model)
+    if mode == "auto":
+        choice = load_or_measure_kernels(model, choice_path)
+        if not any(choice.packed):
+            unpack_linears(model)
+            object.__setattr__(model, "kernel_choice", choice)
+            return 0
+        apply_choice(model, choice)
+    return count
 
 
 @contextmanager

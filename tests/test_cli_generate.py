@@ -31,6 +31,11 @@ def test_generate_json_and_compare_plain(tiny_cli, capsys):
     assert {"text", "new_tokens", "passes", "tokens_per_pass", "tokens_per_s", "plain_tokens_per_s", "speedup",
             "identical_to_plain"} <= set(result)
     assert result["new_tokens"] == 12 and result["identical_to_plain"] is True and result["text"]
+    # Like for like: vs plain decoding with the same kernels, vs stock HF generate, and the kernels' own gain.
+    assert {"hf_tokens_per_s", "speedup_vs_hf", "kernels_gain", "kernels"} <= set(result)
+    assert result["speedup_vs_hf"] == pytest.approx(result["tokens_per_s"] / result["hf_tokens_per_s"], abs=2e-3)
+    choice = result["kernels"]["choice"]  # --pack auto measured both kernels here
+    assert result["kernels"]["kernels"] in ("stock", "packed", "mixed") and len(choice["stock_s"]) == len(choice["sizes"])
     assert result["tokens_per_pass"] == pytest.approx(result["new_tokens"] / result["passes"], abs=1e-3)
     with pytest.raises(SystemExit, match="--prompt is empty"):
         cli_main(["generate", *args, "--prompt", "   "])
@@ -79,7 +84,7 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
     runs = {}
     for copy in ("on", "off"):
         assert cli_main(["generate", *args, "--prompt", prompt, "--max-new-tokens", "24", "--json", "--copy", copy,
-                         "--budget", "12"]) == 0
+                         "--budget", "12", "--tree", "eagle2"]) == 0
         runs[copy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert runs["on"]["method"] == "eagle2+copy" and runs["off"]["method"] == "eagle2"
     assert runs["off"]["copied_tokens"] == 0 and runs["on"]["text"] == runs["off"]["text"]
