@@ -179,6 +179,12 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     # warm-up (stock, packed), then per prompt: plain with the stock kernels, the packed row with the packed ones.
     assert kernels == [False, True, False, True]
     assert "packed for oneDNN in every row but plain" in (out / "results.md").read_text()
+    # Like for like: each tree row's speedup over plain decoding with the same kernels is kept next to the one
+    # over stock HF generate; 'packed' over 'plain' is the kernels' own gain.
+    tree = data["results"][2]
+    assert tree["speedup_same_kernels"]["median"] > 0 and data["results"][0]["speedup_same_kernels"] is None
+    assert data["settings"]["kernels"]["kernels"] == "packed"
+    assert "speedup vs plain, same kernels" in (out / "results.md").read_text()
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():
