@@ -215,11 +215,11 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
 
     model, tok = smollm2
     head = load_head(SHIPPED_HEADS["smollm2-135m"], target_config=model.config)
-    prompts = load_prompts("mtbench:4")
+    prompts = load_prompts("mtbench:2")
     profile = LatencyProfile([1, 8, 64], [0.040, 0.047, 0.150], draft_s_per_level=0.003)
-    result = make_plan(model, tok, head, "sglang", profile, prompts, prompts, "out/sg", max_new_tokens=32,
-                       max_nodes=32, max_depth=6)
+    result = make_plan(model, tok, head, "sglang", profile, prompts, prompts, "out/sg", max_new_tokens=24,
+                       max_nodes=16, max_depth=5)
     check = result["check"]
-    assert check["prompts"] == 4 and check["new_tokens"] > 0
+    assert check["prompts"] == 2 and check["new_tokens"] > 0
     assert check["measured_tokens_per_pass"] > 1.5  # the head drafts something
-    assert abs(check["relative_error"]) <= 0.10, check
+    assert abs(check["relative_error"]) <= 0.02, check  # float near-ties aside, the same passes
