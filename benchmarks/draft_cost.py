@@ -1,0 +1,108 @@
+"""Where a drafting level's time goes: the head layer, the lm_head slice (+ softmax), the drafter's own
+Python/tensor bookkeeping, and the tree search's top-k and bookkeeping, measured while decoding real prompts.
+
+    .venv/bin/python benchmarks/draft_cost.py                      # shipped head, CLI defaults (bf16 head, --pack auto)
+    .venv/bin/python benchmarks/draft_cost.py --tree eagle2 --budget 8 --prompts heldout:4
+
+Per level = per drafter call during tree search (level 1 reuses the root distribution and is counted apart);
+the catch-up call on committed tokens (`extend`) is reported per decoding step. Medians over prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--head", default="eagletree/heads/smollm2-135m")
+    ap.add_argument("--prompts", default="heldout:4")
+    ap.add_argument("--tree", default="eagle2")
+    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--draft-dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    from eagletree.bench import load_prompts
+    from eagletree.cli import draft_dtype
+    from eagletree.draft_heads import load_head
+    from eagletree.draft_heads.drafter import TreeDrafter
+    from eagletree.generate import GenerationStats, decode_steps
+    from eagletree.packing import kernels_used, pack_target
+    from eagletree.target import load_target
+
+    model, tok = load_target(args.target, dtype=torch.float32, device="cpu")
+    pack_target(model, args.pack)
+    head = load_head(args.head, target_config=model.config, dtype=draft_dtype(args.draft_dtype, model))
+    clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0}
+    counts = {"call": 0, "extend": 0}
+    timers = []
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[name] += time.perf_counter() - t
+        return wrapper
+
+    real_forward, real_probs = head.forward, TreeDrafter.draft_probs
+    real_call, real_extend = TreeDrafter.__call__, TreeDrafter.extend
+    head.forward = timed("head", real_forward)
+    TreeDrafter.draft_probs = lambda self, h: timed("lm", real_probs)(self, h)
+
+    def call(self, nodes, tokens, parents, level):
+        if level > 1:
+            counts["call"] += 1
+            return timed("call", real_call)(self, nodes, tokens, parents, level)
+        return real_call(self, nodes, tokens, parents, level)
+
+    def extend(self, features, next_tokens):
+        counts["extend"] += 1
+        saved = dict(clock)
+        out = timed("extend", real_extend)(self, features, next_tokens)
+        clock["head"], clock["lm"] = saved["head"], saved["lm"]  # the catch-up is reported on its own
+        return out
+
+    TreeDrafter.__call__, TreeDrafter.extend = call, extend
+    rows = []
+    for messages in load_prompts(args.prompts):
+        for k in clock:
+            clock[k] = 0.0
+        counts.update(call=0, extend=0)
+        stats = GenerationStats()
+        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, tree=args.tree,
+                              budget=args.budget, depth=args.depth, stats=stats):
+            pass
+        levels = max(counts["call"], 1)
+        rows.append({"head": clock["head"] / levels, "lm": clock["lm"] / levels,
+                     "drafter_other": (clock["call"] - clock["head"] - clock["lm"]) / levels,
+                     "search": stats.times["search"] / max(levels + stats.passes, 1),
+                     "level": (clock["call"] + stats.times["search"]) / levels,
+                     "extend": clock["extend"] / max(counts["extend"], 1),
+                     "verify_one": stats.times["verify"] / stats.passes, "levels_per_pass": counts["call"] / stats.passes})
+        timers.append(stats.passes)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"drafting cost on {args.target} + {args.head} ({next(head.parameters()).dtype}), kernels "
+          f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
+          f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}")
+    print("| per drafting level, ms (median over prompts) | |\n|---|---|")
+    for key, label in (("head", "head layer (fc + decoder layer)"), ("lm", "lm_head slice + softmax"),
+                       ("drafter_other", "drafter bookkeeping (masks, slots, gathers)"),
+                       ("search", "tree search (top-k, ranking, bookkeeping) per level"),
+                       ("level", "one level in all"), ("extend", "catch-up call per step (committed tokens)"),
+                       ("verify_one", "verify pass per step (for scale)")):
+        print(f"| {label} | {med[key] * 1e3:.2f} |")
+    print(f"| levels per pass | {med['levels_per_pass']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
