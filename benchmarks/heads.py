@@ -21,6 +21,7 @@ Each head drafts in the precision it was saved in (a shipped head: bf16).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
+    ap.add_argument("--pair-with", default=None,
+                    help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
+                         "becomes the baseline row, paired by prompt (answers checked identical by hash)")
     args = ap.parse_args(argv)
     benchmark = None if args.prompts.isdigit() else args.prompts
     if benchmark is None:
@@ -116,10 +120,20 @@ def main(argv=None) -> int:
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
     configs = [(path, head, copy) for path, head in zip(args.heads, heads) for copy in copies]
     labels = [path + (" +copy" if copy else "") for path, _, copy in configs]
-    rows = []  # per prompt: [(new, passes)] per config
+    earlier = None
+    if args.pair_with:
+        earlier = json.loads(Path(args.pair_with).read_text())
+        same = {k: earlier["settings"].get(k) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k")}
+        if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
+            ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
+        first_row = earlier["heads"][0]
+        labels.insert(0, first_row["head"] + (" +copy" if first_row["copy"] else "") + " (earlier run)")
+    rows, hashes = [], []  # per prompt: [(new, passes)] per config; the answer's hash
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
-        for label, (path, head, copy) in zip(labels, configs):
+        if earlier is not None:
+            row.append((first_row["new_tokens"][i], first_row["passes"][i]))
+        for label, (path, head, copy) in zip(labels[len(labels) - len(configs):], configs):
             answers = []
             r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy, **options)
             answer = answers[0][1]
@@ -130,6 +144,12 @@ def main(argv=None) -> int:
                       "lossless", file=sys.stderr)
                 return 1
             row.append((r["new_tokens"], r["passes"]))
+        digest = hashlib.sha1(first.numpy().tobytes()).hexdigest()
+        if earlier is not None and earlier["answers"][i] != digest:
+            print(f"error: prompt {i}: the answer differs from the one in {args.pair_with}; decoding must be "
+                  "lossless", file=sys.stderr)
+            return 1
+        hashes.append(digest)
         rows.append(row)
 
     base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
@@ -147,14 +167,16 @@ def main(argv=None) -> int:
             lo, hi = ratio_interval(new, passes, base_new, base_passes)
             versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({lo:+.1%} .. {hi:+.1%})"
         print(f"| {label} | {tpp:.3f} | {versus} |")
-        report.append({"head": configs[j][0], "copy": configs[j][2], "tokens_per_pass": tpp, "new_tokens": new,
+        config = (first_row["head"], first_row["copy"]) if earlier is not None and j == 0 else \
+            configs[j - (earlier is not None)][::2]
+        report.append({"head": config[0], "copy": config[1], "tokens_per_pass": tpp, "new_tokens": new,
                        "passes": passes})
     if categories is not None:
         print(category_table(categories, rows, labels))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "categories": categories, "heads": report},
-                                             indent=2))
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "categories": categories, "answers": hashes,
+                                              "heads": report}, indent=2))
     return 0
 
 
