@@ -1,7 +1,7 @@
 """Exports read the way each engine's loader reads them (vLLM 0.33, SGLang 0.5.23, SafeAILab/EAGLE).
 
 Each test states the loader's rule it checks (file and what it does) and applies that rule to the
-exported files; scripts/check_exports.py runs the loaders' own code on the same folders.
+exported files; scripts/check_exports.py runs EAGLE's own model code on such folders.
 """
 
 import json
