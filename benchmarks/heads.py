@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     earlier = None
     if args.pair_with:
         earlier = json.loads(Path(args.pair_with).read_text())
-        same = {k: earlier["settings"].get(k) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k")}
+        same = {k: earlier["settings"].get(k) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k",
+                                                         "offset", "skip_prompts", "target")}
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
@@ -146,8 +147,8 @@ def main(argv=None) -> int:
             row.append((r["new_tokens"], r["passes"]))
         digest = hashlib.sha1(first.numpy().tobytes()).hexdigest()
         if earlier is not None and earlier["answers"][i] != digest:
-            print(f"error: prompt {i}: the answer differs from the one in {args.pair_with}; decoding must be "
-                  "lossless", file=sys.stderr)
+            print(f"error: prompt {i}: the answer differs from the one in {args.pair_with} (same settings and "
+                  "prompts: decoding must be lossless, or the target or its kernels changed)", file=sys.stderr)
             return 1
         hashes.append(digest)
         rows.append(row)

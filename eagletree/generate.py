@@ -59,7 +59,7 @@ class GenerationStats:
         ("prefill", "draft", "search", "verify", "accept", "commit"), 0.0))
     seconds: float = 0.0
     steps: list | None = None  # (DraftTree, accepted node indices) per pass, when asked for (calibration)
-    copied_tokens: int = 0  # accepted draft tokens that a copied span proposed
+    copied_tokens: int = 0  # accepted draft tokens that only a copied span proposed (not the head too)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -242,8 +242,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         draft_time = [0.0]
         # Near the end, drafting deeper than the tokens still wanted is wasted work.
         step_depth = min(depth, max_new_tokens - emitted - 1)
-        copies = copy_trie(index, calibration, copy_spans, min(copy_len, max_new_tokens - emitted - 1)) \
-            if copy and max_new_tokens - emitted > 1 else None
+        # A copied span longer than the budget could never be verified whole; where no tree pays, none is built.
+        copies = copy_trie(index, calibration, copy_spans, min(copy_len, budget - 1, max_new_tokens - emitted - 1)) \
+            if copy and budget > 1 and max_new_tokens - emitted > 1 and not (auto is not None and auto.never) else None
         drafting = bool(pending) and step_depth >= 1 and (auto is None or auto.should_draft())
         expand = None
         if drafting:
@@ -289,7 +290,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         stats.accepted_lengths.append(len(step.tokens))
         if draft.copy_info is not None:
             calibration.update(draft, step.accepted)
-            stats.copied_tokens += sum(draft.copy_info[v] is not None for v in step.accepted[1:])
+            stats.copied_tokens += sum(len(draft.copy_info[v] or ()) == 2 for v in step.accepted[1:])
         if stats.steps is not None:
             stats.steps.append((draft, step.accepted))
         stats.seconds = time.perf_counter() - t0
@@ -324,9 +325,7 @@ def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
     folder = getattr(head, "source_dir", None)
     path = Path(folder) / COPY_CALIBRATION if folder else None
     if path is not None and path.is_file():
-        saved = CopyCalibration.load(path)
-        if saved.max_len >= copy_len:
-            return saved
+        return CopyCalibration.load(path)  # spans are cut at its length
     return CopyCalibration(max_len=copy_len)
 
 
@@ -410,8 +409,8 @@ def trees_can_pay(profile, budget: int) -> bool:
 def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
     """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
     a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
-    if tree.copy_info is not None:
-        copied = torch.tensor([info is not None for info in tree.copy_info])
+    if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
+        copied = torch.tensor([info is not None and len(info) == 2 for info in tree.copy_info])
         a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
     a[0] = 1.0
     return torch.exp(tree.ancestors().double() @ a.log())[1:]

@@ -139,7 +139,7 @@ def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_p
     kids = tree.children()
     assert sorted(tree.tokens[kids[0]].tolist()) == [1, 2]  # the copy's 2 merged with the head's 2
     two = next(c for c in kids[0] if int(tree.tokens[c]) == 2)
-    assert float(tree.draft_probs[two]) == pytest.approx(0.9) and tree.copy_info[two] == (4, 0)
+    assert float(tree.draft_probs[two]) == pytest.approx(0.9) and tree.copy_info[two] == (4, 0, True)
     one = next(c for c in kids[0] if int(tree.tokens[c]) == 1)
     assert tree.copy_info[one] is None and float(tree.draft_probs[one]) == pytest.approx(0.6)
     assert tree.depth == 8  # the copied span runs past the head's depth 2
@@ -166,11 +166,16 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
     assert rate[0, 0] == pytest.approx(0.5)  # untried cells keep the prior
     cal.update(tree, [0])  # the first one rejected: the later ones were never tried
     assert cal.tried[2].tolist() == [7, 6, 6]
+    tree.copy_info[1] = (2, 0, True)  # the head proposed it too: not a copy's own success
+    cal.update(tree, [0, 1])
+    assert cal.tried[2].tolist() == [7, 7, 6] and cal.accepted[2].tolist() == [6, 6, 0]
     cal.save(tmp_path / "c.json")
     back = CopyCalibration.load(tmp_path / "c.json")
     assert torch.allclose(back.prior, cal.rate().clamp(0.01, 0.99)) and back.max_len == 3
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a copy calibration file"):
         CopyCalibration.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="strength must be > 0"):
+        CopyCalibration(strength=0)
     with pytest.raises(ValueError, match=r"prior must be \[5, 3\]"):
         CopyCalibration(max_len=3, prior=[[0.5] * 4] * 5)

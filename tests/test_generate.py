@@ -145,6 +145,24 @@ def test_copied_spans_are_lossless_and_carry_repetitive_text(tree):
     assert tpp[(True, True)] > 1.0  # prompt lookup alone also drafts
 
 
+def test_copies_follow_the_budget_and_are_not_built_where_no_tree_pays():
+    from eagletree.tree_search import LatencyProfile
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    prompt = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 4, 5, 6])  # copies "7 8 9 10 11 ..." from the first pass on
+    stats = GenerationStats(steps=[])
+    list(decode_steps(model, tok, None, prompt, max_new_tokens=12, budget=4, copy=True, stats=stats))
+    first = stats.steps[0][0]
+    assert first.tokens.tolist()[1:] == [7, 8, 9] and all(len(t) <= 4 for t, _ in stats.steps)
+    # A machine where a pass over N nodes costs N one-token passes: no tree of any kind is searched.
+    never = LatencyProfile(sizes=[1, 64], verify_s=[0.010, 0.640])
+    stats = GenerationStats(steps=[])
+    list(decode_steps(model, tok, head, prompt, max_new_tokens=12, tree="auto", budget=16, copy=True, profile=never,
+                      stats=stats))
+    assert all(len(t) == 1 and t.copy_info is None for t, _ in stats.steps)
+
+
 def test_copy_options_are_checked():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()

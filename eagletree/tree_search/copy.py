@@ -95,6 +95,8 @@ class CopyCalibration:
     """
 
     def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0):
+        if not strength > 0:
+            raise ValueError(f"copy calibration strength must be > 0 (observations the prior is worth), got {strength!r}")
         self.max_len, self.strength = max_len, float(strength)
         shape = (len(MATCH_BINS), max_len)
         self.prior = torch.full(shape, 0.5, dtype=torch.float64) if prior is None else \
@@ -112,13 +114,17 @@ class CopyCalibration:
         return (self.accepted + self.strength * self.prior) / (self.tried + self.strength)
 
     def update(self, tree, accepted: list[int]) -> None:
-        """Count every copied node of a verified tree that was tried (its parent was accepted)."""
+        """Count every copied node of a verified tree that was tried (its parent was accepted).
+
+        Copies the head proposed too (merged nodes) are left out: agreeing with the head, they are
+        accepted far more often than copies alone, which the table values.
+        """
         if tree.copy_info is None:
             return
         on_path = set(accepted)
         parents = tree.parents.tolist()
         for v, info in enumerate(tree.copy_info):
-            if info is None or parents[v] not in on_path:
+            if info is None or len(info) > 2 or parents[v] not in on_path:
                 continue
             b, j = info
             self.tried[b, j] += 1
@@ -157,6 +163,14 @@ class CopyTrie:
     @property
     def depth(self) -> int:
         return max(self.depths)
+
+    def by_level(self, level: int) -> list[int]:
+        """The trie's nodes at depth `level`, in creation order."""
+        if "_levels" not in self.__dict__:
+            self._levels: dict[int, list[int]] = {}
+            for v in range(1, len(self.tokens)):
+                self._levels.setdefault(self.depths[v], []).append(v)
+        return self._levels.get(level, [])
 
     def __len__(self) -> int:
         return len(self.tokens)

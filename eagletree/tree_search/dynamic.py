@@ -100,10 +100,12 @@ class _Nodes:
             if v is None:
                 v = self._add(u, t, a)
                 made.append(v)
-            elif a > self.probs[v]:  # one node: valued by the better of the two estimates
-                self.probs[v], self.values[v] = a, self.values[u] * a
+                self.copy_info[v] = self.copies.info[c]
+            else:
+                if a > self.probs[v]:  # one node: valued by the better of the two estimates
+                    self.probs[v], self.values[v] = a, self.values[u] * a
+                self.copy_info[v] = self.copies.info[c] + (True,)  # the head proposed it too
             self.trie_node[v] = c
-            self.copy_info[v] = self.copies.info[c]
         return made
 
     def key(self, v):  # rank order: higher value, then shallower, then created earlier
@@ -203,22 +205,25 @@ class _Table:
         ids/values: the head's new children at this level (a contiguous id range). Returns the
         level's (ids, values) with the new copied nodes appended, and the copied nodes the head can
         expand next (those under this level's frontier: the drafter has their parents' state).
+        A few host reads per level, none per node.
         """
-        level_nodes = [c for c in range(1, len(copies)) if copies.depths[c] == level]
+        level_nodes = copies.by_level(level)
         device = self.tokens.device
         none = torch.zeros(0, dtype=torch.long, device=device)
         if not level_nodes:
             return ids, values, none
         parents = [placed[copies.parents[c]] for c in level_nodes]
+        parent_values = self.values[torch.tensor(parents, device=device)].tolist()
         head_child = {}
         if ids.numel():
-            mine = torch.isin(self.parents[ids], torch.tensor(parents, device=device))
-            for v, u, t in zip(ids[mine].tolist(), self.parents[ids[mine]].tolist(), self.tokens[ids[mine]].tolist()):
-                head_child[(u, t)] = v
+            mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))]
+            if mine.numel():
+                table = torch.stack([mine, self.parents[mine], self.tokens[mine]]).tolist()
+                head_child = {(u, t): v for v, u, t in zip(*table)}
         start, expanded = int(ids[0]) if ids.numel() else 0, set(frontier.tolist())
-        new_tokens, new_parents, new_probs, new_values, new_ids, can_expand = [], [], [], [], [], []
+        new_tokens, new_parents, new_probs, new_values, can_expand, merged = [], [], [], [], [], []
         next_id = self.tokens.numel()
-        for c, u in zip(level_nodes, parents):
+        for c, u, pv in zip(level_nodes, parents, parent_values):
             t, a = copies.tokens[c], copies.factors[c]
             v = head_child.get((u, t))
             if v is None:
@@ -227,23 +232,29 @@ class _Table:
                 new_tokens.append(t)
                 new_parents.append(u)
                 new_probs.append(a)
-                new_values.append(float(self.values[u]) * a)
-                new_ids.append(v)
+                new_values.append(pv * a)
                 can_expand.append(u in expanded)
-            elif a > float(self.probs[v]):  # one node, valued by the better of the two estimates
-                self.probs[v] = a
-                self.values[v] = self.values[u] * a
-                values[v - start] = self.values[v]
+                self.copy_info[v] = copies.info[c]
+            else:
+                merged.append((v, u, a))
+                self.copy_info[v] = copies.info[c] + (True,)  # the head proposed it too
             placed[c] = v
-            self.copy_info[v] = copies.info[c]
-        if not new_ids:
+        if merged:  # one node, valued by the better of the two estimates
+            vs = torch.tensor([v for v, _, _ in merged], device=device)
+            a = torch.tensor([a for _, _, a in merged], dtype=torch.float64, device=device)
+            better = a > self.probs[vs]
+            vs, a = vs[better], a[better]
+            self.probs[vs] = a
+            self.values[vs] = self.values[self.parents[vs]] * a
+            values[vs - start] = self.values[vs]
+        if not new_tokens:
             return ids, values, none
         f64 = dict(dtype=torch.float64, device=device)
         self.tokens = torch.cat([self.tokens, torch.tensor(new_tokens, device=device)])
         self.parents = torch.cat([self.parents, torch.tensor(new_parents, device=device)])
         self.probs = torch.cat([self.probs, torch.tensor(new_probs, **f64)])
         self.values = torch.cat([self.values, torch.tensor(new_values, **f64)])
-        new = torch.tensor(new_ids, device=device)
+        new = torch.arange(next_id - len(new_tokens), next_id, device=device)
         return (torch.cat([ids, new]), torch.cat([values, torch.tensor(new_values, **f64)]),
                 new[torch.tensor(can_expand, device=device)])
 

@@ -26,12 +26,13 @@ class DraftTree:
 
     Set by the tree searches, None otherwise: `values` ([N] float64, each node's path value in the
     search), `node_ids` (the search's id of each node, the ids its drafter saw) and `copy_info`
-    (per node: (match bin, position along the span) when a copied span proposed the node, else None).
+    (per node: (match bin, position along the span) when a copied span proposed the node, with a third
+    entry True when the head proposed it too, else None).
     """
 
     values: torch.Tensor | None
     node_ids: list[int] | None
-    copy_info: list[tuple[int, int] | None] | None
+    copy_info: list[tuple | None] | None
 
     def __init__(
         self,
