@@ -114,3 +114,21 @@ def test_cli_defaults_to_the_auto_tree_for_generate_and_chat():
         args = parser.parse_args([command, "--prompt", "x"] if command == "generate" else [command])
         assert args.tree == "auto" and args.budget is None and args.depth == 6 and args.pack == "auto"
     assert parser.parse_args(["viz", "--prompt", "x"]).tree == "eagle2"
+
+
+def test_dtype_reaches_the_target(monkeypatch, tmp_path, capsys):
+    from eagletree.cli import main
+    from helpers import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    asked = []
+    monkeypatch.setattr("eagletree.target.load_target",
+                        lambda spec, dtype=None, device=None: asked.append(dtype) or (model, tok))
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
+    for flag, want in (([], None), (["--dtype", "bfloat16"], torch.bfloat16)):
+        assert main(["generate", "--target", "tiny", "--head", "none", "--prompt", "hi", "--max-new-tokens", "2",
+                     "--json", "--pack", "off", *flag]) == 0
+        assert asked[-1] == want
+    with pytest.raises(SystemExit):  # argparse names the allowed values
+        main(["generate", "--target", "tiny", "--prompt", "hi", "--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
