@@ -170,6 +170,9 @@ def cmd_generate(args) -> int:
     result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
     result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
         args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
+    from .packing import kernels_used
+
+    result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
     if args.compare_plain:
         compare_plain(result, model, tok, messages, args)
     if args.json:

@@ -129,6 +129,8 @@ def test_dtype_reaches_the_target(monkeypatch, tmp_path, capsys):
         assert main(["generate", "--target", "tiny", "--head", "none", "--prompt", "hi", "--max-new-tokens", "2",
                      "--json", "--pack", "off", *flag]) == 0
         assert asked[-1] == want
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == {"kernels": "stock",
+                                                                                        "choice": None}
     with pytest.raises(SystemExit):  # argparse names the allowed values
         main(["generate", "--target", "tiny", "--prompt", "hi", "--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
