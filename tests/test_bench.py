@@ -43,7 +43,8 @@ def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
     assert {"command", "machine", "settings", "results", "calibration", "accept_by_rank"} <= set(data)
     labels = [m.label for m in methods]
     assert labels == ["chain 3", "chain 4", "sequoia 3", "sequoia 8", "eagle2 3", "eagle2 8", "optimal 3",
-                      "optimal 8", "auto 3", "auto 8", "lookup", "packed"]
+                      "optimal 8", "auto 3", "auto 8", "eagle2+copy 3", "eagle2+copy 8", "optimal+copy 3",
+                      "optimal+copy 8", "auto+copy 3", "auto+copy 8", "copy 3", "copy 8", "lookup", "packed"]
     assert [r["label"] for r in data["results"]] == (["plain"] + labels) * 2
     for r in data["results"]:
         assert {"tokens_per_pass", "predicted_tokens_per_pass", "tokens_per_s", "speedup", "identical",
