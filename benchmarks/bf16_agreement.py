@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     from eagletree.bench import load_prompts, run_hf
     from eagletree.draft_heads import load_head
-    from eagletree.generate import generate
+    from eagletree.decoding import generate
     from eagletree.packing import pack_linears
     from eagletree.target import load_target
 

@@ -34,7 +34,7 @@ def main(argv=None):
     from eagletree.cli import draft_dtype
     from eagletree.draft_heads import load_head
     from eagletree.draft_heads.drafter import TreeDrafter
-    from eagletree.generate import GenerationStats, decode_steps
+    from eagletree.decoding import GenerationStats, decode_steps
     from eagletree.packing import kernels_used, pack_target
     from eagletree.target import load_target
 

@@ -49,7 +49,7 @@ def record_real(args, shapes):
     import warnings
 
     from eagletree.draft_heads import load_head
-    from eagletree.generate import decode_steps
+    from eagletree.decoding import decode_steps
     from eagletree.target import load_target
     from eagletree.train.data import load_dataset, split
     from eagletree.train.evaluate import heldout_prompts

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def generate(target, tokenizer, head, prompt_or_messages, **options):
-    """Lossless speculative generation (see eagletree.generate.generate)."""
-    from .generate import generate as _generate
+    """Lossless speculative generation (see eagletree.decoding.generate)."""
+    from .decoding import generate as _generate
 
     return _generate(target, tokenizer, head, prompt_or_messages, **options)

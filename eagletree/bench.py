@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from .generate import GenerationStats, decode_steps, encode_prompt, stop_token_ids
+from .decoding import GenerationStats, decode_steps, encode_prompt, stop_token_ids
 from .packing import is_packed, kernels_used, pack_target, stock_kernels
 from .tree_search import acceptance_pairs
 
@@ -407,7 +407,7 @@ def calibration_bins(probs, hits, head=None, bins: int = 10) -> dict:
 
     Also binned by the head's calibrated prediction, when it has a calibration.json.
     """
-    from .generate import head_calibrator
+    from .decoding import head_calibrator
 
     out = {"nodes": len(probs), "bins": _bin(probs, hits, bins)}
     calibrator = head_calibrator(head) if head is not None and probs else None

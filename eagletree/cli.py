@@ -24,7 +24,7 @@ SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m
 def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
     from .draft_heads import load_head
-    from .generate import check_options
+    from .decoding import check_options
     from .packing import pack_target
     from .target import load_target
 
@@ -121,7 +121,7 @@ def compare_plain(result: dict, model, tok, messages, args) -> dict:
 
 
 def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
-    from .generate import GenerationStats, _stream_text, decode_steps, decode_text
+    from .decoding import GenerationStats, _stream_text, decode_steps, decode_text
 
     stats = GenerationStats()
     options = _options(args)
@@ -328,7 +328,7 @@ def cmd_import(args) -> int:
 def cmd_plan(args) -> int:
     """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
     from .bench import load_prompts
-    from .generate import latency_profile
+    from .decoding import latency_profile
     from .plan import Acceptance, load_profile, make_plan, split_prompts, summary, write_json
 
     acceptance = None
@@ -362,7 +362,7 @@ def cmd_plan(args) -> int:
 def cmd_calibrate_copy(args) -> int:
     """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
     from .bench import load_prompts
-    from .generate import check_options
+    from .decoding import check_options
     from .train.evaluate import measure_copy_calibration
     from .tree_search.copy import COPY_CALIBRATION
 

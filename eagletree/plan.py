@@ -99,7 +99,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
                        top_k: int = 10) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
     from .draft_heads import TreeDrafter, make_drafter, target_to_draft
-    from .generate import _features, encode_prompt, generate
+    from .decoding import _features, encode_prompt, generate
     from .target import new_cache
     from .verify import prefill
 
@@ -258,7 +258,7 @@ def load_profile(path):
 
 def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int) -> dict:
     """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
-    from .generate import generate
+    from .decoding import generate
 
     new = passes = 0
     for prompt in prompts:

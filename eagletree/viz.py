@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .generate import GenerationStats, decode_steps, encode_prompt
+from .decoding import GenerationStats, decode_steps, encode_prompt
 from .target import new_cache
 from .verify import DraftTree, accept_tree, prefill, target_probs, verify_tree
 

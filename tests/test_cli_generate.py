@@ -8,7 +8,7 @@ import torch
 
 from eagletree.cli import main as cli_main
 from eagletree.draft_heads import EagleHead
-from eagletree.generate import generate
+from eagletree.decoding import generate
 
 from helpers import tiny_model, tiny_tokenizer
 

@@ -14,7 +14,7 @@ from helpers import tiny_conversations, tiny_model, tiny_tokenizer
 
 def greedy_alone(model, tok, messages, max_new_tokens):
     """The argmax of the model's logits token by token, one prompt, no cache: what a distilled answer must equal."""
-    from eagletree.generate import encode_prompt, stop_token_ids
+    from eagletree.decoding import encode_prompt, stop_token_ids
 
     ids, stops, out = encode_prompt(tok, messages), stop_token_ids(model, tok), []
     with torch.no_grad():

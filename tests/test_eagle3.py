@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eagletree.draft_heads import Eagle3Head, TreeDrafter, load_head
-from eagletree.generate import generate
+from eagletree.decoding import generate
 from eagletree.tree_search import optimal_search
 
 from helpers import tiny_model, tiny_tokenizer

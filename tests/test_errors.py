@@ -160,7 +160,7 @@ def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, 
 
 
 def test_decoding_options_are_checked_in_the_python_api():
-    from eagletree.generate import generate
+    from eagletree.decoding import generate
     from helpers import tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()

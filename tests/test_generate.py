@@ -3,7 +3,7 @@ import torch
 
 import eagletree
 from eagletree.draft_heads import EagleHead
-from eagletree.generate import GenerationStats, decode_steps, generate
+from eagletree.decoding import GenerationStats, decode_steps, generate
 
 from helpers import chi_square_p, tiny_model, tiny_tokenizer
 
@@ -175,7 +175,7 @@ def test_copy_options_are_checked():
 
 
 def test_streaming_pieces_join_to_the_text():
-    from eagletree.generate import _stream_text
+    from eagletree.decoding import _stream_text
 
     class ByteTokenizer:  # multi-byte characters split across tokens, as byte-level BPE does
         def decode(self, ids, skip_special_tokens=True):
@@ -212,7 +212,7 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
     profile = tmp_path / "p.json"
     LatencyProfile([1, 8], [0.01, 0.012]).save(profile)
-    from eagletree.generate import latency_profile
+    from eagletree.decoding import latency_profile
 
     assert latency_profile(model, profile).sizes == [1, 8]
 
@@ -258,7 +258,7 @@ def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
 
 
 def test_streaming_survives_text_that_changes_when_more_tokens_arrive():
-    from eagletree.generate import _stream_text
+    from eagletree.decoding import _stream_text
 
     class CleanupTokenizer:  # decodes like HF's clean_up_tokenization_spaces=True unless told otherwise
         words = ["i", " '", "m", " fine"]

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagletree.draft_heads import EagleHead
-from eagletree.generate import generate
+from eagletree.decoding import generate
 from eagletree.packing import (PackedLinear, PackingError, is_packed, pack_linears, pack_target, packing_problem,
                                stock_kernels, unpack_linears)
 

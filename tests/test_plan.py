@@ -49,7 +49,7 @@ def test_sequoia_with_acceptance_by_depth_equals_brute_force():
 
 
 def test_depth_one_acceptance_equals_the_heads_ranks_over_the_answer():
-    from eagletree.generate import generate
+    from eagletree.decoding import generate
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)

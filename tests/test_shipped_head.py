@@ -8,7 +8,7 @@ import torch
 
 from eagletree.cli import SHIPPED_HEADS
 from eagletree.draft_heads import EagleHead, load_head
-from eagletree.generate import generate
+from eagletree.decoding import generate
 from eagletree.packing import pack_linears, packing_problem, stock_kernels, unpack_linears
 
 HEAD = SHIPPED_HEADS["smollm2-135m"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import eagletree.packing as packing
-from eagletree.generate import AutoPolicy, trees_can_pay
+from eagletree.decoding import AutoPolicy, trees_can_pay
 from eagletree.packing import KernelChoice, PackedLinear, is_packed, kernels_tag, kernels_used, pack_target
 from eagletree.tree_search import LatencyProfile
 

@@ -11,7 +11,7 @@ import torch
 
 from eagletree.cli import main
 from eagletree.draft_heads import EagleHead
-from eagletree.generate import GenerationStats, decode_steps
+from eagletree.decoding import GenerationStats, decode_steps
 from eagletree.verify import accept_sampling, accept_tree, target_probs
 from eagletree.viz import render_html, show_token, step_data, viz_step
 

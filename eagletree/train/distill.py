@@ -115,7 +115,7 @@ def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
 
     Built from all prompts, answered or not, so a resumed run makes the same batches as a straight one.
     """
-    from ..generate import encode_prompt
+    from ..decoding import encode_prompt
 
     rendered, skipped = [], 0
     for conv_id, msgs in items:
@@ -142,7 +142,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     """
     from transformers import GenerationConfig
 
-    from ..generate import stop_token_ids
+    from ..decoding import stop_token_ids
 
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tok)

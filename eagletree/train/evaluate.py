@@ -86,7 +86,7 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
     `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration); `answers`, a list,
     receives (prompt ids, answer ids) per prompt: the target's own answer (decoding is lossless).
     """
-    from ..generate import GenerationStats, decode_steps, encode_prompt
+    from ..decoding import GenerationStats, decode_steps, encode_prompt
 
     new = passes = 0
     predicted = []

@@ -17,7 +17,7 @@ import hashlib
 import torch
 
 from eagletree.draft_heads import EagleHead
-from eagletree.generate import decode_steps
+from eagletree.decoding import decode_steps
 from eagletree.target import new_cache
 from eagletree.verify import DraftTree, accept_tree, prefill, target_probs, verify_step, verify_tree
 

@@ -6,9 +6,7 @@ statistics people tune with (tokens per pass, predicted vs measured, where the t
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -457,13 +455,3 @@ def _stream_text(tokenizer, steps):
     text = decode_text(tokenizer, ids)
     if text.startswith(sent) and len(text) > len(sent):
         yield text[len(sent):]
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module sets `eagletree.generate` to it; calling it still means `generate(...)`."""
-
-    def __call__(self, *args, **kwargs):
-        return generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
