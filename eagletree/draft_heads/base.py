@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import EagletreeError
+
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 _IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
@@ -17,7 +19,7 @@ _IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers"
 _REGISTRY: dict[str, type] = {}
 
 
-class HeadError(ValueError):
+class HeadError(EagletreeError, ValueError):
     """A head that does not fit its target, or files that cannot be loaded."""
 
 

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import EagletreeError
+
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
@@ -28,7 +30,7 @@ ROLE_ALIASES = {
 HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
 
 
-class DataError(ValueError):
+class DataError(EagletreeError, ValueError):
     """Input data that cannot be read as conversations; the message names file and record."""
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..errors import EagletreeError
 
-class DistillError(ValueError):
+
+class DistillError(EagletreeError, ValueError):
     """Bad distillation settings or output file; the message names the value."""
 
 

@@ -19,13 +19,14 @@ import torch
 from tqdm import tqdm
 
 from ..draft_heads import target_identity
+from ..errors import EagletreeError
 from .render import RenderError, render
 
 MANIFEST = "manifest.json"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class FeatureError(ValueError):
+class FeatureError(EagletreeError, ValueError):
     """A feature cache that does not belong to this target or config, or is damaged."""
 
 

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import EagletreeError
 from .render import RenderError, render_item
 
 
-class TrainingError(RuntimeError):
+class TrainingError(EagletreeError, RuntimeError):
     """Training cannot go on (bad loss, bad config); the message names the step or key."""
 
 

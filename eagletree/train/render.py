@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import EagletreeError
 
-class RenderError(ValueError):
+
+class RenderError(EagletreeError, ValueError):
     """A conversation the chat template cannot render consistently (counted and skipped by the trainer)."""
 
 

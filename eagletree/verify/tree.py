@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import EagletreeError
 
-class TreeError(ValueError):
+
+class TreeError(EagletreeError, ValueError):
     """A draft tree that is not a valid rooted tree (the message names the node and value)."""
 
 
