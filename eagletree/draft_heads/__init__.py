@@ -1,13 +1,13 @@
 """Draft heads: EAGLE-style feature-level heads, draft vocabulary, the tree drafter, save/load."""
 
 from .base import DraftHead, HeadConfig, HeadError, head_class, target_identity
-from .drafter import TreeDrafter
+from .drafter import Drafter, TreeDrafter
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
 from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
-__all__ = ["DraftHead", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter", "MedusaDrafter",
+__all__ = ["DraftHead", "Drafter", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter", "MedusaDrafter",
            "head_class", "load_head", "make_drafter", "target_identity", "build_draft_vocab",
            "check_draft_vocab", "t2d_mask", "target_to_draft"]
 

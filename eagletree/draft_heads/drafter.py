@@ -8,9 +8,32 @@ ancestors and itself.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from ..packing import is_packed, pack_linears, packed_linear, packed_weight, packing_problem
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What `make_drafter(head, target)` returns for every head type; the decoding loop and the searches use only this.
+
+    The head's state is the committed prefix (never recomputed) plus, during one step, the tree drafted so far.
+    """
+
+    token_map: torch.Tensor | None  # draft id -> target id ([V'] long), or None for the full vocabulary
+
+    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Commit m positions: the target's features [m, F] and the token after each; drops any drafted tree.
+        Returns the root's child distribution [V']."""
+
+    def begin_tree(self) -> None:
+        """Forget the drafted tree (not the committed prefix): the next search starts again from the root."""
+
+    def __call__(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
+        """Expand one search level: frontier node ids [F] (numbered by the search), their tokens (draft ids) and
+        parent node ids (0 = the root) -> child distributions [F, V']. level 1 is the root's own children."""
 
 
 def sliced_lm_head(head, target_model, dtype=None):
@@ -35,7 +58,7 @@ def sliced_lm_head(head, target_model, dtype=None):
 
 
 class TreeDrafter:
-    """Implements the batched search's `expand(nodes, tokens, parents, level) -> probs [F, draft vocab]`."""
+    """The `Drafter` of EAGLE-1/2 and EAGLE-3 heads: one head call per level for the whole frontier."""
 
     def __init__(self, head, target_model):
         self.head = head

@@ -67,7 +67,7 @@ class MedusaHead(DraftHead):
 
 
 class MedusaDrafter:
-    """The batched search's `expand` for Medusa heads: level L drafts with head L from the last committed feature."""
+    """The `Drafter` of Medusa heads: level L drafts with head L from the last committed feature."""
 
     def __init__(self, head: MedusaHead, target_model):
         from .drafter import sliced_lm_head
@@ -83,6 +83,9 @@ class MedusaDrafter:
         logits = self.head(features[-1].to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)  # [K, V']
         self.level_probs = torch.softmax(logits.float(), -1)
         return self.level_probs[0]
+
+    def begin_tree(self) -> None:
+        """Nothing to forget: Medusa's levels read only the committed feature, never drafted nodes."""
 
     def __call__(self, nodes, tokens, parents, level):
         if self.level_probs is None:
