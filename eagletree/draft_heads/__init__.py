@@ -7,8 +7,8 @@ from .eagle3 import Eagle3Head
 from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
-__all__ = ["DraftHead", "Drafter", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter", "MedusaDrafter",
-           "head_class", "load_head", "make_drafter", "target_identity", "build_draft_vocab",
+__all__ = ["DraftHead", "Drafter", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter",
+           "MedusaDrafter", "head_class", "load_head", "make_drafter", "target_identity", "build_draft_vocab",
            "check_draft_vocab", "t2d_mask", "target_to_draft"]
 
 
