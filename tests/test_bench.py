@@ -65,14 +65,14 @@ def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
 
 def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):
     model, tok, head = tiny_setup
-    honest = bench.run_tree
+    honest = bench.runners.run_tree
 
     def wrong(*args, **kwargs):
         run = honest(*args, **kwargs)
         run.token_ids[2] = (run.token_ids[2] + 1) % 97
         return run
 
-    monkeypatch.setattr(bench, "run_tree", wrong)
+    monkeypatch.setattr(bench.runners, "run_tree", wrong)  # where run_bench looks it up
     messages = []
     report = bench.run_bench(model, tok, head, PROMPTS[:1], bench.method_grid(["eagle2"], [4], 3, 3), (0.0,),
                              max_new_tokens=6, progress=False, log=messages.append)
@@ -161,13 +161,13 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
     kernels = []  # per HF generate call: were the packed kernels on?
-    real_run_hf = bench.run_hf
+    real_run_hf = bench.runners.run_hf
 
     def spy(model_, *args, **kwargs):
         kernels.append(all(m.enabled for m in model_.modules() if isinstance(m, PackedLinear)))
         return real_run_hf(model_, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "run_hf", spy)
+    monkeypatch.setattr(bench.runners, "run_hf", spy)
     out = tmp_path / "out"
     (tmp_path / "p.jsonl").write_text('"hello how are you"\n')
     assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"),
@@ -227,8 +227,8 @@ def test_builtin_config_has_the_written_down_sizes():
 
 def test_speedup_spread_skips_prompts_without_a_decoding_rate():
     nan = float("nan")
-    s = bench._quantiles([0.5, nan, 1.5])
+    s = bench.stats._quantiles([0.5, nan, 1.5])
     assert (s["median"], s["min"], s["max"], s["per_prompt"]) == (1.0, 0.5, 1.5, [0.5, None, 1.5])
-    assert bench._quantiles([nan])["median"] is None
+    assert bench.stats._quantiles([nan])["median"] is None
     assert bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate != bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate  # NaN
     assert bench.Run([1, 2, 3], 1.0, 0.5, [1, 2]).decode_rate == 4.0

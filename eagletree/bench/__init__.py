@@ -1,0 +1,28 @@
+"""`eagletree bench`: speculative decoding vs plain and prompt-lookup decoding, on the same prompts in one run.
+
+For every prompt (and temperature), plain HF decoding runs first and every method right after it,
+so each speedup is a ratio measured moments apart on the same prompt; the tables report the median
+and range of those per-prompt ratios. `--profile-only` measures the device's acceptance-independent
+costs instead (verify latency per tree size, drafting, engine overhead) on random weights.
+
+inputs: the method grid and the prompts; runners: the timed runs; stats: summaries and intervals;
+report: tables, plots and the machine; profile: --profile-only and drafting costs; command: `main`.
+The scripts in benchmarks/ take their prompts, statistics and timing from here too.
+"""
+
+from .command import main
+from .inputs import (BASELINE_LABELS, FULL, HEADLESS, METHODS, QUICK, TREE_METHODS, Method, load_prompts, method_grid,
+                     parse_list, sharegpt_heldout)
+from .profile import (BUILTIN_CONFIGS, TimedDrafter, build_config, measure_drafting, measured_tokens_per_pass,
+                      profile_costs, profile_report, project, random_model, random_target, sync)
+from .report import machine_info, markdown_report, markdown_table, write_outputs, write_plots
+from .runners import (Run, first_difference, logit_gap, rank_acceptance, run_bench, run_hf, run_method, run_tree,
+                      warm_up)
+from .stats import calibration_bins, ratio_interval, summarize
+
+__all__ = ["BASELINE_LABELS", "BUILTIN_CONFIGS", "FULL", "HEADLESS", "METHODS", "QUICK", "TREE_METHODS", "Method",
+           "Run", "TimedDrafter", "build_config", "calibration_bins", "first_difference", "load_prompts", "logit_gap",
+           "machine_info", "main", "markdown_report", "markdown_table", "measure_drafting",
+           "measured_tokens_per_pass", "method_grid", "parse_list", "profile_costs", "profile_report", "project",
+           "random_model", "random_target", "rank_acceptance", "ratio_interval", "run_bench", "run_hf", "run_method",
+           "run_tree", "sharegpt_heldout", "summarize", "sync", "warm_up", "write_outputs", "write_plots"]

@@ -1,0 +1,55 @@
+"""`eagletree bench`: the command (arguments from the CLI's parser)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from ..loading import head_to_load, load_models
+from ..packing import is_packed, kernels_used
+from .inputs import FULL, QUICK, Method, load_prompts, method_grid, parse_list
+from .profile import main_profile
+from .report import machine_info, write_outputs
+from .runners import run_bench
+
+
+def main(args) -> int:
+    """`eagletree bench` (arguments from the CLI parser)."""
+    command = "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "eagletree bench"
+    if args.profile_only:
+        return main_profile(args, command)
+    preset = QUICK if args.quick else FULL
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+    budgets = parse_list(pick("budgets"), int, "budgets")
+    temperatures = parse_list(pick("temperatures"), float, "temperatures")
+    if any(t < 0 for t in temperatures):
+        raise ValueError(f"--temperatures must be >= 0, got {temperatures}")
+    methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)
+    max_new_tokens = pick("max_new_tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    prompts = load_prompts(pick("prompts"))
+
+    head_dir = head_to_load(args.target, args.head or None, required=False)
+    model, tok, head, packed = load_models(args.target, head_dir, device=args.device, dtype=args.dtype,
+                                           pack=args.pack, head_dtype=args.draft_dtype)
+    if packed:
+        if not any(m.name == "packed" for m in methods):
+            methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
+    elif any(m.name == "packed" for m in methods):
+        raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
+                         "drop it or pass --pack on/auto on a CPU")
+    report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens)
+    report.update(command=command, machine=machine_info(model),
+                  settings={"target": args.target, "head": str(args.head if head_dir is None else head_dir),
+                            "prompts": pick("prompts"),
+                            "packed": is_packed(model), "kernels": kernels_used(model),
+                            "kernels_measured": None if getattr(model, "kernel_choice", None) is None
+                            else model.kernel_choice.summary(),
+                            "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
+                            "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,
+                            "methods": [m.label for m in methods], "quick": args.quick})
+    out = write_outputs(report, args.out)
+    print("\n" + (out / "results.md").read_text())
+    print(f"wrote {out}/results.json, results.md, {', '.join(report['plots'])}", file=sys.stderr)
+    return 0

@@ -1,0 +1,140 @@
+"""What `eagletree bench` runs: the method grid, its presets, and the prompts (MT-bench, HumanEval, held-out
+ShareGPT or a JSONL file)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..prompts import humaneval_prompts, mtbench_subset
+from ..train.data import load_dataset, split
+from ..train.evaluate import heldout_prompts
+
+# "+copy": the head's candidates and copied spans of earlier text in one tree; "copy": copied spans alone
+# (prompt lookup through eagletree's tree search and engine, no head).
+TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto", "eagle2+copy", "optimal+copy", "auto+copy", "copy")
+METHODS = TREE_METHODS + ("lookup", "packed")
+BASELINE_LABELS = {"lookup": "HF prompt lookup", "packed": "plain, packed kernels"}
+HEADLESS = ("copy",)  # tree methods that need no head
+FULL = dict(prompts="heldout:8", max_new_tokens=64, budgets="8,16,32,60", temperatures="0,1")
+QUICK = dict(prompts="heldout:2", max_new_tokens=24, budgets="8,32", temperatures="0,1")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # one of METHODS, or "plain"
+    budget: int | None = None  # tree nodes per pass, root included (auto: the most it may use)
+    depth: int = 6
+    top_k: int = 10
+
+    @property
+    def label(self) -> str:
+        return self.name if self.budget is None else f"{self.name} {self.budget}"
+
+    @property
+    def tree(self) -> str:
+        """The tree search this method runs (`decode_steps`' tree=)."""
+        return "optimal" if self.name == "copy" else self.name.removesuffix("+copy")
+
+    @property
+    def copy(self) -> bool:
+        return self.name == "copy" or self.name.endswith("+copy")
+
+
+def parse_list(text: str, kind, what: str) -> list:
+    """A comma-separated option as a list of `kind` (int, float or str), or ValueError naming the bad item."""
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"--{what} is empty; expected a comma-separated list")
+    out = []
+    for s in items:
+        try:
+            out.append(kind(s))
+        except ValueError:
+            raise ValueError(f"--{what}: {s!r} is not {'an integer' if kind is int else 'a number'}") from None
+    return out
+
+
+def method_grid(names, budgets, depth: int = 6, top_k: int = 10) -> list[Method]:
+    """Every method at every budget; the chain (width 1) drafts min(budget - 1, depth) tokens, run once per length."""
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise ValueError(f"unknown method {bad[0]!r}; expected some of {', '.join(METHODS)} (plain always runs)")
+    bad = [b for b in budgets if not isinstance(b, int) or b < 2]
+    if bad:
+        raise ValueError(f"budgets must be integers >= 2 (tree nodes per pass, root included), got {bad[0]!r}")
+    if depth < 1 or top_k < 1:
+        raise ValueError(f"depth and top-k must be >= 1, got depth {depth} and top-k {top_k}")
+    grid = []
+    for name in dict.fromkeys(names):
+        if name in BASELINE_LABELS:
+            grid.append(Method(name))
+            continue
+        for b in budgets:
+            m = Method(name, b, depth, top_k) if name != "chain" else Method(name, min(b, depth + 1), min(b - 1, depth))
+            if m not in grid:
+                grid.append(m)
+    return grid
+
+
+def sharegpt_heldout() -> list:
+    """The held-out conversations of the shipped ShareGPT data (the split training never sees)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the shipped file's known cut-off, reported by `eagletree data`
+        _, heldout = split(load_dataset("sharegpt"))
+    return heldout
+
+
+def load_prompts(spec: str) -> list[list[dict]]:
+    """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `humaneval[:N]` (the first N
+    HumanEval problems), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
+
+    A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
+    """
+    if spec == "mtbench" or spec.startswith("mtbench:"):
+        n = spec.removeprefix("mtbench").removeprefix(":")
+        if n and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"--prompts {spec!r}: expected mtbench or mtbench:N with N a positive integer")
+        return [q.messages() for q in mtbench_subset(int(n) if n else None)]
+    if spec == "humaneval" or spec.startswith("humaneval:"):
+        n = spec.removeprefix("humaneval").removeprefix(":")
+        if n and (not n.isdigit() or int(n) < 1):
+            raise ValueError(f"--prompts {spec!r}: expected humaneval or humaneval:N with N a positive integer")
+        return humaneval_prompts(int(n) if n else None)
+    if spec.startswith("heldout:"):
+        n = spec.removeprefix("heldout:")
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--prompts {spec!r}: expected heldout:N with N a positive integer")
+        heldout = sharegpt_heldout()
+        # Past the conversations the head's evaluation uses; ShareGPT splits long chats into parts, and a part
+        # that opens with the assistant continues an earlier answer rather than asking something.
+        opening = [c for c in heldout[100:]
+                   if next((m["role"] for m in c.messages if m["role"] != "system"), None) == "user"]
+        return heldout_prompts(opening, int(n))
+    path = Path(spec)
+    if not spec.endswith(".jsonl"):
+        raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], humaneval[:N], heldout:N or a .jsonl file")
+    if not path.is_file():
+        raise ValueError(f"--prompts {spec!r}: no such file")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{spec} line {i} is not JSON: {e}") from None
+        if isinstance(item, dict):
+            item = item.get("messages", item.get("prompt"))
+        if isinstance(item, str) and item.strip():
+            prompts.append([{"role": "user", "content": item}])
+        elif isinstance(item, list) and item and all(isinstance(m, dict) and "role" in m for m in item):
+            prompts.append(item)
+        else:
+            raise ValueError(f"{spec} line {i}: expected a string, {{\"prompt\": str}} or {{\"messages\": [...]}}")
+    if not prompts:
+        raise ValueError(f"{spec} holds no prompts")
+    return prompts
+

@@ -1,0 +1,215 @@
+"""`eagletree bench --profile-only`: the device's acceptance-independent costs on random weights (verify
+latency per tree size, drafting, the engine's overhead) and the speedups they project.
+
+transformers is imported only where a model is built from a config, so the CLI starts without it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..draft_heads import EagleHead, make_drafter
+from ..tree_search import eagle2_search
+from ..verify.profile import measure_verify
+from .inputs import TREE_METHODS, parse_list
+from .report import machine_info
+
+# Sizes written down from the models' config.json, so the profile needs no download.
+BUILTIN_CONFIGS = {
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+
+
+def build_config(spec: str):
+    """A built-in config name (see BUILTIN_CONFIGS) or a path to an HF config.json (or its folder)."""
+    from transformers import AutoConfig  # lazy, like every transformers import (see the module's docstring)
+
+    if spec in BUILTIN_CONFIGS:
+        kw = dict(BUILTIN_CONFIGS[spec])
+        return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if not Path(spec).exists():
+        raise ValueError(f"--config {spec!r} is neither a built-in config ({', '.join(BUILTIN_CONFIGS)}) "
+                         "nor an existing config.json")
+    return AutoConfig.from_pretrained(spec)
+
+
+def random_target(config, device, dtype):
+    """A model with random weights from `config`, built directly on the device (no download)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def random_model(config, device, dtype):
+    """The model and its matching EAGLE head with random weights, built directly on the device (no download)."""
+    model = random_target(config, device, dtype)
+    with torch.device(device):
+        head = EagleHead.for_target(config).to(device=device, dtype=dtype).eval()
+    return model, head
+
+
+def sync(device) -> None:
+    """Wait for a GPU's queued work, so the clock reads what ran (no-op on a CPU or without a device)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class TimedDrafter:
+    """A drafter (any tree search's expand function) that records (level, seconds) per call; on a GPU each
+    call is synchronized on both sides, so its time is its own."""
+
+    def __init__(self, drafter, device=None):
+        self.drafter, self.device, self.calls = drafter, device, []
+
+    def __call__(self, nodes, tokens, parents, level):
+        sync(self.device)
+        t = time.perf_counter()
+        probs = self.drafter(nodes, tokens, parents, level)
+        sync(self.device)
+        self.calls.append((level, time.perf_counter() - t))
+        return probs
+
+    @property
+    def seconds(self) -> float:
+        """All calls' time so far."""
+        return sum(s for _, s in self.calls)
+
+
+def measure_drafting(model, head, budgets, depth=6, top_k=10, prefix=256, reps=10) -> dict[int, dict]:
+    """Median seconds per head call (one depth level) and of the EAGLE-2 search's own work per step, per budget."""
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    drafter = make_drafter(head, model)
+    drafter.extend(torch.randn(prefix, model.config.hidden_size, generator=g).to(device, model.dtype),
+                   torch.randint(model.config.vocab_size, (prefix,), generator=g).to(device))
+    times = {b: {"level": [], "search": []} for b in budgets}
+    for rep in range(reps + 1):
+        for b in budgets:
+            timed = TimedDrafter(drafter, device)
+            t0 = time.perf_counter()
+            eagle2_search(timed, 0, b, depth, top_k, device=device, token_map=drafter.token_map)
+            sync(device)
+            total = time.perf_counter() - t0
+            if rep:  # round 0 warms up
+                times[b]["level"] += [s for level, s in timed.calls if level > 1]  # level 1 reuses the committed root
+                times[b]["search"].append(total - timed.seconds)
+    return {b: {k: statistics.median(v) if v else 0.0 for k, v in t.items()} for b, t in times.items()}
+
+
+def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, progress=True) -> list[dict]:
+    """Per tree size N: verify forward t(N), t(N)/t(1), drafting per step and the engine's overhead.
+
+    The overhead is search, mask, acceptance and KV commit, as a share of the verify forward.
+    """
+    if sizes[0] != 1 or sorted(set(sizes)) != list(sizes):
+        raise ValueError(f"--sizes must be ascending, distinct and start at 1, got {sizes}")
+    verify = measure_verify(model, sizes, prefix=prefix, depth=depth, reps=reps, progress=progress)
+    drafting = measure_drafting(model, head, [n for n in sizes if n > 1], depth, top_k, prefix, reps)
+    t1 = verify[1]["forward"]
+    rows = []
+    for n in sizes:
+        v, d = verify[n], drafting.get(n, {"level": 0.0, "search": 0.0})
+        engine = v["mask"] + v["accept"] + v["commit"] + d["search"]
+        # A step makes about `depth` head calls: the commit of the accepted tokens and depth - 1 tree levels.
+        draft = depth * d["level"] if n > 1 else 0.0
+        rows.append({"n": n, "forward_ms": v["forward"] * 1e3, "ratio": v["forward"] / t1,
+                     "draft_level_ms": d["level"] * 1e3, "draft_ms": draft * 1e3, "search_ms": d["search"] * 1e3,
+                     "engine_ms": engine * 1e3, "overhead": engine / v["forward"],
+                     "step_over_t1": (v["forward"] + engine + draft) / t1})
+    return rows
+
+
+def project(rows, tokens_per_pass) -> list[dict]:
+    """Projected speedup = tokens/pass x t(1) / step time.
+
+    `tokens_per_pass`: one number for every N, or {(method, budget, depth): tokens/pass} from a bench run.
+    """
+    if not isinstance(tokens_per_pass, dict):
+        return [{"budget": r["n"], "tokens_per_pass": tokens_per_pass, "step_over_t1": r["step_over_t1"],
+                 "speedup": tokens_per_pass / r["step_over_t1"]} for r in rows if r["n"] > 1]
+    ns = [r["n"] for r in rows]
+    out = []
+    for (method, budget, depth), tpp in tokens_per_pass.items():
+        if method == "auto" or not ns[0] < budget <= ns[-1]:  # auto's tree size varies per step
+            continue
+        verify = np.interp(budget, ns, [r["forward_ms"] + r["engine_ms"] for r in rows])
+        level = np.interp(budget, ns[1:], [r["draft_level_ms"] for r in rows[1:]]) if len(ns) > 1 else 0.0
+        step = (verify + depth * level) / rows[0]["forward_ms"]
+        out.append({"method": method, "budget": budget, "tokens_per_pass": tpp, "step_over_t1": float(step),
+                    "speedup": tpp / float(step)})
+    return out
+
+
+def measured_tokens_per_pass(path) -> dict:
+    """Greedy tokens/pass per (method, budget, depth) from a bench results.json."""
+    report = json.loads(Path(path).read_text())
+    return {(r["method"], r["budget"], r["depth"]): r["tokens_per_pass"] for r in report["results"]
+            if not r["temperature"] and r["method"] in TREE_METHODS}
+
+
+def profile_report(rows, projections, info, command, goal_n=64) -> str:
+    """The cost table, the goals, and the projected speedups, as markdown."""
+    lines = [f"# eagletree bench --profile-only\n\n`{command}`\n",
+             f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
+             f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}; median of {info['reps']} "
+             "round-robin reps.\n",
+             "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
+             "accept, commit) | engine % of pass | step / t(1) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['forward_ms']:.2f} | {r['ratio']:.2f} | {r['draft_level_ms']:.2f} | "
+                     f"{r['draft_ms']:.2f} | {r['search_ms']:.2f} | {r['engine_ms']:.2f} | {r['overhead']:.1%} | "
+                     f"{r['step_over_t1']:.2f} |")
+    goal = next((r for r in rows if r["n"] == goal_n), None)
+    if goal:
+        lines.append(f"\nGoals at N = {goal_n}: t(N)/t(1) = {goal['ratio']:.2f} (goal <= 1.2: "
+                     f"{'met' if goal['ratio'] <= 1.2 else 'not met'}); engine overhead {goal['overhead']:.1%} of the "
+                     f"pass (goal < 10%: {'met' if goal['overhead'] < 0.1 else 'not met'}).")
+    if projections:
+        lines += ["\nProjected speedup = tokens/pass / (step time / t(1)), tokens/pass "
+                  + (f"from {info['tokens_source']}" if info.get("tokens_source") else "given") + ":\n",
+                  "| method | budget | tokens/pass | step / t(1) | projected speedup |", "|---|---|---|---|---|"]
+        for p in projections:
+            lines.append(f"| {p.get('method', '-')} | {p['budget']} | {p['tokens_per_pass']:.2f} | "
+                         f"{p['step_over_t1']:.2f} | {p['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main_profile(args, command: str) -> int:
+    if not args.config:
+        raise ValueError("--profile-only needs --config: a built-in name "
+                         f"({', '.join(BUILTIN_CONFIGS)}) or a path to an HF config.json")
+    sizes = parse_list(args.sizes, int, "sizes")
+    config = build_config(args.config)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    out = Path(args.out)
+    tokens, source = args.tokens_per_pass, None
+    results = Path(args.results) if args.results else out / "results.json"
+    if tokens is None and results.is_file():
+        tokens, source = measured_tokens_per_pass(results), str(results)
+    model, head = random_model(config, device, dtype)
+    rows = profile_costs(model, head, sizes, args.depth, args.top_k_draft, args.prefix, args.reps)
+    projections = project(rows, tokens) if tokens is not None else []
+    info = {"config": args.config, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "prefix": args.prefix, "depth": args.depth, "top_k": args.top_k_draft, "reps": args.reps,
+            "tokens_source": source, "machine": machine_info(model)}
+    text = profile_report(rows, projections, info, command)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps({"command": command, **info, "rows": rows,
+                                                  "projections": projections}, indent=2))
+    (out / "profile.md").write_text(text)
+    print(text)
+    print(f"wrote {out / 'profile.md'} and profile.json", file=sys.stderr)
+    return 0
+

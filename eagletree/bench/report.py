@@ -1,0 +1,214 @@
+"""Bench reports: the machine, results.md (a table per temperature), the PNG plots and results.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
+
+
+def machine_info(model) -> dict:
+    """Where the numbers come from."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    device = next(model.parameters()).device
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
+            "device": device.type, "dtype": str(model.dtype).removeprefix("torch.")}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _x(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def markdown_table(report: dict, temperature: float) -> str:
+    """The results table of one temperature."""
+    rows = [r for r in report["results"] if r["temperature"] == temperature]
+    lines = ["| method | budget | tokens/pass | predicted | tokens/s (median) | speedup vs plain, same kernels "
+             "(median, range) | speedup vs plain HF generate, stock kernels (median, range) "
+             "| first pass s (median) | identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def spread(s):
+        return "-" if not s or s["median"] is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+    for r in rows:
+        same = "n/a" if r["identical"] is None else "yes" if r["identical"] else f"NO ({len(r['mismatches'])})"
+        lines.append(f"| {r['method']} | {_x(r['budget'], '{}')} | {r['tokens_per_pass']:.2f} | "
+                     f"{_x(r['predicted_tokens_per_pass'])} | {_x(r['tokens_per_s'], '{:.1f}')} | "
+                     f"{'-' if r['method'] in ('plain', 'packed') else spread(r.get('speedup_same_kernels'))} | "
+                     f"{spread(r['speedup'])} | {_x(r['first_pass_s'])} | {same} |")
+    return "\n".join(lines)
+
+
+def markdown_report(report: dict) -> str:
+    m, s = report["machine"], report["settings"]
+    where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if "gpu" in m else "")
+    out = [f"# eagletree bench\n\n`{report['command']}`\n",
+           f"Machine: {where}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
+           f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}; "
+           + ("target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels)"
+              + (f" where measured faster here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
+              + "; 'packed' is plain HF generate with the same kernels as the trees, so each row's speedup over it "
+                "is drafting's alone and 'packed' over 'plain' is the kernels' own gain.\n"
+              if s.get("packed") else "PyTorch's stock kernels in every row (the same kernels as plain)"
+              + (f"; packing was measured slower here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
+              + ".\n"),
+           f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
+           f"{report['max_new_tokens']} new tokens each; depth {s['depth']}, top-k {s['top_k_draft']}; "
+           f"prompt lookup {report['lookup_tokens']} tokens; Sequoia acceptance by rank "
+           f"{report['accept_by_rank_source']}; {report['seconds']:.0f} s in all.\n"]
+    for t in report["temperatures"]:
+        plain = next(r for r in report["results"] if r["temperature"] == t and r["method"] == "plain")
+        out.append(f"## Temperature {t:g}{' (greedy)' if not t else ''}\n\nplain decoding: "
+                   f"{_x(plain['tokens_per_s'], '{:.1f}')} tokens/s (median over prompts)\n\n"
+                   f"{markdown_table(report, t)}\n")
+    out.append("tokens/s and speedups are decoding rates after each run's first target pass (the prompt's prefill), "
+               "per prompt; the speedup's range is over prompts. Sampled outputs differ in length, so end-to-end "
+               "rates would mix in the prefill's varying share (they are in results.json).\n")
+    out.append("Plots: " + ", ".join(f"[{p}]({p})" for p in report.get("plots", [])) + "\n")
+    return "\n".join(out)
+
+
+def _families(report, temperature):
+    """Tree and lookup results of one temperature, grouped by method name in run order."""
+    fam = {}
+    for r in report["results"]:
+        if r["temperature"] == temperature and r["method"] != "plain":
+            fam.setdefault(r["method"], []).append(r)
+    return fam
+
+
+def write_plots(report: dict, out: Path) -> list[str]:
+    """tokens/pass and speedup vs budget, accepted-length histogram, calibration; returns the file names."""
+    import matplotlib  # only here: the plots are the one use, and it is slow to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = report["temperatures"]
+    budgets = sorted({r["budget"] for r in report["results"] if r["budget"]})
+    names = []
+    marker = dict(zip(TREE_METHODS, "s^oDv<>PX"))
+    color = {name: f"C{i}" for i, name in enumerate(METHODS)}  # one color per method in every plot
+
+    def by_budget(fname, ylabel, value, spread=None, baseline=None):
+        fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4.2), squeeze=False, sharey=True)
+        for ax, t in zip(axes[0], temps):
+            families = _families(report, t)
+            for j, (name, rs) in enumerate(families.items()):
+                if name in BASELINE_LABELS:
+                    ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
+                               label=BASELINE_LABELS[name])
+                    continue
+                # Methods side by side at each budget (a small shift on the log axis), so points never hide.
+                shift = 2 ** (0.05 * (j - (len(families) - 1) / 2))
+                xs, ys = [r["budget"] * shift for r in rs], [value(r) for r in rs]
+                style = dict(marker=marker[name], color=color[name], label=name)
+                if spread:
+                    lo, hi = zip(*(spread(r) for r in rs))
+                    ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                                capsize=3, **style)
+                else:
+                    ax.plot(xs, ys, **style)
+            if baseline is not None:
+                ax.axhline(baseline, color="black", lw=0.8, label="plain decoding")
+            ax.set_xscale("log", base=2)
+            ax.set_xlim(budgets[0] / 1.25, budgets[-1] * 1.25)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
+            ax.set_xlabel("budget (tree nodes per pass)")
+            ax.set_title(f"temperature {t:g}")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        fig.suptitle(f"{ylabel} ({report['settings']['target']}, {report['machine']['device']})")
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        names.append(fname)
+
+    by_budget("tokens_per_pass.png", "tokens per target pass", lambda r: r["tokens_per_pass"], baseline=1.0)
+    med = lambda r: r["speedup"]["median"] or 0.0  # noqa: E731
+    by_budget("speedup.png", "speedup over plain decoding (median, range)", med,
+              spread=lambda r: (r["speedup"]["min"] or 0.0, r["speedup"]["max"] or 0.0), baseline=1.0)
+
+    # Accepted lengths: each tree method at its largest budget, greedy (or the first temperature).
+    fam = _families(report, temps[0])
+    shown = [rs[-1] for rs in fam.values() if rs[-1]["accepted_histogram"]]
+    if shown:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        lengths = sorted({int(k) for r in shown for k in r["accepted_histogram"]})
+        width = 0.8 / len(shown)
+        for j, r in enumerate(shown):
+            hist = {int(k): v for k, v in r["accepted_histogram"].items()}
+            total = sum(hist.values())
+            ax.bar([n + (j - (len(shown) - 1) / 2) * width for n in lengths], [hist.get(n, 0) / total for n in lengths],
+                   width, color=color[r["method"]], label=f"{r['label']} (mean {r['tokens_per_pass']:.2f})")
+        ax.set_xticks(lengths)
+        ax.set_xlabel("tokens emitted per target pass")
+        ax.set_ylabel("share of passes")
+        ax.set_title(f"accepted lengths, temperature {temps[0]:g}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(out / "accepted_lengths.png", dpi=110)
+        plt.close(fig)
+        names.append("accepted_lengths.png")
+
+    cal = report["calibration"]
+    greedy = [r for r in report["results"] if not r["temperature"] and r["predicted_tokens_per_pass"] is not None]
+    if cal["bins"] or greedy:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        for key, label in (("bins", "draft probability"), ("calibrated_bins", f"calibrated ({cal.get('calibrator')})")):
+            bins = cal.get(key) or []
+            if bins:
+                a1.scatter([b["predicted"] for b in bins], [b["measured"] for b in bins],
+                           s=[20 + 200 * b["nodes"] / cal["nodes"] for b in bins], label=label, alpha=0.8)
+        a1.plot([0, 1], [0, 1], color="black", lw=0.8)
+        a1.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance of a node", ylabel="measured acceptance",
+               title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)")
+        a1.legend(fontsize=8)
+        a1.grid(alpha=0.3)
+        labelled = set()
+        for r in greedy:
+            name, xy = r["method"], (r["predicted_tokens_per_pass"], r["tokens_per_pass"])
+            hollow = name == "optimal"  # often on top of eagle2
+            a2.scatter(*xy, label=None if name in labelled else name, marker=marker[name], s=80 if hollow else 36,
+                       facecolors="none" if hollow else color[name], edgecolors=color[name])
+            a2.annotate(str(r["budget"]), xy, xytext=(-14, 4) if hollow else (5, -3), textcoords="offset points",
+                        fontsize=7)
+            labelled.add(name)
+        top = max([1.5] + [max(r["predicted_tokens_per_pass"], r["tokens_per_pass"]) * 1.1 for r in greedy])
+        a2.plot([1, top], [1, top], color="black", lw=0.8)
+        a2.set(xlim=(1, top), ylim=(1, top), xlabel="predicted tokens/pass", ylabel="measured tokens/pass",
+               title="per method and budget, greedy")
+        a2.legend(fontsize=7, ncol=2)
+        a2.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "calibration.png", dpi=110)
+        plt.close(fig)
+        names.append("calibration.png")
+    return names
+
+
+def write_outputs(report: dict, out) -> Path:
+    """results.json, the PNG plots and results.md (the tables) in `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = write_plots(report, out)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "results.md").write_text(markdown_report(report))
+    return out
+

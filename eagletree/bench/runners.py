@@ -1,0 +1,221 @@
+"""Runs of `eagletree bench`: plain HF decoding, HF prompt lookup and eagletree's tree methods on the same
+prompts, each right after plain decoding, with the checks that the outputs are the same."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..decoding import GenerationStats, decode_steps, encode_prompt, stop_token_ids
+from ..packing import stock_kernels
+from ..tree_search import acceptance_pairs
+from .inputs import HEADLESS, TREE_METHODS, Method
+from .stats import calibration_bins, summarize
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float  # from the prompt's tokens to the last token, prefill included
+    first_seconds: float  # until the first pass (the prefill, for plain decoding) has emitted its tokens
+    accepted_lengths: list[int]  # tokens emitted per target pass, the first included
+    predicted: list[float] = field(default_factory=list)
+    steps: list | None = None  # (DraftTree, accepted) per pass, when recorded
+
+    @property
+    def passes(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second after the first pass (sampled outputs differ in length, so the prefill's share does)."""
+        rest = len(self.token_ids) - (self.accepted_lengths[0] if self.accepted_lengths else 0)
+        return rest / (self.seconds - self.first_seconds) if rest > 0 else float("nan")
+
+
+class _StepClock:
+    """Timestamps the tokens HF's generate emits per step (its first `put` is the prompt).
+
+    A streamer by duck typing (generate only calls `put` and `end`), so bench imports without transformers.
+    """
+
+    def __init__(self):
+        self.steps = []
+
+    def put(self, value):
+        self.steps.append((time.perf_counter(), value.numel()))
+
+    def end(self):
+        pass
+
+
+def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens=None, top_k=None,
+           top_p=None) -> Run:
+    """HF `model.generate`: plain decoding, or prompt-lookup decoding with `lookup_tokens` candidates."""
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True).to(model.device)
+    sampling = dict(do_sample=False) if not temperature else dict(do_sample=True, temperature=temperature,
+                                                                    top_k=top_k or 0, top_p=top_p or 1.0)
+    clock = _StepClock()
+    if seed is not None:
+        torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        # The same stop tokens as eagletree, so both stop at the same place.
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=lookup_tokens,
+                             eos_token_id=stop_token_ids(model, tok), streamer=clock, **sampling)
+    seconds = time.perf_counter() - t0
+    steps = clock.steps[1:]
+    return Run(out[0, inputs["input_ids"].shape[1]:].tolist(), seconds, steps[0][0] - t0 if steps else seconds,
+               [n for _, n in steps])
+
+
+def run_tree(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed,
+             accept_by_rank=None, record_steps=False) -> Run:
+    """eagletree's speculative decoding with one tree method."""
+    stats = GenerationStats(steps=[] if record_steps else None)
+    ids, first = [], None
+    for tokens in decode_steps(model, tok, None if method.name in HEADLESS else head, messages,
+                               max_new_tokens=max_new_tokens, temperature=temperature, tree=method.tree,
+                               budget=method.budget, depth=method.depth, top_k_draft=method.top_k, seed=seed,
+                               accept_by_rank=accept_by_rank, stats=stats, copy=method.copy):
+        first = stats.seconds if first is None else first
+        ids += tokens
+    return Run(ids, stats.seconds, stats.seconds if first is None else first, list(stats.accepted_lengths),
+               stats.predicted, stats.steps)
+
+
+def run_method(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed, lookup_tokens,
+               accept_by_rank, record_steps=False) -> Run:
+    if method.name == "plain":  # the reference: HF generate as it runs without eagletree
+        with stock_kernels(model):
+            return run_hf(model, tok, messages, max_new_tokens, temperature, seed)
+    if method.name in ("lookup", "packed"):
+        return run_hf(model, tok, messages, max_new_tokens, temperature, seed,
+                      lookup_tokens if method.name == "lookup" else None)
+    return run_tree(model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank,
+                    record_steps)
+
+
+def rank_acceptance(steps, k: int) -> list[float] | None:
+    """Sequoia's per-rank acceptance from logged passes: how often a path node's r-th likeliest child was accepted.
+
+    A search keeps each parent's children as a top prefix of its ranks, so ranks within the tree are true ranks.
+    """
+    hits, tries = [0] * k, 0
+    for tree, accepted in steps:
+        on_path, probs = set(accepted), tree.draft_probs.tolist()
+        children = tree.children()
+        for u in accepted:
+            if not children[u]:
+                continue
+            tries += 1
+            for r, v in enumerate(sorted(children[u], key=lambda v: -probs[v])[:k]):
+                hits[r] += v in on_path
+    return [h / tries for h in hits] if tries and any(hits) else None
+
+
+def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) -> list[float] | None:
+    """Untimed first runs (kernels, caches, auto's latency profile); returns Sequoia's measured per-rank acceptance."""
+    names = {m.name for m in methods}
+    short = min(8, max_new_tokens)
+    with stock_kernels(model):
+        run_hf(model, tok, messages, short, 0.0, 0)
+    if "lookup" in names or "packed" in names:
+        run_hf(model, tok, messages, short, 0.0, 0, lookup_tokens)
+    trees = [m for m in methods if m.name in TREE_METHODS and m.name not in HEADLESS]
+    if head is None or not trees:
+        return None
+    if any(m.tree == "auto" for m in trees):  # measures and caches the device's verify profile on first use
+        run_tree(model, tok, head, messages, next(m for m in trees if m.tree == "auto"), short, 0.0, 0)
+    widest = max(trees, key=lambda m: (m.budget, m.depth))
+    probe = Method("eagle2", widest.budget, max(m.depth for m in trees), widest.top_k)
+    sequoia = "sequoia" in names
+    run = run_tree(model, tok, head, messages, probe, max_new_tokens if sequoia else short, 0.0, 0,
+                   record_steps=sequoia)
+    return rank_acceptance(run.steps, probe.top_k) if sequoia else None
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts), or None if equal."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def logit_gap(model, tok, messages, want: list[int], got: list[int], k: int) -> float | None:
+    """At the first difference k: a plain forward's logit of plain decoding's token minus the other output's."""
+    if k >= min(len(want), len(got)):
+        return None  # one output stopped earlier
+    ids = encode_prompt(tok, messages).tolist() + want[:k]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+    return float(logits[want[k]] - logits[got[k]])
+
+
+def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_new_tokens=64, seed=0,
+              lookup_tokens=10, progress=True, log=None) -> dict:
+    """Every method on every prompt and temperature, each right after plain decoding; returns the results dict."""
+    log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+    if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
+        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    t_start = time.perf_counter()
+    accept_by_rank = warm_up(model, tok, head, prompts[0], methods, max_new_tokens, lookup_tokens)
+    if any(m.name == "sequoia" for m in methods):
+        log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
+    plain = Method("plain")
+    everything = [plain] + list(methods)
+    rows = {(m, t): dict(rate=[], e2e=[], first=[], ratio=[], same=[], new=0, passes=0, predicted=[],
+                         lengths=Counter(),
+                         mismatches=[])
+            for m in everything for t in temperatures}
+    pairs = ([], [])  # (draft probability, accepted?) of every tried node, greedy tree runs
+    bar = tqdm(total=len(prompts) * len(temperatures) * len(everything), desc="bench", disable=not progress)
+    for i, messages in enumerate(prompts):
+        for temperature in temperatures:
+            ref = same = None  # plain decoding with stock kernels; with the target's own (the 'packed' row)
+            for m in everything:
+                bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
+                run = run_method(model, tok, head, messages, m, max_new_tokens, temperature, seed + i, lookup_tokens,
+                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS and not m.copy)
+                ref = run if ref is None else ref
+                same = run if m.name == "packed" else same
+                row = rows[(m, temperature)]
+                row["rate"].append(run.decode_rate)
+                row["ratio"].append(run.decode_rate / ref.decode_rate)  # NaN (dropped) where either has one pass
+                if m.name != "plain":  # like for like: against plain decoding with the same kernels
+                    row["same"].append(run.decode_rate / (same or ref).decode_rate)
+                row["e2e"].append(len(run.token_ids) / run.seconds)
+                row["first"].append(run.first_seconds)
+                row["new"] += len(run.token_ids)
+                row["passes"] += run.passes
+                row["predicted"] += run.predicted
+                row["lengths"].update(run.accepted_lengths)
+                if not temperature and (k := first_difference(run.token_ids, ref.token_ids)) is not None:
+                    gap = logit_gap(model, tok, messages, ref.token_ids, run.token_ids, k)
+                    row["mismatches"].append({"prompt": i, "position": k, "got": run.token_ids[k:k + 8],
+                                              "plain": ref.token_ids[k:k + 8], "logit_gap": gap})
+                    log(f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
+                        f"{run.token_ids[k:k + 8]} vs plain {ref.token_ids[k:k + 8]}"
+                        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)"))
+                for tree, accepted in run.steps or ():
+                    q, y = acceptance_pairs(tree, accepted)
+                    pairs[0].extend(q)
+                    pairs[1].extend(y)
+                bar.update()
+    bar.close()
+    results = [summarize(m, t, rows[(m, t)], len(prompts)) for t in temperatures for m in everything]
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
+            "seed": seed, "lookup_tokens": lookup_tokens, "accept_by_rank": accept_by_rank,
+            "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
+            "results": results, "calibration": calibration_bins(*pairs, head),
+            "seconds": time.perf_counter() - t_start}
+
