@@ -1,4 +1,9 @@
-"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, bench."""
+"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, bench.
+
+transformers is imported only by the commands that load a model or its config (through the modules they call,
+and in `cmd_import`), so `eagletree --help` and `eagletree data` start without it; matplotlib only by the bench's
+plots.
+"""
 
 from __future__ import annotations
 
@@ -6,47 +11,54 @@ import argparse
 import json
 import sys
 import time
+import warnings
+from contextlib import nullcontext
 from pathlib import Path
+
+import torch
+
+from . import target
+from .bench import load_prompts, measure_drafting, run_hf
+from .bench import main as bench_main
+from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
+                       latency_profile)
+from .draft_heads import load_head
+from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
+from .errors import EagletreeError
+from .files import check_output_dir
+from .loading import SHIPPED_HEADS, draft_dtype, head_to_load, load_models
+from .packing import is_packed, kernels_used, stock_kernels
+from .plan import Acceptance, load_profile, make_plan, split_prompts, summary, write_json
+from .train.data import HELDOUT_FRACTION, load_dataset, split, stats
+from .train.distill import distill, ids_in
+from .train.evaluate import measure_copy_calibration
+from .train.features import cache_features
+from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
+from .tree_search.copy import COPY_CALIBRATION
+from .viz import render_html, viz_step
+
+# SHIPPED_HEADS and draft_dtype live in .loading; named here too, where scripts and tests have imported them from.
+__all__ = ["SHIPPED_HEADS", "build_parser", "draft_dtype", "main"]
 
 
 def cmd_data(args) -> int:
-    from .train.data import load_dataset, stats
-
     data = load_dataset(args.dataset)
     if args.stats:
         print(json.dumps(stats(data, args.heldout_fraction), indent=2))
     return 0
 
 
-SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m"}
-
-
 def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
-    from .draft_heads import load_head
-    from .decoding import check_options
-    from .packing import pack_target
-    from .target import load_target
-
     options = _options(args) if hasattr(args, "tree") else {}
     options.pop("tree", None)
     options.pop("copy", None)  # a choice argparse already checked
     check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
+    head_path = head_to_load(args.target, args.head)
     t0 = time.perf_counter()
-    dtype = getattr(args, "dtype", None)  # generate, chat, viz: --dtype
-    model, tok = load_target(args.target, dtype=None if dtype is None else getattr(__import__("torch"), dtype),
-                             device=args.device)
-    packed = pack_target(model, args.pack)
-    head_path = args.head
-    if head_path is None:
-        head_path = SHIPPED_HEADS.get(args.target)
-        if head_path is None or not head_path.is_dir():
-            raise SystemExit(f"error: no head is shipped for target {args.target!r}; pass --head DIR "
-                             "(train one with train.py) or --head none for plain decoding")
-    head = None
-    if str(head_path) != "none":
-        head = load_head(head_path, target_config=model.config, device=model.device,
-                         dtype=draft_dtype(args.draft_dtype, model))
+    model, tok, head, packed = load_models(args.target, head_path, device=args.device,
+                                           dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
+                                           pack=args.pack, head_dtype=args.draft_dtype)
     if getattr(args, "budget", 0) is None:
         args.budget = default_budget(model)
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
@@ -59,19 +71,6 @@ def _kernels_note(model) -> str:
     """Where --pack auto measured the kernels: each tree size's choice with both timings."""
     choice = getattr(model, "kernel_choice", None)
     return "" if choice is None else f"; kernels measured here: {choice.summary()}"
-
-
-def draft_dtype(name: str, model):
-    """The head's precision: 'auto' = bf16 for an fp32 target on a CPU with native bf16 (drafting is
-    memory-bound there, so it halves a drafter call; the target's own pass keeps its precision), else the target's."""
-    import torch
-
-    from .target import cpu_has_bf16
-
-    if name == "auto":
-        cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and cpu_has_bf16()
-        return torch.bfloat16 if cpu_bf16 else model.dtype
-    return getattr(torch, name)
 
 
 def _options(args) -> dict:
@@ -91,11 +90,6 @@ def default_budget(model) -> int:
 def _plain(model, tok, messages, args, stock: bool = False) -> dict:
     """Plain HF decoding of the same prompt with the same sampling settings and stop tokens, timed: with the
     kernels the speculative run used, or (`stock`) PyTorch's stock kernels, i.e. HF `generate` as users run it."""
-    from contextlib import nullcontext
-
-    from .bench import run_hf
-    from .packing import stock_kernels
-
     with stock_kernels(model) if stock else nullcontext():
         run = run_hf(model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k,
                      top_p=args.top_p)
@@ -106,8 +100,6 @@ def _plain(model, tok, messages, args, stock: bool = False) -> dict:
 def compare_plain(result: dict, model, tok, messages, args) -> dict:
     """Like-for-like speedups: vs plain decoding with the same kernels (`speedup`) and vs stock HF `generate`
     (`speedup_vs_hf`; the same run when the target runs stock kernels), and the kernels' own gain."""
-    from .packing import is_packed, kernels_used
-
     plain = _plain(model, tok, messages, args)
     hf = _plain(model, tok, messages, args, stock=True) if is_packed(model) else plain
     result.update(kernels=kernels_used(model), plain_tokens_per_s=round(plain["tokens_per_s"], 2),
@@ -121,8 +113,6 @@ def compare_plain(result: dict, model, tok, messages, args) -> dict:
 
 
 def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
-    from .decoding import GenerationStats, _stream_text, decode_steps, decode_text
-
     stats = GenerationStats()
     options = _options(args)
     if head is None and options["copy"] is None:  # --head none is plain decoding unless --copy on asks for lookup
@@ -170,8 +160,6 @@ def cmd_generate(args) -> int:
     result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
     result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
         args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
-    from .packing import kernels_used
-
     result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
     if args.compare_plain:
         compare_plain(result, model, tok, messages, args)
@@ -228,9 +216,9 @@ def _add_model_args(p) -> None:
                    help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
                         "else the target's (outputs do not depend on it)")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
-                   help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in memory); "
-                        "auto = measure stock vs packed here once per CPU model, threads and dtype (cached) and keep "
-                        "packing only at the tree sizes where it is faster; on = packed at every size")
+                   help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
+                        "memory); auto = measure stock vs packed here once per CPU model, threads and dtype (cached) "
+                        "and keep packing only at the tree sizes where it is faster; on = packed at every size")
 
 
 def _add_decoding_args(p, tree: str = "auto") -> None:
@@ -258,8 +246,6 @@ def _add_decoding_args(p, tree: str = "auto") -> None:
 
 def cmd_viz(args) -> int:
     """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
-    from .viz import render_html, viz_step
-
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give the text to answer")
@@ -281,45 +267,30 @@ def cmd_viz(args) -> int:
 
 def cmd_export(args) -> int:
     """Write a head in the layout EAGLE, vLLM or SGLang loads."""
-    import torch
-
-    from .draft_heads import load_head
-    from .draft_heads.export import engine_notes, export_head
-    from .files import check_output_dir
-
     check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    target = None
+    model = None
     if args.format == "eagle3":  # the export carries the target's embedding
-        from .target import load_target
-
-        target, _ = load_target(args.target, device="cpu")
-    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=target)
+        model, _ = target.load_target(args.target, device="cpu")
+    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=model)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
-    for note in engine_notes(head, args.format, None if target is None else target.config):
+    for note in engine_notes(head, args.format, None if model is None else model.config):
         print(f"note: {note}")
     return 0
 
 
 def cmd_import(args) -> int:
     """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) and save it as an eagletree head."""
-    from transformers import AutoConfig
-
-    from .draft_heads.export import import_eagle, read_export_config
-    from .files import check_output_dir
-    from .target import resolve_target
-
     check_output_dir(Path(args.out), args.overwrite, sources=[args.eagle])
     foreign = read_export_config(args.eagle)
     if "LlamaForCausalLMEagle3" in foreign.get("architectures", []) or "draft_vocab_size" in foreign:
-        from .draft_heads.export import import_eagle3
-        from .target import load_target
-
-        model, _ = load_target(args.target, device="cpu")
+        model, _ = target.load_target(args.target, device="cpu")
         head = import_eagle3(args.eagle, model)
     else:
-        head = import_eagle(args.eagle, AutoConfig.from_pretrained(resolve_target(args.target)))
+        from transformers import AutoConfig  # lazy: see the module's docstring
+
+        head = import_eagle(args.eagle, AutoConfig.from_pretrained(target.resolve_target(args.target)))
     head.save_pretrained(args.out, keep_others=True)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
     return 0
@@ -327,10 +298,6 @@ def cmd_import(args) -> int:
 
 def cmd_plan(args) -> int:
     """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
-    from .bench import load_prompts
-    from .decoding import latency_profile
-    from .plan import Acceptance, load_profile, make_plan, split_prompts, summary, write_json
-
     acceptance = None
     if args.acceptance:
         try:
@@ -345,8 +312,6 @@ def cmd_plan(args) -> int:
     if head is None:
         raise SystemExit("error: plan needs a draft head (--head DIR)")
     if profile is None:
-        from .bench import measure_drafting
-
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
     result = make_plan(model, tok, head, args.engine, profile, measure, check, args.export, acceptance=acceptance,
@@ -361,11 +326,6 @@ def cmd_plan(args) -> int:
 
 def cmd_calibrate_copy(args) -> int:
     """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
-    from .bench import load_prompts
-    from .decoding import check_options
-    from .train.evaluate import measure_copy_calibration
-    from .tree_search.copy import COPY_CALIBRATION
-
     check_options(cli=True, max_new_tokens=args.max_new_tokens, budget=args.budget, depth=args.depth)
     if args.head == "none":
         raise ValueError("--head none: calibrate-copy measures the copied spans next to a head's candidates; "
@@ -385,26 +345,18 @@ def cmd_calibrate_copy(args) -> int:
 
 def cmd_bench(args) -> int:
     """Benchmark every method against plain and prompt-lookup decoding (or, with --profile-only, the device's costs)."""
-    from .bench import main
-
-    return main(args)
+    return bench_main(args)
 
 
 def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
-    from .target import load_target
-    from .train.features import cache_features
-    from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
-
     if args.shard_size < 1:
         raise ValueError(f"--shard-size must be >= 1 (conversations per shard), got {args.shard_size}")
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
-    import torch
-
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
-    model, tok = load_target(cfg.target, dtype=dtype, device=args.device)
+    model, tok = target.load_target(cfg.target, dtype=dtype, device=args.device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
     print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
                       "complete": manifest["complete"],
@@ -414,23 +366,12 @@ def cmd_features(args) -> int:
 
 def cmd_distill(args) -> int:
     """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
-    import warnings
-
-    import torch
-
-    from .packing import pack_target
-    from .target import load_target
-    from .train.data import load_dataset, split
-    from .train.distill import distill, ids_in
-
     for other in args.skip_answered:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
-    dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    model, tok = load_target(args.target, dtype=dtype, device=args.device)
-    pack_target(model, args.pack)
+    model, tok, _, _ = load_models(args.target, device=args.device, dtype=args.dtype, pack=args.pack)
     counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, limit=args.limit, seed=args.seed,
@@ -440,8 +381,6 @@ def cmd_distill(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train.data import HELDOUT_FRACTION
-
     parser = argparse.ArgumentParser(prog="eagletree", description="Lossless speculative decoding with draft trees.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -552,9 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
-    p.add_argument("--prompts", default=None, help="mtbench[:N] (MT-bench first turns), humaneval[:N], heldout:N (held-out ShareGPT "
-                                                   "first user turns; default heldout:8, --quick heldout:2) or a .jsonl "
-                                                   "file of prompts/messages")
+    p.add_argument("--prompts", default=None, help="mtbench[:N] (MT-bench first turns), humaneval[:N], heldout:N "
+                                                   "(held-out ShareGPT first user turns; default heldout:8, --quick "
+                                                   "heldout:2) or a .jsonl file of prompts/messages")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
     p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
                    help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
@@ -584,8 +523,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .errors import EagletreeError
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
