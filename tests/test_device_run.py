@@ -164,11 +164,11 @@ def test_rehearsal_packs_unpacks_into_a_fresh_folder_and_runs_every_stage(tmp_pa
     assert not list((tmp_path / "work").iterdir())  # the unpacked folder is removed after the run
 
 
-def test_readme_gpu_section_names_the_stages_limits_and_pieces_the_code_uses():
+def test_docs_gpu_section_names_the_stages_limits_and_pieces_the_code_uses():
     from eagletree.target import ALIASES
 
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## GPU: the prepared run"):readme.index("## Measured results")]
+    results = (REPO / "docs" / "results.md").read_text()
+    section = results[results.index("## The GPU run (prepared, not run)"):]
     table = {m.group(1): int(m.group(2)) for m in re.finditer(r"^   \| (\w+) \| (\d+) s \|", section, re.M)}
     assert table == dict(device_run.STAGES)
     assert f"within {device_run.RUN_LIMIT:.0f} s in all" in section
