@@ -14,9 +14,11 @@ import json
 import statistics
 import warnings
 
+from eagletree.bench import first_difference, load_prompts, run_hf
+from eagletree.decoding import generate
+from eagletree.loading import SHIPPED_HEADS, load_models
 
-def first_difference(a, b):
-    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+TARGET = "smollm2-135m"
 
 
 def main(argv=None) -> int:
@@ -28,21 +30,12 @@ def main(argv=None) -> int:
     if args.prompts < 1 or args.max_new_tokens < 1 or args.budget < 1:
         ap.error("--prompts, --max-new-tokens and --budget must be >= 1")
 
-    import torch
-
-    from eagletree.bench import load_prompts, run_hf
-    from eagletree.draft_heads import load_head
-    from eagletree.decoding import generate
-    from eagletree.packing import pack_linears
-    from eagletree.target import load_target
-
     warnings.simplefilter("ignore")
     prompts = load_prompts(f"heldout:{args.prompts}")
-    models = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        models[name], tok = load_target("smollm2-135m", dtype=dtype, device="cpu")
-        pack_linears(models[name])
-    head = load_head("eagletree/heads/smollm2-135m", target_config=models["fp32"].config, dtype=torch.bfloat16)
+    models = {}  # both with every Linear packed for oneDNN
+    models["fp32"], tok, _, _ = load_models(TARGET, device="cpu", dtype="float32", pack="on")
+    models["bf16"], _, head, _ = load_models(TARGET, SHIPPED_HEADS[TARGET], device="cpu", dtype="bfloat16", pack="on",
+                                             head_dtype="bfloat16")
     rates = {"fp32": [], "bf16": []}
     mismatches = compared = 0
     bf16_vs_fp32 = []

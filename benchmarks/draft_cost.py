@@ -16,31 +16,31 @@ import time
 
 import torch
 
+from eagletree.bench import load_prompts
+from eagletree.decoding import GenerationStats, decode_steps
+from eagletree.draft_heads.drafter import TreeDrafter
+from eagletree.loading import head_to_load, load_models
+from eagletree.packing import kernels_used
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--head", default="eagletree/heads/smollm2-135m")
+    ap.add_argument("--head", default=None, help="default: the head shipped for --target")
     ap.add_argument("--prompts", default="heldout:4")
     ap.add_argument("--tree", default="eagle2")
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--draft-dtype", default="auto")
+    ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
 
-    from eagletree.bench import load_prompts
-    from eagletree.cli import draft_dtype
-    from eagletree.draft_heads import load_head
-    from eagletree.draft_heads.drafter import TreeDrafter
-    from eagletree.decoding import GenerationStats, decode_steps
-    from eagletree.packing import kernels_used, pack_target
-    from eagletree.target import load_target
-
-    model, tok = load_target(args.target, dtype=torch.float32, device="cpu")
-    pack_target(model, args.pack)
-    head = load_head(args.head, target_config=model.config, dtype=draft_dtype(args.draft_dtype, model))
+    head_dir = head_to_load(args.target, args.head)
+    if head_dir is None:
+        ap.error("--head none: this measures a head's drafting; pass a head folder")
+    model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,
+                                      head_dtype=args.draft_dtype)
     clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0}
     counts = {"call": 0, "extend": 0}
     timers = []
@@ -88,10 +88,11 @@ def main(argv=None):
                      "search": stats.times["search"] / max(levels + stats.passes, 1),
                      "level": (clock["call"] + stats.times["search"]) / levels,
                      "extend": clock["extend"] / max(counts["extend"], 1),
-                     "verify_one": stats.times["verify"] / stats.passes, "levels_per_pass": counts["call"] / stats.passes})
+                     "verify_one": stats.times["verify"] / stats.passes,
+                     "levels_per_pass": counts["call"] / stats.passes})
         timers.append(stats.passes)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"drafting cost on {args.target} + {args.head} ({next(head.parameters()).dtype}), kernels "
+    print(f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
           f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
           f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}")
     print("| per drafting level, ms (median over prompts) | |\n|---|---|")

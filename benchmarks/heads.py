@@ -23,25 +23,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-
-def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of (sum new / sum passes) / (sum base_new / sum base_passes) - 1 over prompts."""
-    rng = random.Random(seed)
-    n, out = len(new), []
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        a = sum(new[i] for i in idx) / sum(passes[i] for i in idx)
-        b = sum(base_new[i] for i in idx) / sum(base_passes[i] for i in idx)
-        out.append(a / b - 1)
-    out.sort()
-    return out[int(0.025 * reps)], out[int(0.975 * reps) - 1]
+from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout
+from eagletree.draft_heads import HeadError, load_head
+from eagletree.loading import load_models
+from eagletree.prompts import mtbench_subset
+from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
 
 
 def main(argv=None) -> int:
@@ -77,19 +69,8 @@ def main(argv=None) -> int:
     if missing:
         ap.error(f"not a saved head (no config.json): {', '.join(missing)}")
 
-    import warnings
-
-    from eagletree.draft_heads import HeadError, load_head
-    from eagletree.packing import pack_target
-    from eagletree.target import load_target
-    from eagletree.train.data import load_dataset, split
-    from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
-
     categories = None
     if benchmark is not None:
-        from eagletree.bench import load_prompts
-        from eagletree.prompts import mtbench_subset
-
         try:
             prompts = load_prompts(benchmark)
         except (ValueError, FileNotFoundError) as e:
@@ -98,15 +79,12 @@ def main(argv=None) -> int:
             n = benchmark.removeprefix("mtbench").removeprefix(":")
             categories = [q.category for q in mtbench_subset(int(n) if n else None)]
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the shipped ShareGPT file's known cut-off, reported by `eagletree data`
-            _, heldout = split(load_dataset("sharegpt"))
-        prompts = heldout_prompts(heldout[args.offset:], args.skip_prompts + args.prompts)[args.skip_prompts:]
+        opening = heldout_prompts(sharegpt_heldout()[args.offset:], args.skip_prompts + args.prompts)
+        prompts = opening[args.skip_prompts:]
         if len(prompts) < args.prompts:
             ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
                      f"and --skip-prompts {args.skip_prompts}")
-    target, tok = load_target(args.target)
-    pack_target(target, "auto")
+    target, tok, _, _ = load_models(args.target, pack="auto")
     device = next(target.parameters()).device
     heads = []
     for path in args.heads:

@@ -22,9 +22,14 @@ import time
 import torch
 from tqdm import tqdm
 
+from eagletree.bench import TimedDrafter, sharegpt_heldout
+from eagletree.decoding import decode_steps
+from eagletree.loading import load_models
+from eagletree.train.evaluate import heldout_prompts
 from eagletree.tree_search import (
     chain_shape, eagle2_search, optimal_search, path_expand, sequoia_tree, static_search,
 )
+from eagletree.verify.profile import measure_verify
 
 BUDGETS = (8, 16, 32, 60)
 
@@ -46,41 +51,21 @@ def accept_by_rank(steps: int, k: int = 10) -> list[float]:
 
 def record_real(args, shapes):
     """Per decoding step of real greedy decoding: every method's tree from the same head state."""
-    import warnings
-
-    from eagletree.draft_heads import load_head
-    from eagletree.decoding import decode_steps
-    from eagletree.target import load_target
-    from eagletree.train.data import load_dataset, split
-    from eagletree.train.evaluate import heldout_prompts
-    from eagletree.verify.profile import measure_verify
-
-    model, tok = load_target(args.target)
-    head = load_head(args.head, target_config=model.config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _, heldout = split(load_dataset("sharegpt"))
+    model, tok, head, _ = load_models(args.target, args.head, head_dtype=None)  # the head in its saved precision
     expected, search_s, draft_s = {}, {}, {}
 
     def inspect(drafter, root):
         for b in BUDGETS:
             for m, build in builders(b, shapes, args, drafter.token_map).items():
                 drafter.begin_tree()
-                spent = [0.0]
-
-                def timed(nodes, tokens, parents, level):
-                    t = time.perf_counter()
-                    out = drafter(nodes, tokens, parents, level)
-                    spent[0] += time.perf_counter() - t
-                    return out
-
+                timed = TimedDrafter(drafter)
                 t0 = time.perf_counter()
                 tree = build(timed, root)
                 expected.setdefault((m, b), []).append(tree.expected_tokens)
-                search_s.setdefault((m, b), []).append(time.perf_counter() - t0 - spent[0])
-                draft_s.setdefault((m, b), []).append(spent[0])
+                search_s.setdefault((m, b), []).append(time.perf_counter() - t0 - timed.seconds)
+                draft_s.setdefault((m, b), []).append(timed.seconds)
 
-    for messages in tqdm(heldout_prompts(heldout[300:], args.prompts), desc="prompts"):
+    for messages in tqdm(heldout_prompts(sharegpt_heldout()[300:], args.prompts), desc="prompts"):
         for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, inspect_step=inspect):
             pass
     verify = measure_verify(model, BUDGETS, reps=4, progress=False)
@@ -120,7 +105,8 @@ def main(argv=None):
         source = f"{args.steps} synthetic steps"
     else:
         expected, search_s, draft_s, verify = record_real(args, shapes)
-        source = f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, head {args.head})"
+        source = (f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, "
+                  f"head {args.head})")
 
     print(f"\nE[tokens/pass] by draft confidence, mean over {source}, depth {args.depth}, top_k {args.top_k}")
     print("| budget | " + " | ".join(methods) + " | eagle2 < optimal (share of steps) | mean shortfall |")
@@ -153,18 +139,10 @@ def record_synthetic(args, shapes):
         child_probs = synthetic_drafter(step)
         for b in BUDGETS:
             for m, build in builders(b, shapes, args).items():
-                expand = path_expand(child_probs)
-                drafting = [0.0]
-
-                def timed(nodes, tokens, parents, level, expand=expand, drafting=drafting):
-                    t = time.perf_counter()
-                    out = expand(nodes, tokens, parents, level)
-                    drafting[0] += time.perf_counter() - t
-                    return out
-
+                timed = TimedDrafter(path_expand(child_probs))
                 t0 = time.perf_counter()
                 tree = build(timed, 0)
-                seconds.setdefault((m, b), []).append(time.perf_counter() - t0 - drafting[0])
+                seconds.setdefault((m, b), []).append(time.perf_counter() - t0 - timed.seconds)
                 expected.setdefault((m, b), []).append(tree.expected_tokens)
     return expected, seconds
 

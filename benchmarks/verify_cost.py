@@ -19,28 +19,27 @@ from contextlib import nullcontext
 
 import torch
 
+from eagletree.bench import build_config, parse_list, random_target
+from eagletree.loading import load_models
 from eagletree.packing import pack_target, packing_problem, stock_kernels
-from eagletree.target import load_target
 from eagletree.verify.profile import measure_verify
 
 
 def load(args):
+    """The model to measure: random weights from --config, else the --target model."""
     if args.config:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(args.config)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-        return model, args.config
-    model, _ = load_target(args.target, device=args.device)
+        return random_target(build_config(args.config), device, dtype), args.config
+    model, _, _, _ = load_models(args.target, device=args.device)
     return model, args.target
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--config", help="a model config.json: build random weights instead of loading --target")
+    ap.add_argument("--config", help="a model config.json (or a built-in name: llama-3.1-8b): build random weights "
+                                     "instead of loading --target")
     ap.add_argument("--device", default=None)
     ap.add_argument("--prefix", type=int, default=256, help="committed context length before the tree")
     ap.add_argument("--sizes", default="1,4,8,16,32,64,128")
@@ -53,7 +52,7 @@ def main(argv=None):
 
     model, name = load(args)
     device = next(model.parameters()).device
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = parse_list(args.sizes, int, "sizes")
     packed = pack_target(model, "on" if args.pack == "auto" and not packing_problem(model) else args.pack) > 0
     runs = {}
     for kernels in (["packed"] if packed else []) + ["stock"]:
