@@ -9,7 +9,8 @@ the exported config.json as EAGLE's transformers 4 reads it (cnets1.Model / cnet
 load_emb=False: EaModel reads the embedding from the target's folder), loads model.safetensors with
 `load_state_dict(strict=False)` as `EaModel` does, and reports missing and unexpected keys, shape
 errors, RoPE base and the loaded tensors' agreement with eagletree's. Exit code 1 on any problem.
-Not part of the test run (it needs the EAGLE checkout).
+Not part of the test run (it needs the EAGLE checkout). scripts/check_engine_loaders.py does the same with
+vLLM's and SGLang's own loaders.
 """
 
 from __future__ import annotations

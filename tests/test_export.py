@@ -1,7 +1,9 @@
 """Exports read the way each engine's loader reads them (vLLM 0.33, SGLang 0.5.23, SafeAILab/EAGLE).
 
 Each test states the loader's rule it checks (file and what it does) and applies that rule to the
-exported files; scripts/check_exports.py runs EAGLE's own model code on such folders.
+exported files. The engines' own code runs in two scripts outside the test run: scripts/check_exports.py
+(EAGLE's model classes) and scripts/check_engine_loaders.py (vLLM's and SGLang's draft classes, load_weights
+and target-weight sharing, from their wheels).
 """
 
 import json
