@@ -1,6 +1,8 @@
 """`eagletree bench` on tiny random models: output structure, mismatch detection, input errors (never timings)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from eagletree import bench
 from eagletree.cli import main as cli_main
 from eagletree.draft_heads import EagleHead
+from eagletree.loading import SHIPPED_HEADS, head_to_load
 from eagletree.verify import DraftTree
 
 from helpers import tiny_config, tiny_model, tiny_tokenizer
@@ -232,3 +235,38 @@ def test_speedup_spread_skips_prompts_without_a_decoding_rate():
     assert bench.stats._quantiles([nan])["median"] is None
     assert bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate != bench.Run([1, 2], 1.0, 0.5, [2]).decode_rate  # NaN
     assert bench.Run([1, 2, 3], 1.0, 0.5, [1, 2]).decode_rate == 4.0
+
+
+def test_paired_bootstrap_interval_holds_the_pooled_difference():
+    new, passes = [10, 12, 9, 14, 11], [5, 6, 5, 6, 5]
+    assert bench.ratio_interval(new, passes, new, passes) == (0.0, 0.0)  # a head against itself
+    better = [n + 2 for n in new]
+    lo, hi = bench.ratio_interval(better, passes, new, passes)
+    pooled = (sum(better) / sum(passes)) / (sum(new) / sum(passes)) - 1
+    assert 0 < lo <= pooled <= hi
+
+
+def test_timed_drafter_records_each_call_and_passes_its_answer_through():
+    def expand(nodes, tokens, parents, level):
+        return torch.full((len(nodes), 4), 0.25)
+
+    timed = bench.TimedDrafter(expand)
+    out = timed(torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([0, 0]), 2)
+    timed(torch.tensor([3]), torch.tensor([7]), torch.tensor([1]), 3)
+    assert torch.equal(out, torch.full((2, 4), 0.25))
+    assert [level for level, _ in timed.calls] == [2, 3] and timed.seconds == sum(s for _, s in timed.calls) >= 0
+
+
+def test_head_to_load_names_the_shipped_head_or_asks_for_one():
+    assert head_to_load("smollm2-135m", None) == SHIPPED_HEADS["smollm2-135m"]
+    assert head_to_load("smollm2-135m", "none") is None and head_to_load("other", "some/dir") == "some/dir"
+    assert head_to_load("other", None, required=False) is None
+    with pytest.raises(SystemExit, match="no head is shipped for target 'other'; pass --head DIR"):
+        head_to_load("other", None)
+
+
+def test_the_cli_starts_without_matplotlib_or_transformers():
+    code = ("import sys, eagletree.cli; "
+            "print([m for m in ('matplotlib', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

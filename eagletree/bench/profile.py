@@ -32,7 +32,7 @@ BUILTIN_CONFIGS = {
 
 def build_config(spec: str):
     """A built-in config name (see BUILTIN_CONFIGS) or a path to an HF config.json (or its folder)."""
-    from transformers import AutoConfig  # lazy, like every transformers import (see the module's docstring)
+    from transformers import AutoConfig  # lazy: see the module's docstring
 
     if spec in BUILTIN_CONFIGS:
         kw = dict(BUILTIN_CONFIGS[spec])
