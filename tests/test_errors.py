@@ -323,7 +323,7 @@ def _dead_partial(final):
 
 
 def test_killed_checkpoint_saves_and_de_quantizations_leave_nothing_after_the_next_run(tmp_path, monkeypatch):
-    from eagletree import target as target_mod
+    from eagletree.target import loading as target_mod
 
     left = _dead_partial(tmp_path / "run" / "checkpoints" / "step-0000002")
     _run(_tiny_cfg(tmp_path / "run", steps=2))

@@ -1,10 +1,9 @@
 import json
-import os
 
 import pytest
 import torch
 
-from eagletree import target as target_mod
+from eagletree.target import loading as target_mod
 from eagletree.target import TargetError, cache_length, load_target, new_cache, resolve_target, tree_forward
 from eagletree.verify import prefill, verify_tree
 

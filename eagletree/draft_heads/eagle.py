@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from ..target import _cache_kwarg, mask_for_config
+from ..target import cache_kwarg as _cache_kwarg, mask_for_config
 from .base import DraftHead, HeadConfig, HeadError, target_identity  # noqa: F401 (re-exported)
 
 
