@@ -5,7 +5,7 @@ from eagletree.draft_heads import Eagle3Head, TreeDrafter, load_head
 from eagletree.decoding import generate
 from eagletree.tree_search import optimal_search
 
-from helpers import tiny_model, tiny_tokenizer
+from helpers import tiny_tokenizer
 
 
 def four_layer_llama():
@@ -80,7 +80,7 @@ def test_eagle3_tree_call_equals_each_path_alone():
 
 
 def test_ttt_mask_matches_inference_visibility():
-    from eagletree.train.loop import ttt_mask
+    from eagletree.train.objectives import ttt_mask
 
     m = ttt_mask(5, 3)
     # step 3 at position 4 drafts from start 2: context positions 0..2 (step 1), its chain at 3 (step 2) and 4 (step 3)

@@ -271,7 +271,7 @@ def test_no_trainable_tokens_is_an_error_naming_the_dataset_and_saves_no_head(tm
 
 
 def test_resume_refuses_changed_run_keys_unless_allowed_and_then_applies_them(tmp_path):
-    from eagletree.train.loop import TrainingError, _lr_lambda
+    from eagletree.train.config import TrainingError, lr_lambda as _lr_lambda
 
     _run(_tiny_cfg(tmp_path, stop_after=4))
     with pytest.raises(TrainingError, match=r"changed run-defining keys: max_len 40 -> 30, lr 0.001 -> 0.002; "

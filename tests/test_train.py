@@ -82,17 +82,17 @@ def test_training_reduces_the_loss(tmp_path):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    from eagletree.train import loop
+    from eagletree.draft_heads import EagleHead
 
-    real = loop.eagle_loss
+    real = EagleHead.training_loss
     calls = {"n": 0}
 
-    def poisoned(*args, **kwargs):
+    def poisoned(self, *args, **kwargs):
         calls["n"] += 1
-        loss, parts = real(*args, **kwargs)
+        loss, parts = real(self, *args, **kwargs)
         return (loss * float("nan") if calls["n"] > 4 else loss), parts  # step 3's first micro-batch
 
-    monkeypatch.setattr(loop, "eagle_loss", poisoned)
+    monkeypatch.setattr(EagleHead, "training_loss", poisoned)
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*step-0000002"):
         run(tiny_cfg(tmp_path))
     # the history of the checkpointed steps is on disk too
@@ -239,15 +239,15 @@ def test_config_ranges_and_head_type_on_resume(tmp_path):
 
 
 def test_precision_key(tmp_path, monkeypatch):
-    from eagletree import target
+    from eagletree.train import config
     from eagletree.train.loop import resolve_precision
 
     with pytest.raises(TrainingError, match="precision must be 'auto', 'bf16' or 'fp32', got 'fp16'"):
         TrainConfig.from_sources(None, ["precision=fp16"])
-    monkeypatch.setattr(target, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: False)
     assert (resolve_precision("auto", cpu=True), resolve_precision("auto", cpu=False)) == ("fp32", "bf16")
     assert resolve_precision("bf16", cpu=True) == "bf16"
-    monkeypatch.setattr(target, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: True)
     assert resolve_precision("auto", cpu=True) == "bf16" and resolve_precision("fp32", cpu=True) == "fp32"
     # bf16 runs the head under autocast with fp32 master weights: close to the fp32 run, but not the same numbers.
     full, _ = run(tiny_cfg(tmp_path / "fp32", steps=4, precision="fp32"))
@@ -268,7 +268,7 @@ def test_unrolled_steps_equal_sequential_drafting():
     """The training-time test of an EAGLE-1/2 head: step k at position p is exactly the depth-k node that
     chain drafting from the committed position p-k+1 computes, one step at a time with the head's cache."""
     from eagletree.draft_heads import EagleHead
-    from eagletree.train.loop import unroll_drafts
+    from eagletree.train.objectives import unroll_drafts
 
     model = tiny_model("llama")
     torch.manual_seed(1)
@@ -295,10 +295,10 @@ def test_unrolled_steps_equal_sequential_drafting():
 
 
 def test_eagle_head_trains_with_the_training_time_test(tmp_path):
-    from eagletree.train import loop
+    from eagletree.train import objectives
 
     seen = []
-    real = loop.unroll_drafts
+    real = objectives.unroll_drafts
 
     def spy(*args):
         seen.append(args[-1])
@@ -308,11 +308,11 @@ def test_eagle_head_trains_with_the_training_time_test(tmp_path):
     one, _ = run(tiny_cfg(tmp_path / "b", steps=2, ttt_steps=1))
     for (name, a), (_, b) in zip(default.state_dict().items(), one.state_dict().items()):
         assert torch.equal(a, b), name  # 0 = the original one-step objective
-    loop.unroll_drafts = spy
+    objectives.unroll_drafts = spy
     try:
         run(tiny_cfg(tmp_path / "c", steps=30, save_every=30, ttt_steps=3, lr=3e-3))
     finally:
-        loop.unroll_drafts = real
+        objectives.unroll_drafts = real
     assert set(seen) == {3}
     history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
     assert sum(history[-5:]) < 0.8 * sum(history[:5])

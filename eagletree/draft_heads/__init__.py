@@ -1,22 +1,27 @@
 """Draft heads: EAGLE-style feature-level heads, draft vocabulary, the tree drafter, save/load."""
 
-from .base import DraftHead, HeadConfig, HeadError, head_class, target_identity
+import json
+from pathlib import Path
+
+from .base import DraftHead, HeadConfig, HeadError, head_class, head_types, register_head, target_identity
 from .drafter import Drafter, TreeDrafter
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
+from .export import import_eagle
 from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
 __all__ = ["DraftHead", "Drafter", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter",
-           "MedusaDrafter", "head_class", "load_head", "make_drafter", "target_identity", "build_draft_vocab",
-           "check_draft_vocab", "t2d_mask", "target_to_draft"]
+           "MedusaDrafter", "head_class", "head_types", "load_head", "make_drafter", "register_head",
+           "target_identity", "build_draft_vocab", "check_draft_vocab", "t2d_mask", "target_to_draft"]
+
+# The kinds of head a saved config.json can name (its head_type); a new kind is one class added here.
+for _kind in (EagleHead, Eagle3Head, MedusaHead):
+    register_head(_kind)
 
 
 def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
     """Any saved eagletree head (its config names the type), or an EAGLE-1/2 head in EAGLE/vLLM/SGLang layout."""
-    import json
-    from pathlib import Path
-
     config_path = Path(directory) / "config.json"
     if config_path.is_file():
         try:
@@ -24,8 +29,6 @@ def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHe
         except json.JSONDecodeError as e:
             raise HeadError(f"{config_path} is not valid JSON: {e}") from e
         if is_foreign:
-            from .export import import_eagle
-
             if target_config is None:
                 raise HeadError(f"{directory} is an EAGLE-format head; importing it needs the target's config")
             head = import_eagle(directory, target_config)
@@ -34,6 +37,6 @@ def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHe
     return DraftHead.from_pretrained(directory, target_config=target_config, dtype=dtype, device=device)
 
 
-def make_drafter(head, target_model):
-    """The batched-search drafter for a head."""
-    return MedusaDrafter(head, target_model) if isinstance(head, MedusaHead) else TreeDrafter(head, target_model)
+def make_drafter(head: DraftHead, target_model) -> Drafter:
+    """The drafter for a head (its `make_drafter`): what the decoding loop and the tree searches call."""
+    return head.make_drafter(target_model)

@@ -8,15 +8,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import EagletreeError
+from ..files import building, publish
+from .vocab import check_draft_vocab
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 _IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "intermediate_size", "rope_theta", "max_position_embeddings")
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type] = {}  # head_type -> DraftHead subclass, filled by the package (draft_heads/__init__.py)
 
 
 class HeadError(EagletreeError, ValueError):
@@ -33,7 +37,7 @@ def target_identity(config) -> dict:
 
 @dataclass
 class HeadConfig:
-    head_type: str  # "eagle" (EAGLE-1/2)
+    head_type: str  # the class that loads it: "eagle" (EAGLE-1/2), "eagle3" or "medusa"
     hidden_size: int
     target: dict  # target_identity() of the target it was built for
     layer_config: dict  # the target's config with one layer (to rebuild the decoder layer)
@@ -42,28 +46,66 @@ class HeadConfig:
     extra: dict = field(default_factory=dict)
 
 
+def register_head(cls: type) -> type:
+    """Make `cls` the class that loads saved heads of its `head_type`."""
+    if not cls.head_type:
+        raise HeadError(f"{cls.__name__} sets no head_type, so saved heads cannot name it")
+    _REGISTRY[cls.head_type] = cls
+    return cls
+
+
+def head_types() -> list[str]:
+    """The registered head types, sorted."""
+    return sorted(_REGISTRY)
+
+
 def head_class(head_type: str):
     """The DraftHead subclass for a saved head_type."""
-    from . import eagle, eagle3, medusa  # noqa: F401 (registers the classes)
-
     if head_type not in _REGISTRY:
-        raise HeadError(f"unknown head_type {head_type!r}; known: {sorted(_REGISTRY)}")
+        raise HeadError(f"unknown head_type {head_type!r}; known: {head_types()}")
     return _REGISTRY[head_type]
 
 
 class DraftHead(nn.Module):
-    """Base of the draft heads: `config` is a HeadConfig; subclasses set `head_type`."""
+    """Base of the draft heads: `config` is a HeadConfig; subclasses set `head_type` and the methods below.
+
+    Everything that differs between kinds of head (how it is made for a training run, its objective, the
+    target features it reads, its drafter) is a method here, so training and decoding never ask which kind
+    a head is.
+    """
 
     head_type = ""
+    fused_layers: list[int] | None = None  # target decoder layers whose outputs the head reads; None: the last only
+    # Whether drafting a node reads the head's own prediction at its parent (EAGLE), so a chain of drafts can be
+    # followed step by step; Medusa's heads read only the committed feature.
+    drafts_from_own_features = True
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.head_type:
-            _REGISTRY[cls.head_type] = cls
+    @classmethod
+    def create(cls, target_model, cfg, draft_tokens: torch.Tensor | None = None) -> "DraftHead":
+        """A freshly initialized head for a training run: `cfg` is the run's TrainConfig."""
+        raise NotImplementedError(f"{cls.__name__} does not define create()")
+
+    def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
+        """(loss, parts) of the training objective on one sequence, or None when it has nothing to learn from.
+
+        `module` is this head or the wrapper to call it through (DDP, for the gradient sync); `features` is
+        what `target_features` returned; parts: l1, ce, acc (step 1's) and tokens.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define training_loss()")
+
+    def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
+        """0 x a tiny forward through every parameter (through `module`), for a skipped micro-batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not define dummy_loss()")
+
+    def target_features(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """The target's features the head trains on for one sequence ids [T]: its post-norm last hidden state [T, H]."""
+        return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+
+    def make_drafter(self, target_model):
+        """The `Drafter` (draft_heads/drafter.py) that drafts trees with this head."""
+        raise NotImplementedError(f"{type(self).__name__} does not define make_drafter()")
 
     def set_draft_vocab(self, draft_tokens: torch.Tensor) -> None:
-        from .vocab import check_draft_vocab
-
         check_draft_vocab(draft_tokens, self.config.target["vocab_size"])
         self.d2t = draft_tokens.to(self.d2t.device, torch.long).clone()
         self.config.draft_vocab_size = int(draft_tokens.numel())
@@ -81,10 +123,6 @@ class DraftHead(nn.Module):
     def save_pretrained(self, directory, dtype=None, keep_others: bool = False) -> None:
         """Write config.json + model.safetensors atomically (a temporary folder, then rename); an existing
         folder is replaced as a whole, or with `keep_others` only these two files are."""
-        from safetensors.torch import save_file
-
-        from ..files import building, publish
-
         directory = Path(directory)
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
                  for k, v in self.state_dict().items()}
@@ -96,9 +134,6 @@ class DraftHead(nn.Module):
     @classmethod
     def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> "DraftHead":
         """Load a saved head; with `target_config`, refuse a head built for another target."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
             raise HeadError(f"{str(directory)!r} is not a head folder: expected {CONFIG} and {WEIGHTS}")

@@ -7,56 +7,14 @@ passed in at call time and never stored in the head's weights.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from ..target import cache_kwarg as _cache_kwarg, mask_for_config
-from .base import DraftHead, HeadConfig, HeadError, target_identity  # noqa: F401 (re-exported)
-
-
-
-def _layer_config(target_config):
-    cfg = copy.deepcopy(target_config)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = ["full_attention"]  # the head's one layer sees the whole context
-    cfg.num_hidden_layers = 1
-    cfg.use_cache = True
-    cfg._attn_implementation = "sdpa"
-    for attr in ("quantization_config",):
-        if hasattr(cfg, attr):
-            delattr(cfg, attr)
-    return cfg
-
-
-def _build_layer(layer_config):
-    """The target architecture's decoder layer and rotary embedding, from transformers itself."""
-    from transformers import AutoModel
-
-    cfg = copy.deepcopy(layer_config)
-    cfg.vocab_size, cfg.pad_token_id = 1, None  # the throwaway base model's embedding stays tiny
-    base = AutoModel.from_config(cfg, attn_implementation="sdpa")
-    layer = base.layers[0]
-    # EAGLE's first (only) layer has no input norm: its input is the fc output (EAGLE, vLLM and
-    # SGLang all drop it), so the exported weights carry none.
-    layer.input_layernorm = nn.Identity()
-    return layer, base.rotary_emb
-
-
-def attention_inputs(layer_config, rotary, ref, position_ids, allowed, cache):
-    """(position ids [B, T], the 4D mask, rotary embeddings) for a head layer over `ref` [B, T, H].
-
-    `allowed` None means causal over the new positions on top of everything cached.
-    """
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None].expand(ref.shape[0], -1)
-    if allowed is None:
-        past = 0 if cache is None else cache.get_seq_length()
-        t = ref.shape[1]
-        allowed = torch.ones(t, past + t, dtype=torch.bool, device=ref.device).tril(diagonal=past)
-    mask = mask_for_config(layer_config, allowed.to(ref.device), ref.dtype)
-    return position_ids, mask, rotary(ref, position_ids)
+from ..target import cache_kwarg
+from ..train.objectives import eagle_loss
+from .base import DraftHead, HeadConfig, HeadError, target_identity
+from .drafter import TreeDrafter
+from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
 
 
 class EagleHead(DraftHead):
@@ -66,18 +24,14 @@ class EagleHead(DraftHead):
 
     def __init__(self, config: HeadConfig):
         super().__init__()
-        from transformers import AutoConfig
-
         if config.head_type != "eagle":
             raise HeadError(f"head_type {config.head_type!r} is not supported by EagleHead; expected 'eagle'")
         self.config = config
-        layer_cfg = dict(config.layer_config)
-        self.layer_config = AutoConfig.for_model(layer_cfg.pop("model_type"), **layer_cfg)
-        self.layer_config._attn_implementation = "sdpa"
+        self.layer_config = config_from_dict(config.layer_config)
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
-        self.layer, self.rotary = _build_layer(self.layer_config)
-        self._cache_kw = _cache_kwarg(self.layer)
+        self.layer, self.rotary = build_layer(self.layer_config)
+        self._cache_kw = cache_kwarg(self.layer)
         vocab = config.draft_vocab_size or config.target["vocab_size"]
         # Draft vocabulary maps (identity for a full-vocabulary head): draft id -> target id.
         self.register_buffer("d2t", torch.arange(vocab), persistent=True)
@@ -90,13 +44,10 @@ class EagleHead(DraftHead):
 
         fc_bias=False (the default) matches EAGLE's LLaMA-3 heads and vLLM, whose fc has no bias.
         """
-        cfg = _layer_config(target_config)
-        layer_dict = cfg.to_dict()
-        layer_dict.pop("quantization_config", None)
         head_cfg = HeadConfig(
             head_type="eagle", hidden_size=target_config.hidden_size, target=target_identity(target_config),
-            layer_config=layer_dict, draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
-            fc_bias=fc_bias,
+            layer_config=layer_config_dict(target_config),
+            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()), fc_bias=fc_bias,
         )
         head = cls(head_cfg)
         if draft_tokens is not None:
@@ -108,6 +59,10 @@ class EagleHead(DraftHead):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         return head
+
+    @classmethod
+    def create(cls, target_model, cfg, draft_tokens=None) -> "EagleHead":
+        return cls.for_target(target_model.config, draft_tokens, fc_bias=cfg.fc_bias)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -125,7 +80,17 @@ class EagleHead(DraftHead):
         return out[0] if isinstance(out, tuple) else out
 
     def new_cache(self):
-        from transformers import DynamicCache
+        return new_layer_cache(self.layer_config)
 
-        return DynamicCache(config=self.layer_config)
+    # -- training and drafting ----------------------------------------------------------------
 
+    def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
+        return eagle_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+
+    def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
+        hidden = torch.zeros(1, 2, self.config.hidden_size, device=device)
+        out = module(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
+        return out.float().sum() * 0.0
+
+    def make_drafter(self, target_model) -> TreeDrafter:
+        return TreeDrafter(self, target_model)

@@ -12,19 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..target import cache_kwarg
+from ..train.objectives import eagle3_loss
 from .base import DraftHead, HeadConfig, target_identity
-from .eagle import _build_layer, _cache_kwarg, _layer_config, attention_inputs
+from .drafter import TreeDrafter
+from .layers import (attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache,
+                     rms_norm)
 
 
 def default_fused_layers(num_layers: int) -> list[int]:
     """EAGLE-3's choice, as outputs of decoder layers: the inputs of layers 2, L/2 and L-3."""
     return [max(min(1, num_layers - 2), 0), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
-
-
-def _rms_norm(config):
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return LlamaRMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
 
 
 class Eagle3Head(DraftHead):
@@ -34,26 +32,22 @@ class Eagle3Head(DraftHead):
 
     def __init__(self, config: HeadConfig):
         super().__init__()
-        from transformers import AutoConfig
-
         self.config = config
-        layer_cfg = dict(config.layer_config)
-        self.layer_config = AutoConfig.for_model(layer_cfg.pop("model_type"), **layer_cfg)
-        self.layer_config._attn_implementation = "sdpa"
+        self.layer_config = config_from_dict(config.layer_config)
         h = config.hidden_size
         self.fused_layers = list(config.extra["fused_layers"])
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.layer, self.rotary = _build_layer(self.layer_config)
+        self.layer, self.rotary = build_layer(self.layer_config)
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
-        self.layer.input_layernorm = _rms_norm(self.layer_config)  # on the token embedding
-        self.hidden_norm = _rms_norm(self.layer_config)
-        self.norm = _rms_norm(self.layer_config)
+        self.layer.input_layernorm = rms_norm(self.layer_config)  # on the token embedding
+        self.hidden_norm = rms_norm(self.layer_config)
+        self.norm = rms_norm(self.layer_config)
         vocab = config.draft_vocab_size or config.target["vocab_size"]
         self.lm_head = nn.Linear(h, vocab, bias=False)
-        self._cache_kw = _cache_kwarg(self.layer.self_attn)
+        self._cache_kw = cache_kwarg(self.layer.self_attn)
         self.register_buffer("d2t", torch.arange(vocab), persistent=True)
 
     @classmethod
@@ -64,11 +58,8 @@ class Eagle3Head(DraftHead):
         if any(not 0 <= i < tc.num_hidden_layers - 1 for i in layers) or len(layers) != 3:
             raise ValueError(f"fused_layers must be 3 decoder layer indices in [0, {tc.num_hidden_layers - 2}], "
                              f"got {layers}")
-        cfg = _layer_config(tc)
-        layer_dict = cfg.to_dict()
-        layer_dict.pop("quantization_config", None)
         config = HeadConfig(head_type="eagle3", hidden_size=tc.hidden_size, target=target_identity(tc),
-                            layer_config=layer_dict, fc_bias=False,
+                            layer_config=layer_config_dict(tc), fc_bias=False,
                             draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
                             extra={"fused_layers": layers})
         head = cls(config)
@@ -88,6 +79,10 @@ class Eagle3Head(DraftHead):
             if final_norm is not None and getattr(final_norm, "weight", None) is not None:
                 head.norm.weight.copy_(final_norm.weight)
         return head
+
+    @classmethod
+    def create(cls, target_model, cfg, draft_tokens=None) -> "Eagle3Head":
+        return cls.for_target(target_model, draft_tokens)
 
     def fuse(self, layer_states: torch.Tensor) -> torch.Tensor:
         """[..., 3H] concatenated target layer outputs -> [..., H] hidden."""
@@ -109,6 +104,22 @@ class Eagle3Head(DraftHead):
         return self.lm_head(self.norm(hidden))
 
     def new_cache(self):
-        from transformers import DynamicCache
+        return new_layer_cache(self.layer_config)
 
-        return DynamicCache(config=self.layer_config)
+    # -- training and drafting ----------------------------------------------------------------
+
+    def target_features(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """[T, H + 3H]: the target's post-norm last hidden state, then the outputs of the fused layers."""
+        states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
+        return torch.cat([states[-1][0]] + [states[i + 1][0] for i in self.fused_layers], dim=-1)
+
+    def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
+        return eagle3_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+
+    def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
+        hidden = self.fuse(torch.zeros(1, 2, 3 * self.config.hidden_size, device=device))
+        out = module(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
+        return self.draft_logits(out).float().sum() * 0.0
+
+    def make_drafter(self, target_model) -> TreeDrafter:
+        return TreeDrafter(self, target_model)

@@ -37,9 +37,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from ..files import building, check_output_dir, publish
 from .base import HeadError
 from .eagle import EagleHead
+from .eagle3 import Eagle3Head
+from .vocab import check_draft_vocab, t2d_mask
 
 FORMATS = ("eagle", "vllm", "sglang", "eagle3")
 ARCHITECTURES = {"eagle": "LlamaForCausalLM", "vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -47,8 +52,6 @@ ARCHITECTURES = {"eagle": "LlamaForCausalLM", "vllm": "LlamaForCausalLM", "sglan
 
 def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """EAGLE-3 layout: `midlayer.*`, own norm and lm_head, d2t as offsets, t2d as a mask, the target's embedding."""
-    from .vocab import t2d_mask
-
     state = {}
     for key, value in head.state_dict().items():
         if key == "d2t":
@@ -187,10 +190,6 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
     folder's other files; it is never the head's own folder. `target` (the target model) is needed for
     "eagle3", whose export carries the target's embedding.
     """
-    from safetensors.torch import save_file
-
-    from ..files import building, check_output_dir, publish
-
     out = Path(out_dir)
     source = getattr(head, "source_dir", None)
     check_output_dir(out, overwrite, sources=[source] if source else [])
@@ -208,9 +207,6 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         if (folder / "model.safetensors").is_file():
             return load_file(str(folder / "model.safetensors"))
@@ -265,8 +261,6 @@ def _token_map(folder: Path, vocab_size: int) -> torch.Tensor | None:
     except (OSError, RuntimeError, ValueError, EOFError) as e:
         raise HeadError(f"{str(path)!r} is not a token map (a list or tensor of target ids): {e}") from e
     try:
-        from .vocab import check_draft_vocab
-
         check_draft_vocab(ids, vocab_size)
     except ValueError as e:
         raise HeadError(f"{str(path)!r}: {e}") from e
@@ -285,10 +279,8 @@ def _load_checked(head, state, folder, kind: str):
     return head.eval()
 
 
-def import_eagle3(folder, target_model) -> "Eagle3Head":
+def import_eagle3(folder, target_model) -> Eagle3Head:
     """Read an EAGLE-3 head (EAGLE / vLLM / SGLang layout) for `target_model`."""
-    from .eagle3 import Eagle3Head
-
     folder = Path(folder)
     config = read_export_config(folder)
     weights = _read_weights(folder)

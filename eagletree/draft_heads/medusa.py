@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..train.objectives import medusa_loss
 from .base import DraftHead, HeadConfig, target_identity
 
 
@@ -26,6 +27,7 @@ class MedusaHead(DraftHead):
     """config.extra: num_heads (K), num_layers (residual blocks per head), own_lm_head (bool)."""
 
     head_type = "medusa"
+    drafts_from_own_features = False  # head k reads the committed feature only
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -54,6 +56,10 @@ class MedusaHead(DraftHead):
                 nn.init.zeros_(res.linear.bias)
         return head
 
+    @classmethod
+    def create(cls, target_model, cfg, draft_tokens=None) -> "MedusaHead":
+        return cls.for_target(target_model.config, draft_tokens, num_heads=cfg.medusa_heads)
+
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
@@ -64,6 +70,15 @@ class MedusaHead(DraftHead):
         if self.lm_heads is not None:
             return torch.stack([lm(h) for lm, h in zip(self.lm_heads, hs)])
         return torch.nn.functional.linear(hs, shared_weight, shared_bias)
+
+    def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
+        return medusa_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+
+    def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
+        return module(torch.zeros(2, self.config.hidden_size, device=device), lm_weight, lm_bias).float().sum() * 0.0
+
+    def make_drafter(self, target_model) -> "MedusaDrafter":
+        return MedusaDrafter(self, target_model)
 
 
 class MedusaDrafter:

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import shutil
+import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..draft_heads import TreeDrafter
-from ..tree_search.copy import COPY_CALIBRATION
+from .. import target as targets
+from ..decoding import GenerationStats, decode_steps, encode_prompt
+from ..draft_heads import TreeDrafter, load_head
+from ..packing import pack_target
+from ..tree_search import Calibrator, acceptance_pairs, calibration_report
+from ..tree_search.copy import COPY_CALIBRATION, CopyCalibration
+from .config import TrainConfig, TrainingError
+from .data import DataError, load_dataset, split
+from .distill import first_turns
+from .loop import has_assistant_text
 from .render import RenderError, render
 
 
@@ -34,8 +46,8 @@ def agreement(head, target, tokenizer, conversations=(), steps: int = 5, max_len
     target's greedy token there.
     `sequences`: (ids [T], mask [T] bool) pairs to measure instead of rendering `conversations`.
     """
-    if getattr(head, "config", None) is not None and head.config.head_type == "medusa":
-        return None  # Medusa heads do not draft from their own features: no free-running chain to measure
+    if not head.drafts_from_own_features:
+        return None  # (Medusa) no free-running chain to measure
     device = next(target.parameters()).device
     lm = target.get_output_embeddings()
     layers = getattr(head, "fused_layers", None)
@@ -86,8 +98,6 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
     `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration); `answers`, a list,
     receives (prompt ids, answer ids) per prompt: the target's own answer (decoding is lossless).
     """
-    from ..decoding import GenerationStats, decode_steps, encode_prompt
-
     new = passes = 0
     predicted = []
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
@@ -113,8 +123,6 @@ def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=12
     Returns (CopyCalibration, tokens/pass result); save the calibration next to the head
     (`copy_calibration.json`) and decoding starts from it instead of an uninformed 0.5.
     """
-    from ..tree_search.copy import CopyCalibration
-
     calibration = CopyCalibration(max_len=copy_len)
     result = tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens, copy=True, copy_len=copy_len,
                              copy_calibration=calibration, **options)
@@ -128,8 +136,6 @@ def answer_sequences(answers) -> list:
 
 def calibrate(steps, method: str = "isotonic") -> tuple:
     """Fit a calibrator on the first half of logged steps; report predicted vs measured on the second half."""
-    from ..tree_search import Calibrator, acceptance_pairs, calibration_report
-
     half = len(steps) // 2
     if half == 0:
         raise ValueError("need at least two logged steps to calibrate")
@@ -144,8 +150,6 @@ def calibrate(steps, method: str = "isotonic") -> tuple:
 
 def heldout_prompts(conversations, n: int) -> list[list[dict]]:
     """First user turn (with the turns before it) of the first `n` held-out conversations that have one."""
-    from .distill import first_turns
-
     return [msgs for _, msgs in first_turns(conversations)][:n]
 
 
@@ -154,9 +158,6 @@ def evaluation_conversations(cfg) -> list:
 
     `train.py --eval` calls this before training, so a wrong eval_dataset is found before the run, not after.
     """
-    from .data import DataError, load_dataset, split
-    from .loop import TrainingError, has_assistant_text
-
     source = cfg.eval_dataset or cfg.dataset
     try:
         with warnings.catch_warnings():
@@ -180,11 +181,8 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
 
     `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
     """
-    from ..packing import pack_target
-    from ..target import load_target
-
     heldout = evaluation_conversations(cfg) if heldout is None else heldout
-    target, tok = load_target(cfg.target)
+    target, tok = targets.load_target(cfg.target)  # (through the module: a stand-in model can replace it)
     pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
     head = head.to(next(target.parameters()).device).eval()
@@ -201,8 +199,6 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     calibrator, metrics["calibration"] = calibrate(steps)
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
-        from dataclasses import asdict
-
         Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
         copy_calibration.save(head_dir / COPY_CALIBRATION)
     Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -211,10 +207,6 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
 
 def ship(run_dir, dest) -> Path:
     """Copy a run's head as bf16 safetensors (+ its calibration) to `dest`, e.g. eagletree/heads/NAME."""
-    import shutil
-
-    from ..draft_heads import load_head
-
     src = Path(run_dir) / "head"
     head = load_head(src)
     head.save_pretrained(dest, dtype=torch.bfloat16)
@@ -228,12 +220,6 @@ def ship(run_dir, dest) -> Path:
 
 def main(argv=None) -> int:
     """`python -m eagletree.train.evaluate --config CFG [--ship DIR]`: evaluate a finished run's head."""
-    import argparse
-    import sys
-
-    from ..draft_heads import load_head
-    from .loop import TrainConfig, TrainingError
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")

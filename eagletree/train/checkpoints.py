@@ -1,0 +1,130 @@
+"""Checkpoints of a run (head, optimizer, scheduler, RNG state, config) written atomically, found and resumed;
+the run's history.jsonl kept in step with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..draft_heads import HeadError, load_head
+from ..files import building, publish
+from .config import TrainConfig, TrainingError, lr_lambda
+
+
+def rng_state(noise_gen) -> dict:
+    """Every random state a run draws from: torch's, Python's, the noise generator's and CUDA's."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "noise": noise_gen.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state, noise_gen) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    noise_gen.set_state(state["noise"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
+                    precision: str = "fp32"):
+    """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones."""
+    root = folder / "checkpoints"
+    final = root / f"step-{step:07d}"
+    with building(final) as tmp:  # also removes what a killed save left in `root`
+        head.save_pretrained(tmp / "head")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "counters": counters, "rng": rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    publish(tmp, final, keep_others=False)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest checkpoint folder of a run, or None."""
+    found = sorted((folder / "checkpoints").glob("step-*"))
+    return found[-1] if found else None
+
+
+# Keys that may differ on --resume without changing the run (where and how it is written, when it stops).
+NOT_RUN_DEFINING = ("out_dir", "stop_after", "save_every", "keep_checkpoints", "log_every", "eval_conversations",
+                    "eval_dataset", "report_to", "device", "precision", "features_dir")
+
+
+def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
+    """{key: (checkpoint's value, config's value)} for the run-defining keys that differ."""
+    now = asdict(cfg)
+    return {k: (saved[k], v) for k, v in now.items() if k in saved and k not in NOT_RUN_DEFINING and saved[k] != v}
+
+
+def resume_point(folder: Path, target_config):
+    """(checkpoint, head, trainer state, saved config) of the newest intact checkpoint, or Nones when there is none.
+
+    A damaged checkpoint (a file cut or missing) is skipped, saying so; TrainingError when none is intact.
+    """
+    found = sorted((folder / "checkpoints").glob("step-*"), reverse=True)
+    damaged = []
+    for ckpt in found:
+        try:
+            head = load_head(ckpt / "head")
+            state = torch.load(ckpt / "trainer.pt", weights_only=False)
+            saved = json.loads((ckpt / "config.json").read_text())
+            if not isinstance(state, dict) or not {"optimizer", "scheduler", "step", "counters", "rng"} <= set(state):
+                raise ValueError("trainer.pt lacks the trainer state")
+        except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            damaged.append(f"{ckpt.name} ({' '.join(str(e).split())[:160]})")
+            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1]}); trying the one before it", file=sys.stderr)
+            continue
+        head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
+        if damaged:
+            print(f"warning: resuming from {ckpt}, the newest intact checkpoint", file=sys.stderr)
+        return ckpt, head, state, saved
+    if damaged:
+        raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: {'; '.join(damaged)}")
+    return None, None, None, None
+
+
+def apply_changes(optimizer, scheduler, cfg: TrainConfig) -> None:
+    """After loading a checkpoint's optimizer and scheduler, follow the config's lr, weight decay and schedule."""
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    scheduler.lr_lambdas = [lr_lambda(cfg)] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def keep_history(path: Path, step: int) -> None:
+    """Rewrite history.jsonl (atomically) with only the records of steps <= `step`."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def append_history(path: Path, history: list, written: int) -> int:
+    """Append the records not yet written; returns how many are written now."""
+    if written < len(history):
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(h) + "\n" for h in history[written:]))
+            f.flush()
+            os.fsync(f.fileno())
+    return len(history)

@@ -1,0 +1,154 @@
+"""The training run's settings: defaults, a YAML file, key=value overrides, all checked; the lr schedule and the
+precision they resolve to on this machine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import yaml
+
+from ..draft_heads import head_types
+from ..errors import EagletreeError
+from ..target import cpu_has_bf16
+
+
+class TrainingError(EagletreeError, RuntimeError):
+    """Training cannot go on (bad loss, bad config); the message names the step or key."""
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m"
+    head_type: str = "eagle"  # "eagle" (EAGLE-1/2), "eagle3" or "medusa"
+    # training-time test: drafting steps unrolled per position (step k reads step k-1's predicted features);
+    # 0 = the head type's default: 3 for eagle3, 1 (the original one-step objective) for eagle
+    ttt_steps: int = 0
+    ttt_decay: float = 0.8  # weight of step k is ttt_decay ** (k - 1)
+    medusa_heads: int = 4
+    fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
+    dataset: str = "sharegpt"
+    eval_dataset: str = ""  # held-out conversations and prompts for evaluation; "" = dataset's own held-out split
+    init_head: str = ""  # start from this saved head's weights (fine-tuning, e.g. on distilled answers); "" = fresh
+    heldout_fraction: float = 0.04
+    max_conversations: int = 0  # 0 = all training conversations
+    max_len: int = 512
+    long: str = "truncate"  # or "drop": what to do with conversations longer than max_len
+    features_dir: str = ""  # "" = online features; else a cache written by `eagletree features`
+    feature_dtype: str = "bf16"  # of cached features: bf16, fp16 or fp32
+    draft_vocab: int = 0  # 0 = the full target vocabulary; else the V' most frequent tokens
+    draft_vocab_sample: int = 2000  # conversations counted to pick the draft vocabulary
+    steps: int = 1000  # optimizer steps (the schedule's length)
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps; 0 = run to `steps`; resume later
+    grad_accum: int = 4
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    clip: float = 0.5
+    noise: float = 0.2  # uniform noise on input features: U(-noise/2, noise/2)
+    l1_weight: float = 1.0
+    ce_weight: float = 0.1
+    seed: int = 0
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_conversations: int = 20
+    out_dir: str = "runs/smollm2-135m-eagle"
+    report_to: str = "wandb"  # or "none"
+    device: str = ""  # "" = accelerate's choice
+    # "auto" = bf16 on CUDA and on CPUs with native bf16 (target features in bf16, head under bf16 autocast with
+    # fp32 weights: about twice the tokens/s on 2 cores), else fp32. Only applies to a target this run loads.
+    precision: str = "auto"
+
+    @classmethod
+    def from_sources(cls, path=None, overrides=()) -> "TrainConfig":
+        """Defaults, then a YAML file, then key=value overrides; an unknown key is an error listing valid keys."""
+        valid = {f.name: f for f in fields(cls)}
+        values = {}
+        if path:
+            try:
+                loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            except (OSError, UnicodeDecodeError) as e:
+                raise TrainingError(f"config file {str(path)!r} cannot be read ({e})") from e
+            except yaml.YAMLError as e:
+                raise TrainingError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from e
+            if not isinstance(loaded, dict):
+                raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
+            values.update(loaded)
+        for item in overrides:
+            if "=" not in item:
+                raise TrainingError(f"override {item!r} must look like key=value")
+            key, raw = item.split("=", 1)
+            # a text key takes the text as written (`init_head=` clears it; `out_dir=2024` stays a name)
+            try:
+                values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
+            except yaml.YAMLError:
+                values[key] = raw  # not YAML: the type check below names the key and the value
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
+        for key, value in values.items():
+            kind = type(getattr(cls(), key))
+            if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+                try:  # YAML reads 1e-4 (no dot) as text: take every number float() takes
+                    values[key] = value = float(value)
+                except ValueError:
+                    raise TrainingError(f"config key {key!r} must be a number, got {value!r}") from None
+                if not math.isfinite(value):
+                    raise TrainingError(f"config key {key!r} must be a finite number, got {value!r}")
+            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
+        kinds = head_types()
+        if values.get("head_type", "eagle") not in kinds:
+            listed = ", ".join(repr(k) for k in kinds[:-1]) + f" or {kinds[-1]!r}"
+            raise TrainingError(f"head_type must be {listed}, got {values['head_type']!r}")
+        positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads")
+        for key in positive:
+            if key in values and isinstance(values[key], int) and values[key] < 1:
+                raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
+        ranges = {"lr": (0.0, False), "weight_decay": (0.0, True), "noise": (0.0, True), "clip": (0.0, True),
+                  "l1_weight": (0.0, True), "ce_weight": (0.0, True), "ttt_decay": (0.0, False),
+                  "warmup_steps": (0, True), "max_conversations": (0, True), "draft_vocab": (0, True),
+                  "draft_vocab_sample": (1, True), "eval_conversations": (1, True), "stop_after": (0, True),
+                  "seed": (0, True)}
+        for key, (low, inclusive) in ranges.items():
+            if key in values and (values[key] < low if inclusive else values[key] <= low):
+                raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
+        for key in ("min_lr_ratio", "heldout_fraction"):
+            if key in values and not 0.0 <= values[key] <= 1.0:
+                raise TrainingError(f"config key {key!r} must be in [0, 1], got {values[key]}")
+        if values.get("ttt_steps", 0) < 0:
+            raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
+                                f"got {values['ttt_steps']}")
+        if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
+            raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
+        if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
+            raise TrainingError(f"precision must be 'auto', 'bf16' or 'fp32', got {values['precision']!r}")
+        if values.get("long", "truncate") not in ("truncate", "drop"):
+            raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
+        return cls(**values)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """The learning-rate factor at each optimizer step: linear warm-up, then cosine down to min_lr_ratio."""
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def on_cpu(device: str | None) -> bool:
+    """Whether a run asked for `device` (None: the default) runs on the CPU."""
+    return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+
+
+def resolve_precision(precision: str, cpu: bool) -> str:
+    """'auto' -> 'bf16' on CUDA and on CPUs that multiply bf16 natively, else 'fp32'."""
+    if precision != "auto":
+        return precision
+    return "bf16" if not cpu or cpu_has_bf16() else "fp32"

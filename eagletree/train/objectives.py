@@ -1,0 +1,143 @@
+"""The training objectives, one sequence at a time: EAGLE-1/2 (with the training-time test), Medusa, EAGLE-3.
+
+Each returns (loss, parts) or None when the sequence has nothing to learn from; a head's `training_loss`
+names its own. `head` is the head or the wrapper to call it through (DDP); attributes are read from the
+head itself (`getattr(head, "module", head)`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:  # (config imports the heads, whose modules import these objectives)
+    from .config import TrainConfig
+
+
+def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """EAGLE-1/2 objective on one sequence: smooth-L1 to the next feature + w x CE to the target's distribution.
+
+    features [T, H]: the target's post-norm features; ids [T]; mask [T] bool (assistant tokens).
+    The head at position t reads (f_t + noise, x_{t+1}) and predicts f_{t+1}. With `ttt_steps` k > 1 the
+    drafting steps are unrolled (the training-time test of EAGLE-3 and HASS): step k at position t reads
+    step k-1's predicted f_t instead of the target's, attends as a depth-k draft node does, and is held to
+    the same targets; step k's loss is weighted ttt_decay ** (k - 1). The reported l1/ce/acc are step 1's.
+    """
+    f_in, f_next, tok_next = features[:-1], features[1:], ids[1:]
+    m = mask[1:]
+    if not m.any():
+        return None
+    if cfg.noise:
+        noise = torch.rand(f_in.shape, generator=generator, dtype=torch.float32).to(f_in) - 0.5
+        f_in = f_in + noise * cfg.noise
+    weight, bias = target_lm
+    target = f_next[m]
+    with torch.no_grad():
+        p_target = torch.softmax(F.linear(target, weight, bias).float(), -1)
+    positions = torch.arange(f_in.shape[0], device=f_in.device)
+    total, weights, first = 0.0, 0.0, None
+    for k, out in unroll_drafts(head, f_in, tok_next, embed, cfg.ttt_steps or 1):
+        keep = (positions >= k - 1)[m]  # step k needs k-1 drafted positions before it
+        if not keep.any():
+            continue
+        pred = out[m][keep]
+        l1 = F.smooth_l1_loss(pred.float(), target[keep].float())
+        logp = torch.log_softmax(F.linear(pred, weight, bias).float(), -1)
+        ce = -(p_target[keep] * logp).sum(-1).mean()
+        w = cfg.ttt_decay ** (k - 1)
+        total = total + w * (cfg.l1_weight * l1 + cfg.ce_weight * ce)
+        weights += w
+        if first is None:
+            acc = (logp.argmax(-1) == p_target[keep].argmax(-1)).float().mean()
+            first = {"l1": l1.detach(), "ce": ce.detach(), "acc": acc.detach(), "tokens": int(m.sum())}
+    return total / weights, first
+
+
+def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """Medusa: head k at position t matches the target's distribution k steps later (soft labels)."""
+    weight, bias = target_lm
+    t_len = features.shape[0]
+    k_max = getattr(head, "module", head).num_heads  # DDP wraps the head in multi-process runs
+    if t_len <= k_max + 1:
+        return None
+    with torch.no_grad():
+        p_all = torch.softmax(F.linear(features, weight, bias).float(), -1)  # [T, V'] after each position
+    logits = head(features[: t_len - k_max], weight, bias).float()  # [K, T-K, V']
+    total, acc, n = 0.0, 0.0, 0
+    for k in range(1, k_max + 1):
+        m = mask[k : t_len - k_max + k]
+        if not m.any():
+            continue
+        target = p_all[k : t_len - k_max + k][m]
+        logp = torch.log_softmax(logits[k - 1][m], -1)
+        total = total + (-(target * logp).sum(-1).mean()) / k_max
+        acc += float((logp.argmax(-1) == target.argmax(-1)).float().mean())
+        n += 1
+    if n == 0:
+        return None
+    tokens = int(mask[1 : t_len - k_max + 1].sum())
+    return total, {"l1": torch.zeros(()), "ce": total.detach(), "acc": torch.tensor(acc / n), "tokens": tokens}
+
+
+def ttt_mask(t: int, k: int, device=None) -> torch.Tensor:
+    """[t, k*t] bool: step k's query at position p sees step 1's keys at positions <= p-k+1 (the
+    committed context) and step j's key at position p-k+j for j = 2..k (its own drafted chain),
+    exactly what it sees when drafting k tokens ahead at inference."""
+    p = torch.arange(t, device=device)[:, None]
+    q = torch.arange(t, device=device)[None, :]
+    blocks = [q <= p - k + 1] + [q == p - k + j for j in range(2, k + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def unroll_drafts(head, hidden, tokens, embed, steps: int):
+    """Yield (k, out [t, H]) for drafting steps k = 1..steps over one sequence.
+
+    Step 1 reads `hidden` [t, H] (features at positions 0..t-1) with tokens x_{p+1}; step k > 1 reads step
+    k-1's output at position p-1, attending under `ttt_mask`. steps == 1 is the plain causal call.
+    """
+    t = hidden.shape[0]
+    positions = torch.arange(t, device=hidden.device)
+    cache = getattr(head, "module", head).new_cache() if steps > 1 else None
+    for k in range(1, steps + 1):
+        if k > 1:  # step k at position p continues from step k-1's prediction at p-1
+            hidden = torch.cat([out[:1], out[:-1]])
+        allowed = ttt_mask(t, k, hidden.device) if steps > 1 else None
+        out = head(hidden[None], tokens[None], positions, embed, allowed=allowed, cache=cache)[0]
+        yield k, out
+
+
+def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+    """EAGLE-3 training-time test: unroll `ttt_steps` drafting steps; step k reads step k-1's outputs.
+
+    features [T, H + 3H]: the target's final hidden state and its three fused layers, concatenated.
+    """
+    core = getattr(head, "module", head)
+    h_size = core.config.hidden_size
+    final, layers = features[:, :h_size], features[:, h_size:]
+    t = features.shape[0] - 1
+    if t < 2:
+        return None
+    with torch.no_grad():
+        weight, bias = target_lm
+        p_target = torch.softmax(F.linear(final[1:], weight, bias).float(), -1)  # [t, V'] after position p+1
+    hidden = core.fuse(layers[:-1])  # positions p = 0..t-1, tokens x_{p+1}
+    if cfg.noise:
+        noise = torch.rand(hidden.shape, generator=generator, dtype=torch.float32).to(hidden) - 0.5
+        hidden = hidden + noise * cfg.noise
+    tokens, positions = ids[1:], torch.arange(t, device=features.device)
+    total, weights, acc = 0.0, 0.0, []
+    for k, out in unroll_drafts(head, hidden, tokens, embed, cfg.ttt_steps or 3):
+        valid = (positions >= k - 1) & mask[1:]
+        if not valid.any():
+            continue
+        logp = torch.log_softmax(core.draft_logits(out[valid]).float(), -1)
+        w = cfg.ttt_decay ** (k - 1)
+        total = total + w * (-(p_target[valid] * logp).sum(-1).mean())
+        weights += w
+        acc.append((logp.argmax(-1) == p_target[valid].argmax(-1)).float().mean())
+    if not acc:
+        return None
+    loss = total / weights
+    return loss, {"l1": torch.zeros(()), "ce": loss.detach(), "acc": acc[0].detach(), "tokens": int(mask[1:].sum())}
