@@ -9,12 +9,17 @@ import json
 import sys
 from pathlib import Path
 
+from eagletree.draft_heads import HeadError
+from eagletree.target import TargetError
+from eagletree.train.data import DataError
+from eagletree.train.evaluate import evaluate_run, evaluation_conversations
+from eagletree.train.features import FeatureError
 from eagletree.train.loop import TrainConfig, TrainingError, train
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML file of TrainConfig keys (see eagletree/train/loop.py)")
+    ap.add_argument("--config", help="YAML file of TrainConfig keys (see eagletree/train/config.py)")
     ap.add_argument("--resume", action="store_true", help="continue from out_dir's last checkpoint")
     ap.add_argument("--report-to", choices=["wandb", "none"], help="shorthand for report_to=...")
     ap.add_argument("--eval", action="store_true", help="evaluate the head on held-out conversations at the end")
@@ -23,12 +28,6 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + ([f"report_to={args.report_to}"] if args.report_to else [])
-    from eagletree.draft_heads import HeadError
-    from eagletree.target import TargetError
-    from eagletree.train.data import DataError
-    from eagletree.train.evaluate import evaluate_run, evaluation_conversations
-    from eagletree.train.features import FeatureError
-
     out_dir = None
     try:
         cfg = TrainConfig.from_sources(args.config, overrides)

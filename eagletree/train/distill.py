@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..decoding import encode_prompt, stop_token_ids
+from ..draft_heads import target_identity
 from ..errors import EagletreeError
 
 
@@ -117,8 +119,6 @@ def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
 
     Built from all prompts, answered or not, so a resumed run makes the same batches as a straight one.
     """
-    from ..decoding import encode_prompt
-
     rendered, skipped = [], 0
     for conv_id, msgs in items:
         ids = encode_prompt(tok, msgs).tolist()  # the prompt tokens decoding itself starts from
@@ -142,9 +142,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     Greedy means the argmax of the model's own logits, as in speculative decoding: the model's
     generation_config (repetition penalty and the like) is not applied.
     """
-    from transformers import GenerationConfig
-
-    from ..decoding import stop_token_ids
+    from transformers import GenerationConfig  # (transformers loads slowly: only when answers are generated)
 
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tok)
@@ -186,8 +184,6 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     (0 = all); their prompts answered in any file of `skip_answered` (paths) are left out and counted, so a
     limit of N answers at most N. Returns counts.
     """
-    from ..draft_heads import target_identity
-
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("batch_size", batch_size, 1), ("limit", limit, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

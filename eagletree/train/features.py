@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..draft_heads import target_identity
@@ -87,8 +89,6 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     print(f"features: {len(rendered):,} conversations ({skipped} skipped), {total_tokens:,} tokens, "
           f"about {total_tokens * bytes_per_token / 1e9:.2f} GB in {folder} ({len(shards)} shards, "
           f"{len(shards) - len(todo)} already done)", file=log)
-    from safetensors.torch import save_file
-
     device = next(model.parameters()).device
     bar = tqdm(total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]), unit="tok", desc="features",
                disable=not progress)
@@ -139,8 +139,6 @@ class FeatureStore:
 
     def __getitem__(self, n: int):
         """(ids [T] long, mask [T] bool, hidden [T, H] float32) of example n."""
-        from safetensors import safe_open
-
         name, i = self.index[n]
         if name != self._open_name:
             self._open, self._open_name = safe_open(str(self.folder / name), framework="pt"), name
