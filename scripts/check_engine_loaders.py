@@ -20,10 +20,12 @@ exports, then for each engine:
   `set_embed_and_head` / `set_embed`, with the token map read by spec_utils.py `load_token_map`);
 - for EAGLE-3, reads the fused target layers with the engine's own code where it is small enough
   (vLLM: gpu_model_runner.py `_get_eagle3_aux_layers_from_config`; SGLang: llama.py
-  `set_eagle3_layers_to_capture`) and compares them with the head's.
+  `set_eagle3_layers_to_capture`) and compares them with the head's, and the draft-to-target token ids
+  the engine ends up with (vLLM's draft_id_to_target_id, SGLang's hot_token_id or token map) with the head's.
 Problems reported: parameters never (or only partly) loaded, checkpoint tensors the engine skipped,
 shape mismatches (the engine would stop there; the check goes on to list all), the engine raising, a RoPE
-base other than the target's, fused layers other than the head's. Exit code 1 on any problem.
+base other than the target's, fused layers or draft token ids other than the head's. Exit code 1 on any
+problem. The few engine rules that are restated rather than run are printed with the stand-ins (RESTATED).
 `--self-test` also breaks exports on purpose (each engine's known failure modes) and checks that every one
 is reported. Not part of the test run: it needs the wheels. scripts/check_exports.py does the same for
 SafeAILab/EAGLE's own model code.
@@ -95,7 +97,7 @@ def definition(text: str, qualname: str, origin: str, namespace: dict):
     nodes = [n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name]
     if not nodes:
         raise SystemExit(f"error: {origin} defines no {qualname}; this script runs that engine function")
-    exec(compile(ast.Module(body=[nodes[0]], type_ignores=[]), origin, "exec"), namespace)
+    exec(compile(ast.Module(body=[nodes[0]], type_ignores=[]), origin, "exec"), namespace)  # noqa: S102 the point
     return namespace[name]
 
 
@@ -137,7 +139,7 @@ class Sandbox:
         module.__file__ = origin
         module.__package__ = name.rpartition(".")[0]
         with self.active():
-            exec(compile(text, origin, "exec"), module.__dict__)
+            exec(compile(text, origin, "exec"), module.__dict__)  # noqa: S102 running the engine's file is the point
         self.executed.append(origin)
         return module
 
@@ -284,9 +286,28 @@ def engine_logger(name):
     return log
 
 
+# Engine behaviour this script restates instead of running (printed with the stand-ins).
+RESTATED = {
+    "vLLM": [
+        "llama.py LlamaModel.forward: aux layer id i is the output of target layer i - 1 (recorded after layer i - 1)",
+        "llama_eagle3.py compute_logits: target id of draft token i = i + draft_id_to_target_id[i]",
+        'llama_eagle3.py load_weights: names containing "t2d" are skipped (the pattern is checked in the source)',
+        ("speculative.py: EAGLEConfig(draft config, method=..., model_type='eagle'); the rest of SpeculativeConfig "
+         "and ModelConfig is not run"),
+    ],
+    "SGLang": [
+        "spec_aux_hidden_state.py: the layer ids come from eagle_config['eagle_aux_hidden_state_layer_ids']",
+        "llama.py LlamaModel.forward: a layer in layers_to_capture records its input (the previous layer's output)",
+        ("eagle_worker_v2.py init_lm_head: EAGLE-1/2 lm_head = target lm_head rows [token map], then "
+         "set_embed_and_head (run); EAGLE-3: set_embed, or set_embed_and_head if load_lm_head_from_target (run)"),
+        'llama_eagle3.py load_weights: "t2d" skipped (pattern checked in the source), d2t -> hot_token_id (run)',
+        "hf_transformers_utils.get_config: transformers AutoConfig; ModelConfig is not run",
+    ],
+}
+
 PP_GROUP = SimpleNamespace(world_size=1, is_first_rank=True, is_last_rank=True, rank_in_group=0)
-LINEARS = dict(QKVParallelLinear=QKVParallelLinear, MergedColumnParallelLinear=MergedColumnParallelLinear,
-               RowParallelLinear=RowParallelLinear)
+LINEARS = {"QKVParallelLinear": QKVParallelLinear, "MergedColumnParallelLinear": MergedColumnParallelLinear,
+           "RowParallelLinear": RowParallelLinear}
 
 
 # ----------------------------------------------------------------------------- auditing one load
@@ -307,6 +328,16 @@ class Audit:
         lines = [f"[{self.engine}] {self.export}: {self.model_class}: {status}"]
         lines += [f"    {n}" for n in self.notes] + [f"    PROBLEM {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+@dataclass
+class Export:
+    """An export folder and what the head it came from expects of an engine."""
+
+    folder: Path
+    fmt: str  # "vllm", "sglang" or "eagle3"
+    layers: list[int] | None  # EAGLE-3: the target layers whose outputs the head fuses
+    draft_ids: list[int] | None  # the target id of each draft token; None: the full vocabulary
 
 
 class LoadRecorder:
@@ -349,7 +380,7 @@ def audit_load(audit: Audit, model: nn.Module, state: dict, load, default_loader
     before = {id(p): name for name, p in model.named_parameters()}
     try:
         load(iter(state.items()))
-    except Exception as e:  # the engine's loader raising is itself the finding
+    except Exception as e:  # noqa: BLE001 the engine's loader raising is itself the finding: reported
         audit.problems.append(f"the engine's load_weights raised {type(e).__name__}: {e}")
         return
     audit.problems += [f"shape mismatch: {m}" for m in recorder.mismatches]
@@ -359,7 +390,7 @@ def audit_load(audit: Audit, model: nn.Module, state: dict, load, default_loader
     if after_load is not None:
         try:
             after_load()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 reported as the finding
             audit.problems.append(f"the engine's sharing of the target's weights raised {type(e).__name__}: {e}")
             return
     shared, missing = [], []
@@ -399,6 +430,18 @@ def check_fused(audit: Audit, captured: list[int], head_layers: list[int], how: 
         audit.notes.append(f"fuses the outputs of target layers {captured} ({how})")
 
 
+def check_vocab(audit: Audit, ids: torch.Tensor | None, expected: list[int] | None, how: str):
+    """The target id the engine gives each draft token must be the head's."""
+    if expected is None:
+        return
+    if ids is None:
+        audit.problems.append(f"the engine has no draft-to-target map ({how}); the head drafts {len(expected)} tokens")
+    elif ids.long().tolist() != expected:
+        audit.problems.append(f"the engine maps draft tokens to other target ids than the head ({how})")
+    else:
+        audit.notes.append(f"draft token i -> target id as the head's, for all {len(expected)} ({how})")
+
+
 def drop_rule(source: str, name: str, origin: str) -> dict[str, str]:
     """A checkpoint name the engine's code drops on purpose (`if "name" in name: continue`), confirmed in its source."""
     if not re.search(rf'if "{name}" in name:\s*\n\s*continue', source):
@@ -430,7 +473,6 @@ class VLLM:
             def get_quantization_config(model_config, load_config):
                 if getattr(model_config.hf_config, "quantization_config", None):
                     raise NotImplementedError("quantized drafts are not covered by this check")
-                return None
 
         class SupportsEagleBase:  # interfaces.py defaults, read by process_eagle_weight and the proposer
             has_own_lm_head = False
@@ -477,7 +519,8 @@ class VLLM:
         box.stub("vllm.v1.attention.backend", "constants",
                  AttentionType=SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"))
         for name in ("utils", "llama", "llama_eagle", "llama_eagle3"):
-            box.run(f"vllm.model_executor.models.{name}", w.source(f"{self.MODELS}{name}.py"), f"{self.MODELS}{name}.py")
+            path = f"{self.MODELS}{name}.py"
+            box.run(f"vllm.model_executor.models.{name}", w.source(path), path)
         p = "vllm/transformers_utils/configs/eagle.py"
         self.EAGLEConfig = box.run("vllm.transformers_utils.configs.eagle", w.source(p), p).EAGLEConfig
         self.registry = self._registry()
@@ -512,10 +555,12 @@ class VLLM:
                 return ast.literal_eval(node.value)
         raise SystemExit(f"error: {p} has no _SPECULATIVE_DECODING_MODELS")
 
-    def check(self, folder: Path, method: str, target, head_layers: list[int] | None) -> Audit:
+    def check(self, export: Export, target) -> Audit:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
+        folder, head_layers = export.folder, export.layers
+        method = "eagle3" if export.fmt == "eagle3" else "eagle"
         audit = Audit(f"vLLM {self.wheel.version}", f"{folder.name} (--speculative-config method {method})")
         hf = AutoConfig.from_pretrained(folder)
         # speculative.py: EAGLEConfig(draft hf_config, method=..., model_type="eagle") replaces the draft's config
@@ -543,7 +588,7 @@ class VLLM:
             module = self.box.modules[f"vllm.model_executor.models.{module_name}"]
             try:
                 model = getattr(module, class_name)(vllm_config=vllm_config, prefix="")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 reported as the finding
                 audit.problems.append(f"building {class_name} from config.json raised {type(e).__name__}: {e}")
                 return audit
             dropped = drop_rule(self.sources["llama_eagle3"], "t2d", f"{self.MODELS}llama_eagle3.py") \
@@ -559,6 +604,10 @@ class VLLM:
             audit_load(audit, model, state, model.load_weights, self.default_loader, dropped, share)
             check_rope(audit, self.rope, target_theta(target))
             if head_layers is not None:
+                d2t = model.draft_id_to_target_id
+                # llama_eagle3.py compute_logits: target id = arange(draft_vocab_size) + draft_id_to_target_id
+                check_vocab(audit, None if d2t is None else torch.arange(d2t.numel()) + d2t, export.draft_ids,
+                            "draft_id_to_target_id")
                 runner = SimpleNamespace(speculative_config=vllm_config.speculative_config)
                 ids = self.aux_layers(runner)
                 # llama.py LlamaModel.forward: id i is recorded after decoder layer i - 1 (ids sorted, deduplicated
@@ -642,10 +691,11 @@ class SGLang:
         box.executed.append(f"{p}: load_token_map")
         self.sources = {n: w.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
 
-    def check(self, folder: Path, target, head_layers: list[int] | None) -> Audit:
+    def check(self, export: Export, target) -> Audit:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
+        folder, head_layers = export.folder, export.layers
         eagle3 = head_layers is not None
         audit = Audit(f"SGLang {self.wheel.version}", f"{folder.name} (--speculative-algorithm "
                       f"{'EAGLE3' if eagle3 else 'EAGLE'})")
@@ -664,7 +714,7 @@ class SGLang:
         with self.box.active():
             try:
                 model = classes[arch](config, quant_config=None, prefix="")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 reported as the finding
                 audit.problems.append(f"building {arch} from config.json raised {type(e).__name__}: {e}")
                 return audit
             dropped = {}
@@ -680,24 +730,22 @@ class SGLang:
                         model.set_embed(embed)
                     return
                 token_map = folder / "token_map.pt"
-                shared_head = head
+                shared_head, hot = head, None
                 if token_map.is_file():  # passed as --speculative-token-map
                     hot = self.load_token_map(str(token_map))
                     shared_head = head.clone()  # eagle_worker_v2.py init_lm_head, as written there
                     shared_head.data = shared_head.data[hot]
-                    audit.notes.append(f"token map: {len(hot)} draft tokens")
+                check_vocab(audit, hot, export.draft_ids, "token_map.pt through load_token_map")
                 model.set_embed_and_head(embed, shared_head)
 
             audit_load(audit, model, state, model.load_weights, self.default_loader, dropped, share)
             check_rope(audit, self.rope, target_theta(target))
             if eagle3:
-                self._check_eagle3(audit, model, config, head_layers)
+                self._check_eagle3(audit, model, config, export)
         return audit
 
-    def _check_eagle3(self, audit, model, config, head_layers):
-        draft_vocab = getattr(config, "draft_vocab_size", None)
-        if draft_vocab not in (None, config.vocab_size) and model.hot_token_id is None:
-            audit.problems.append("no d2t in the checkpoint: SGLang would read draft ids as target ids")
+    def _check_eagle3(self, audit, model, config, export):
+        check_vocab(audit, model.hot_token_id, export.draft_ids, "hot_token_id from d2t")
         # spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state: eagle_config["eagle_aux_hidden_state_layer_ids"]
         ids = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
         fake_target = SimpleNamespace(pp_group=PP_GROUP, config=SimpleNamespace(num_hidden_layers=0),
@@ -705,7 +753,7 @@ class SGLang:
         self.modules["llama"].LlamaForCausalLM.set_eagle3_layers_to_capture(fake_target, ids)
         # llama.py LlamaModel.forward: a layer in layers_to_capture records its input, the previous layer's output
         captured = [k - 1 for k in fake_target.model.layers_to_capture]
-        check_fused(audit, captured, head_layers, f"eagle_config ids {ids} through set_eagle3_layers_to_capture")
+        check_fused(audit, captured, export.layers, f"eagle_config ids {ids} through set_eagle3_layers_to_capture")
         if len(ids or ()) != model.model.num_aux_hidden_states:
             audit.problems.append(f"fc takes {model.model.num_aux_hidden_states} hidden states, the target gives "
                                   f"{len(ids or ())}")
@@ -727,37 +775,32 @@ def target_theta(target) -> float:
     return float(params.get("rope_theta", getattr(target.config, "rope_theta", 10000.0)))
 
 
-def write_exports(heads, target, out: Path) -> list[tuple[Path, str, list[int] | None]]:
-    """(folder, format, fused layers or None) for every head: EAGLE-1/2 heads as 'vllm' and 'sglang', EAGLE-3 as
-    'eagle3'; written by eagletree's own export code."""
+def write_exports(heads, target, out: Path) -> list[Export]:
+    """Every head exported by eagletree's own export code: EAGLE-1/2 heads as 'vllm' and 'sglang', EAGLE-3 as
+    'eagle3'."""
     from eagletree.draft_heads.export import export_head
 
-    folders = []
+    exports = []
     for i, head in enumerate(heads):
         eagle3 = head.config.head_type == "eagle3"
+        draft_ids = None if head.config.draft_vocab_size is None else head.d2t.long().tolist()
         for fmt in (("eagle3",) if eagle3 else ("vllm", "sglang")):
             folder = export_head(head, out / f"head{i}-{fmt}", fmt, target=target)
-            folders.append((folder, fmt, list(head.fused_layers) if eagle3 else None))
-    return folders
+            # vLLM drafts EAGLE-1/2 heads over the full vocabulary (`eagletree export` says so): no map to compare
+            ids = None if fmt == "vllm" else draft_ids
+            exports.append(Export(folder, fmt, list(head.fused_layers) if eagle3 else None, ids))
+    return exports
 
 
-def check_folder(engines, folder: Path, fmt: str, target, layers) -> list[Audit]:
+def check_export(engines, export: Export, target) -> list[Audit]:
     vllm, sglang = engines
-    audits = []
-    if fmt in ("vllm", "eagle3"):
-        audits.append(vllm.check(folder, "eagle3" if fmt == "eagle3" else "eagle", target, layers))
-    if fmt in ("sglang", "eagle3"):
-        audits.append(sglang.check(folder, target, layers))
-    return audits
+    return ([vllm.check(export, target)] if export.fmt in ("vllm", "eagle3") else []) + \
+        ([sglang.check(export, target)] if export.fmt in ("sglang", "eagle3") else [])
 
 
 def edit_config(folder: Path, **changes):
     config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
+    config.update(changes)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -770,38 +813,49 @@ def edit_weights(folder: Path, drop=(), **replace):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def broken_exports(folders, work: Path):
-    """Exports broken the ways engines have failed on them: (what, folder, format, layers, engines expected to fail)."""
-    by_fmt = {fmt: (folder, layers) for folder, fmt, layers in folders}
+def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export, set[str]]]:
+    """Copies of the exports broken the ways engines have failed on such files: (what, export, the engines that must
+    report it)."""
+    by_fmt = {e.fmt: e for e in exports}
     cases = []
 
     def case(what, fmt, expect, change):
-        src, layers = by_fmt[fmt]
+        src = by_fmt[fmt]
         dst = work / f"broken{len(cases)}-{fmt}"
-        shutil.copytree(src, dst)
+        shutil.copytree(src.folder, dst)
         change(dst)
-        cases.append((what, dst, fmt, layers, expect))
+        cases.append((what, Export(dst, fmt, src.layers, src.draft_ids), expect))
 
     def layer_ids(folder):
         return json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
 
-    h = json.loads((by_fmt["sglang"][0] / "config.json").read_text())["hidden_size"]
+    def eagle_config(ids):
+        return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+    h = json.loads((by_fmt["sglang"].folder / "config.json").read_text())["hidden_size"]
     case("tie_word_embeddings true (SGLang ties lm_head to the draft's embedding)", "sglang", {"SGLang"},
          lambda d: edit_config(d, tie_word_embeddings=True))
     case("no fc.bias (SGLang's fc always has one)", "sglang", {"SGLang"}, lambda d: edit_weights(d, drop=["fc.bias"]))
+    case("architectures LlamaForCausalLM (not an SGLang EAGLE class)", "sglang", {"SGLang"},
+         lambda d: edit_config(d, architectures=["LlamaForCausalLM"]))
+    case("token_map.pt in another order", "sglang", {"SGLang"},
+         lambda d: torch.save(torch.load(d / "token_map.pt")[::-1], d / "token_map.pt"))
     case("a non-zero fc.bias (vLLM's fc has none)", "vllm", {"vLLM"},
          lambda d: edit_weights(d, **{"fc.bias": torch.ones(h, dtype=torch.bfloat16)}))
     case("config bias true (read as the attention's bias)", "vllm", {"vLLM"}, lambda d: edit_config(d, bias=True))
+    case("architectures LlamaForCausalLMEagle (SGLang's name)", "vllm", {"vLLM"},
+         lambda d: edit_config(d, architectures=["LlamaForCausalLMEagle"]))
     case("tie_word_embeddings true", "eagle3", {"SGLang"}, lambda d: edit_config(d, tie_word_embeddings=True))
     case("no d2t", "eagle3", {"vLLM", "SGLang"}, lambda d: edit_weights(d, drop=["d2t"]))
+    case("d2t as target ids instead of offsets", "eagle3", {"vLLM", "SGLang"},
+         lambda d: edit_weights(d, d2t=torch.tensor(by_fmt["eagle3"].draft_ids)))
     case("top-level layer ids as layer outputs (vLLM wants inputs: + 1)", "eagle3", {"vLLM"},
          lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=layer_ids(d)))
     case("eagle_config layer ids + 1 (SGLang adds 1 itself)", "eagle3", {"SGLang"},
-         lambda d: edit_config(d, eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids(d)],
-                                                "use_aux_hidden_state": True}))
-    case("two layer ids in eagle_config (fc built for 2 hidden states, the file has 3)", "eagle3", {"vLLM", "SGLang"},
-         lambda d: edit_config(d, eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids(d)[:2],
-                                                "use_aux_hidden_state": True}))
+         lambda d: edit_config(d, **eagle_config([i + 1 for i in layer_ids(d)])))
+    case("two layer ids everywhere (fc built for 2 hidden states, the file has 3)", "eagle3", {"vLLM", "SGLang"},
+         lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=[i + 1 for i in layer_ids(d)[:2]],
+                               **eagle_config(layer_ids(d)[:2])))
     case("no embed_tokens (both engines take the target's; only EAGLE's own code needs it, see check_exports.py)",
          "eagle3", set(), lambda d: edit_weights(d, drop=["embed_tokens.weight"]))
     return cases
@@ -836,22 +890,22 @@ def main(argv=None) -> int:
                  Eagle3Head.for_target(target, torch.arange(0, target.config.vocab_size, 7)).eval()]
     failures = 0
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        folders = write_exports(heads, target, Path(tmp))
+        exports = write_exports(heads, target, Path(tmp))
         print("== eagletree's exports")
-        for folder, fmt, layers in folders:
-            for audit in check_folder((vllm, sglang), folder, fmt, target, layers):
+        for export in exports:
+            for audit in check_export((vllm, sglang), export, target):
                 print(audit.line())
                 failures += bool(audit.problems)
         if args.self_test:
-            if args.head and not {"sglang", "vllm", "eagle3"} <= {fmt for _, fmt, _ in folders}:
+            if not {"sglang", "vllm", "eagle3"} <= {e.fmt for e in exports}:
                 raise SystemExit("error: --self-test needs an EAGLE-1/2 and an EAGLE-3 head")
             print("\n== exports broken on purpose (each must be reported by the engines named)")
-            for what, folder, fmt, layers, expect in broken_exports(folders, Path(tmp)):
-                audits = check_folder((vllm, sglang), folder, fmt, target, layers)
+            for what, export, expect in broken_exports(exports, Path(tmp)):
+                audits = check_export((vllm, sglang), export, target)
                 caught = {a.engine.split()[0] for a in audits if a.problems}
                 verdict = "caught as expected" if caught == expect else f"MISSED: expected {sorted(expect)}"
                 failures += caught != expect
-                print(f"-- {fmt}: {what}: reported by {sorted(caught) or 'none'}: {verdict}")
+                print(f"-- {export.fmt}: {what}: reported by {sorted(caught) or 'none'}: {verdict}")
                 for audit in audits:
                     for p in audit.problems:
                         print(f"    [{audit.engine}] {p}")
@@ -860,8 +914,8 @@ def main(argv=None) -> int:
         print("\n".join(f"  {e}" for e in box.executed))
         print(f"== {box.label}: stand-ins (not the engine's code)")
         print("\n".join(f"  {m}: {names} -- {why}" for m, names, why in box.stand_ins))
-        print("  the engines' config reading of config.json: transformers AutoConfig (both call it; SGLang's "
-              "ModelConfig and vLLM's ModelConfig wrappers are not run)")
+        print(f"== {box.label}: RESTATED (engine rules applied by this script, not run)")
+        print("\n".join(f"  {r}" for r in RESTATED[box.label.split()[0]]))
     print("\nok: vLLM's and SGLang's own loaders take every export" if not failures else f"\n{failures} failure(s)")
     return 1 if failures else 0
 
