@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout
+from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout, spec_count
 from eagletree.draft_heads import HeadError, load_head
 from eagletree.loading import load_models
 from eagletree.prompts import mtbench_subset
@@ -76,8 +76,7 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             ap.error(str(e))
         if benchmark.startswith("mtbench"):
-            n = benchmark.removeprefix("mtbench").removeprefix(":")
-            categories = [q.category for q in mtbench_subset(int(n) if n else None)]
+            categories = [q.category for q in mtbench_subset(spec_count(benchmark, "mtbench"))]
     else:
         opening = heldout_prompts(sharegpt_heldout()[args.offset:], args.skip_prompts + args.prompts)
         prompts = opening[args.skip_prompts:]

@@ -87,6 +87,14 @@ def sharegpt_heldout() -> list:
     return heldout
 
 
+def spec_count(spec: str, name: str) -> int | None:
+    """N in the prompt spec `name:N` (None for plain `name`: all of them), or ValueError naming the spec."""
+    n = spec.removeprefix(name).removeprefix(":")
+    if n and (not n.isdigit() or int(n) < 1):
+        raise ValueError(f"--prompts {spec!r}: expected {name} or {name}:N with N a positive integer")
+    return int(n) if n else None
+
+
 def load_prompts(spec: str) -> list[list[dict]]:
     """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `humaneval[:N]` (the first N
     HumanEval problems), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
@@ -94,15 +102,9 @@ def load_prompts(spec: str) -> list[list[dict]]:
     A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
     """
     if spec == "mtbench" or spec.startswith("mtbench:"):
-        n = spec.removeprefix("mtbench").removeprefix(":")
-        if n and (not n.isdigit() or int(n) < 1):
-            raise ValueError(f"--prompts {spec!r}: expected mtbench or mtbench:N with N a positive integer")
-        return [q.messages() for q in mtbench_subset(int(n) if n else None)]
+        return [q.messages() for q in mtbench_subset(spec_count(spec, "mtbench"))]
     if spec == "humaneval" or spec.startswith("humaneval:"):
-        n = spec.removeprefix("humaneval").removeprefix(":")
-        if n and (not n.isdigit() or int(n) < 1):
-            raise ValueError(f"--prompts {spec!r}: expected humaneval or humaneval:N with N a positive integer")
-        return humaneval_prompts(int(n) if n else None)
+        return humaneval_prompts(spec_count(spec, "humaneval"))
     if spec.startswith("heldout:"):
         n = spec.removeprefix("heldout:")
         if not n.isdigit() or int(n) < 1:
