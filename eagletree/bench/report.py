@@ -10,18 +10,14 @@ from pathlib import Path
 
 import torch
 
+from ..packing import cpu_model
 from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
 
 
 def machine_info(model) -> dict:
     """Where the numbers come from."""
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     device = next(model.parameters()).device
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
             "device": device.type, "dtype": str(model.dtype).removeprefix("torch.")}
     if device.type == "cuda":
