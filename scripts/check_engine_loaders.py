@@ -793,9 +793,14 @@ def write_exports(heads, target, out: Path) -> list[Export]:
 
 
 def check_export(engines, export: Export, target) -> list[Audit]:
+    """The export loaded by the engines it is for: 'vllm' by vLLM, 'sglang' by SGLang, 'eagle3' by both."""
     vllm, sglang = engines
-    return ([vllm.check(export, target)] if export.fmt in ("vllm", "eagle3") else []) + \
-        ([sglang.check(export, target)] if export.fmt in ("sglang", "eagle3") else [])
+    audits = []
+    if export.fmt in ("vllm", "eagle3"):
+        audits.append(vllm.check(export, target))
+    if export.fmt in ("sglang", "eagle3"):
+        audits.append(sglang.check(export, target))
+    return audits
 
 
 def edit_config(folder: Path, **changes):
