@@ -24,6 +24,8 @@ QUICK = dict(prompts="heldout:2", max_new_tokens=24, budgets="8,32", temperature
 
 @dataclass(frozen=True)
 class Method:
+    """One row of the bench: a method and its tree settings."""
+
     name: str  # one of METHODS, or "plain"
     budget: int | None = None  # tree nodes per pass, root included (auto: the most it may use)
     depth: int = 6

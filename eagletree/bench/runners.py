@@ -20,6 +20,8 @@ from .stats import calibration_bins, summarize
 
 @dataclass
 class Run:
+    """One timed decoding of one prompt."""
+
     token_ids: list[int]
     seconds: float  # from the prompt's tokens to the last token, prefill included
     first_seconds: float  # until the first pass (the prefill, for plain decoding) has emitted its tokens
@@ -92,6 +94,7 @@ def run_tree(model, tok, head, messages, method: Method, max_new_tokens, tempera
 
 def run_method(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed, lookup_tokens,
                accept_by_rank, record_steps=False) -> Run:
+    """One run of `method` (plain, an HF baseline or a tree method) on one prompt."""
     if method.name == "plain":  # the reference: HF generate as it runs without eagletree
         with stock_kernels(model):
             return run_hf(model, tok, messages, max_new_tokens, temperature, seed)
