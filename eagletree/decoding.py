@@ -13,14 +13,10 @@ import torch
 
 from .draft_heads import make_drafter
 from .target import new_cache
-from .tree_search import (chain_shape, choices_shape, choose_budget, eagle2_search, optimal_search, sequoia_tree,
-                          static_search)
 from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_trie
+from .tree_search.searchers import KINDS as TREES
+from .tree_search.searchers import make_searcher
 from .verify import DraftTree, prefill, verify_step
-
-TREES = ("eagle2", "optimal", "chain", "sequoia", "auto")
-# Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
-DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
 # name: (kind, smallest, largest, may be None); a float range's lower end is exclusive where marked
 _OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float, 0.0, None, False),
                   "top_k": (int, 0, None, True), "top_p": (float, "> 0", 1.0, True), "budget": (int, 1, None, False),
@@ -58,6 +54,18 @@ class GenerationStats:
     seconds: float = 0.0
     steps: list | None = None  # (DraftTree, accepted node indices) per pass, when asked for (calibration)
     copied_tokens: int = 0  # accepted draft tokens that only a copied span proposed (not the head too)
+
+    def record(self, step) -> None:
+        """Count one decoding Step."""
+        self.passes += 1
+        self.new_tokens += len(step.tokens)
+        self.accepted_lengths.append(step.length)
+        self.predicted.append(step.draft.expected_tokens)
+        for k, v in step.times.items():
+            self.times[k] += v
+        self.copied_tokens += step.copied
+        if self.steps is not None:
+            self.steps.append((step.draft, step.accepted))
 
     @property
     def tokens_per_pass(self) -> float:
@@ -151,37 +159,131 @@ def head_calibrator(head):
     return Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
 
 
-def prune(tree: DraftTree, n: int) -> DraftTree:
-    """The first n nodes of a tree in rank order (parents always come first, so it stays connected)."""
-    if n >= len(tree):
-        return tree
-    pruned = DraftTree(tree.tokens[:n], tree.parents[:n], draft_probs=tree.draft_probs[:n])
-    pruned.node_ids = (tree.node_ids or list(range(len(tree))))[:n]
-    pruned.values = None if tree.values is None else tree.values[:n]
-    pruned.copy_info = None if tree.copy_info is None else tree.copy_info[:n]
-    return pruned
-
-
 def _context_limit(target) -> int | None:
     return getattr(target.config, "max_position_embeddings", None)
+
+
+@dataclass
+class Step:
+    """One target pass: what it emitted, the tree it verified, and where its time went."""
+
+    tokens: list[int]  # emitted by this pass (cut at max_new_tokens)
+    draft: DraftTree
+    accepted: list[int]  # accepted node indices, root first
+    times: dict[str, float]  # seconds: draft, search, verify, accept, commit
+    length: int = 0  # tokens the pass produced, before the max_new_tokens cut
+    copied: int = 0  # accepted draft tokens that only a copied span proposed
+    stopped: bool = False  # a stop token was emitted
+
+
+class _Sequence:
+    """One sequence being decoded: the target's KV cache, the drafter and what it has not read yet, the copy index.
+
+    Committed (features, next tokens) wait in `pending` until the drafter drafts: it catches up in one
+    call right before, so steps that do not draft (tree="auto" pausing) cost it nothing.
+    """
+
+    def __init__(self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None):
+        self.layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
+        self.cache = new_cache(target)
+        out = prefill(target, self.cache, ids[:-1], layers=self.layers)
+        self.drafter = make_drafter(head, target) if head is not None else None
+        self.pending = []
+        if self.drafter is not None and out is not None:
+            layer_hidden = out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}
+            self.pending.append((_features(out.hidden[0], layer_hidden, self.layers), ids[1:]))
+        self.calibration = copy_calibration
+        self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
+        self.draft_s = 0.0  # the drafter's seconds in the current step
+
+    def expand(self, root: int, inspect_step=None):
+        """The drafter caught up on the committed tokens, as the searches' timed `expand`."""
+        t = time.perf_counter()
+        self.drafter.extend(torch.cat([f for f, _ in self.pending]), torch.cat([n for _, n in self.pending]))
+        self.pending.clear()
+        self.draft_s += time.perf_counter() - t
+        if inspect_step is not None:
+            inspect_step(self.drafter, root)
+            self.drafter.begin_tree()
+
+        def expand(nodes, tokens, parents, level):
+            t = time.perf_counter()
+            probs = self.drafter(nodes, tokens, parents, level)
+            self.draft_s += time.perf_counter() - t
+            return probs
+
+        return expand
+
+    def learn(self, draft: DraftTree, accepted: list[int]) -> int:
+        """Update the copy calibration with a verified tree; returns the accepted tokens only a copy proposed."""
+        if draft.copy_info is None:
+            return 0
+        self.calibration.update(draft, accepted)
+        return sum(len(draft.copy_info[v] or ()) == 2 for v in accepted[1:])
+
+    def commit(self, step) -> None:
+        """A verified pass's tokens reach the drafter (at its next catch-up) and the copy index."""
+        if self.drafter is not None:
+            device = step.hidden.device
+            self.pending.append((_features(step.hidden, step.layer_hidden, self.layers),
+                                 torch.tensor(step.tokens, device=device)))
+        if self.index is not None:
+            self.index.extend(step.tokens)
+
+
+def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_tokens: int, depth: int, sampling: tuple,
+                      stops, copy_spans: int = 3, copy_len: int = 16, inspect_step=None):
+    """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit.
+
+    `sampling` is (temperature, top_k, top_p, generator); yields a Step per pass.
+    """
+    emitted = 0
+    while emitted < max_new_tokens:
+        left = max_new_tokens - emitted
+        t, seq.draft_s = time.perf_counter(), 0.0
+        step_depth = min(depth, left - 1)  # drafting deeper than the tokens still wanted is wasted work
+        # 1. Draft: the head, when it drafts this step, and copied spans of earlier text. A span longer
+        #    than the budget could never be verified whole.
+        drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
+        expand = seq.expand(root, inspect_step) if drafting else None
+        copies = copy_trie(seq.index, seq.calibration, copy_spans, min(copy_len, searcher.budget - 1, left - 1)) \
+            if seq.index is not None and left > 1 and searcher.takes_copies() else None
+        # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
+        if expand is None and copies is None:
+            draft = DraftTree([root], [-1], draft_probs=[1.0])
+        else:
+            draft = searcher.search(expand, root, max(step_depth, 1), copies)
+        times = {"draft": seq.draft_s, "search": time.perf_counter() - t - seq.draft_s}
+        # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
+        step = verify_step(target, seq.cache, draft, *sampling, stops, layers=seq.layers)
+        times.update(step.times)
+        copied = seq.learn(draft, step.accepted)
+        tokens = step.tokens[:left]
+        emitted += len(tokens)
+        yield Step(tokens, draft, step.accepted, times, len(step.tokens), copied, step.stopped)
+        if step.stopped or emitted >= max_new_tokens:
+            return
+        seq.commit(step)
+        root = step.tokens[-1]
 
 
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
                  truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
                  inspect_step=None, copy=None, copy_spans=3, copy_len=16, copy_calibration=None, tree_paths=None):
-    """Yield the tokens each target pass emits (a list per pass); fills `stats` as it goes.
+    """Yield the tokens each target pass emits (a list per pass); records every pass in `stats`.
 
-    tree="auto" drafts an optimal tree of up to `budget` nodes and keeps the prefix that maximizes
-    expected tokens per second under the device's latency profile (measured once and cached) and
-    the drafting time measured so far; `calibrator` maps draft confidence to acceptance.
+    tree: "eagle2" | "optimal" | "chain" | "sequoia" | "auto" (see tree_search.searchers); "auto" keeps
+    the prefix of an optimal tree that maximizes expected tokens per second under the device's latency
+    `profile` (measured once and cached) and the drafting time measured so far, with acceptance from
+    `calibrator` (default: the one saved next to the head). "sequoia" with `tree_paths` (rank paths,
+    e.g. [(0,), (1,), (0, 0)]) drafts that static shape instead of Sequoia's.
     copy (default: on for eagle2, optimal and auto) adds copied continuations of earlier text to the
     tree (`copy_spans` matches, up to `copy_len` tokens each, valued by `copy_calibration`, by
     default the one saved next to the head, learning from every verified tree); with head=None
     the tree is the copies alone (prompt lookup).
     `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
-    trees from the same drafter state); the drafter's tree is reset after it. tree="sequoia" with
-    `tree_paths` (rank paths, e.g. [(0,), (1,), (0, 0)]) drafts that static shape instead of Sequoia's.
+    trees from the same drafter state); the drafter's tree is reset after it.
     """
     if tree not in TREES:
         raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
@@ -206,101 +308,24 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     device = next(target.parameters()).device
     ids = ids.to(device)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    stops = stop_token_ids(target, tokenizer, stop)
-    shape = None
-    if tree == "sequoia" and tree_paths is not None:
-        shape = choices_shape(tree_paths)  # a given static shape, e.g. `eagletree plan`'s
-    elif tree in ("chain", "sequoia"):
-        shape = chain_shape(depth) if tree == "chain" else sequoia_tree(accept_by_rank or DEFAULT_ACCEPT_BY_RANK,
-                                                                          budget, depth)
-
-    auto = None
-    if tree == "auto" and (head is not None or copy):
-        auto = AutoPolicy(profile if profile is not None else latency_profile(target),
-                          calibrator if calibrator is not None else head_calibrator(head), budget)
-    index = calibration = None
+    drafts = head is not None or copy
+    if tree == "auto" and drafts:
+        profile = profile if profile is not None else latency_profile(target)
+        calibrator = calibrator if calibrator is not None else head_calibrator(head)
     if copy:
-        index = NgramIndex(ids.tolist())  # the prompt and, as they commit, the emitted tokens
-        calibration = copy_calibration if copy_calibration is not None else head_copy_calibration(head, copy_len)
+        copy_calibration = copy_calibration if copy_calibration is not None else head_copy_calibration(head, copy_len)
+
     t0 = time.perf_counter()
-    cache = new_cache(target)
-    layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
-    out = prefill(target, cache, ids[:-1], layers=layers)
-    drafter = make_drafter(head, target) if head is not None else None
-    # Committed (features, next tokens) the drafter has not read yet: it catches up in one call
-    # right before it drafts, so steps that do not draft (tree="auto") cost it nothing.
-    pending = []
-    if drafter is not None and out is not None:
-        pending.append((_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()},
-                                  layers), ids[1:]))
+    seq = _Sequence(target, head, ids, copy_calibration if copy else None)
     stats.times["prefill"] += time.perf_counter() - t0
-    root, emitted = int(ids[-1]), 0
-    while emitted < max_new_tokens:
-        t_search = time.perf_counter()
-        draft_time = [0.0]
-        # Near the end, drafting deeper than the tokens still wanted is wasted work.
-        step_depth = min(depth, max_new_tokens - emitted - 1)
-        # A copied span longer than the budget could never be verified whole; where no tree pays, none is built.
-        copies = copy_trie(index, calibration, copy_spans, min(copy_len, budget - 1, max_new_tokens - emitted - 1)) \
-            if copy and budget > 1 and max_new_tokens - emitted > 1 and not (auto is not None and auto.never) else None
-        drafting = bool(pending) and step_depth >= 1 and (auto is None or auto.should_draft())
-        expand = None
-        if drafting:
-            t = time.perf_counter()
-            drafter.extend(torch.cat([f for f, _ in pending]), torch.cat([n for _, n in pending]))
-            pending.clear()
-            draft_time[0] += time.perf_counter() - t
-            if inspect_step is not None:
-                inspect_step(drafter, root)
-                drafter.begin_tree()
-
-            def expand(nodes, tokens, parents, level):
-                t = time.perf_counter()
-                probs = drafter(nodes, tokens, parents, level)
-                draft_time[0] += time.perf_counter() - t
-                return probs
-
-        if expand is None and copies is None:
-            draft = DraftTree([root], [-1], draft_probs=[1.0])
-        else:
-            kwargs = dict(device=device, token_map=drafter.token_map if drafter is not None else None, copies=copies)
-            search_depth = max(step_depth, 1)
-            if tree == "eagle2":
-                draft = eagle2_search(expand, root, budget, search_depth, top_k_draft, **kwargs)
-            elif tree == "auto":
-                draft = auto.tree(expand, root, search_depth, top_k_draft, kwargs, draft_time)
-            elif tree == "optimal":
-                draft = optimal_search(expand, root, budget, search_depth, top_k_draft, **kwargs)
-            else:
-                draft = static_search(expand, root, shape, device=device, token_map=kwargs["token_map"])
-                if draft.depth > step_depth:
-                    draft = prune(draft, int((draft.depths <= step_depth).sum()))
-        stats.times["draft"] += draft_time[0]
-        stats.times["search"] += time.perf_counter() - t_search - draft_time[0]
-        stats.predicted.append(draft.expected_tokens)
-        step = verify_step(target, cache, draft, temperature, top_k, top_p, generator, stops, layers=layers)
-        for k in ("verify", "accept", "commit"):
-            stats.times[k] += step.times[k]
-        tokens = step.tokens[: max_new_tokens - emitted]
-        emitted += len(tokens)
-        stats.passes += 1
-        stats.new_tokens += len(tokens)
-        stats.accepted_lengths.append(len(step.tokens))
-        if draft.copy_info is not None:
-            calibration.update(draft, step.accepted)
-            stats.copied_tokens += sum(len(draft.copy_info[v] or ()) == 2 for v in step.accepted[1:])
-        if stats.steps is not None:
-            stats.steps.append((draft, step.accepted))
+    searcher = make_searcher(tree, budget, depth, top_k_draft, device, seq.drafter.token_map if seq.drafter else None,
+                             accept_by_rank, tree_paths, profile, calibrator) if drafts else None
+    for step in speculative_steps(target, seq, searcher, int(ids[-1]), max_new_tokens, depth,
+                                  (temperature, top_k, top_p, generator), stop_token_ids(target, tokenizer, stop),
+                                  copy_spans, copy_len, inspect_step):
+        stats.record(step)
         stats.seconds = time.perf_counter() - t0
-        yield tokens
-        if step.stopped or emitted >= max_new_tokens:
-            break
-        if drafter is not None:  # also after a one-token prompt's first pass: from then on the head drafts
-            pending.append((_features(step.hidden, step.layer_hidden, layers),
-                            torch.tensor(step.tokens, device=device)))
-        if index is not None:
-            index.extend(step.tokens)
-        root = step.tokens[-1]
+        yield step.tokens
     stats.seconds = time.perf_counter() - t0
 
 
@@ -330,88 +355,6 @@ def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
 def _features(hidden, layer_hidden, layers):
     """The head's input features: the last hidden state, or the concatenated fused layers (EAGLE-3)."""
     return hidden if not layers else torch.cat([layer_hidden[i] for i in layers], dim=-1)
-
-
-class AutoPolicy:
-    """tree="auto": the cost-aware tree per step, and no drafting at all while trees do not pay.
-
-    After drafting, the optimal tree's prefix with the most expected tokens per second is kept
-    (latency profile of the device, drafting time measured so far, calibrated acceptance). When
-    even that is slower than a plain one-token pass, the next steps skip drafting (4, then 8, ...
-    up to 64 steps; x4 while a tree would lose more than 10%) before probing again, so on a device where
-    trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
-    pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
-    follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
-    """
-
-    def __init__(self, profile, calibrator=None, budget: int = 60, max_wait: int = 64):
-        self.profile, self.calibrator, self.budget, self.max_wait = profile, calibrator, budget, max_wait
-        self.never = not trees_can_pay(profile, budget)
-        self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
-        self.search_budget = budget
-        self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
-        self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
-
-    def should_draft(self) -> bool:
-        if self.never:
-            return False
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
-
-    def tree(self, expand, root, depth, top_k, kwargs, draft_time) -> DraftTree:
-        """`expand` adds its seconds to draft_time[0] (which already holds this step's catch-up call).
-
-        expand=None (the head is paused or absent): the copied spans alone, pruned by the same rule;
-        such a step does not change the head's pause.
-        """
-        calls, before = [0], draft_time[0]
-
-        def counting(nodes, tokens, parents, level):
-            calls[0] += 1
-            return expand(nodes, tokens, parents, level)
-
-        t_one = float(self.profile.verify(1))
-        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
-        full = optimal_search(counting if expand is not None else None, root, self.search_budget, depth, top_k,
-                              min_gain=min_gain, **kwargs)
-        values = full.values[1:] if self.calibrator is None else _calibrated_values(full, self.calibrator)
-        if expand is None:
-            return prune(full, choose_budget(values, self.profile, 0, max_budget=self.search_budget)[0])
-        # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
-        # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
-        self.draft_s += draft_time[0] - before
-        self.levels += calls[0]
-        self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(values, self.profile, calls[0] + 1, max_budget=self.search_budget)
-        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
-        gain = rate * t_one
-        self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
-        if self.gain < 1.0:
-            self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
-            self.skip = self.wait
-        else:
-            self.wait = 0
-        self.search_budget = min(self.budget, max(8, 2 * n))
-        return prune(full, n)
-
-
-def trees_can_pay(profile, budget: int) -> bool:
-    """Whether some tree of 2..budget nodes could beat a one-token pass on this profile at all: at best
-    every drafted token is accepted (N tokens for N nodes), so trees cannot pay where t(N) >= N t(1)."""
-    n = torch.arange(2, max(budget, 2) + 1, dtype=torch.float64)
-    return bool((n * profile.verify(1) > profile.verify(n) * (1 + 1e-9)).any())
-
-
-def _calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
-    """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
-    a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
-    if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
-        copied = torch.tensor([info is not None and len(info) == 2 for info in tree.copy_info])
-        a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
-    a[0] = 1.0
-    return torch.exp(tree.ancestors().double() @ a.log())[1:]
 
 
 def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, **options):

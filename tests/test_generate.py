@@ -75,6 +75,31 @@ def test_medusa_generation_is_lossless():
     assert result.stats.tokens_per_pass > 1.0  # identity-initialized heads guess repeated tokens sometimes
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kind):
+    """Each head type's drafter is a Drafter (extend, begin_tree, __call__, token_map), so inspecting a step,
+    which resets the drafted tree with begin_tree, works for all of them and changes no token."""
+    from eagletree.draft_heads import Drafter, Eagle3Head, MedusaHead, make_drafter
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = {"eagle": lambda: EagleHead.for_target(model.config),
+            "eagle3": lambda: Eagle3Head.for_target(model),
+            "medusa": lambda: MedusaHead.for_target(model.config, num_heads=3)}[kind]().eval()
+    assert isinstance(make_drafter(head, model), Drafter)
+    ids, seen = torch.tensor([4, 9, 16, 25, 36]), []
+
+    def inspect(drafter, root):
+        assert isinstance(drafter, Drafter)
+        seen.append(root)
+        drafter(torch.tensor([1]), torch.tensor([root]), torch.tensor([0]), 1)  # an analysis tree of its own
+
+    result = generate(model, tok, head, ids, max_new_tokens=24, tree="eagle2", budget=10, depth=3, top_k_draft=3,
+                      copy=False, inspect_step=inspect)
+    assert result.token_ids == plain(model, ids, 24)
+    assert len(seen) >= result.stats.passes - 1 >= 1
+
+
 def test_sampling_through_the_generation_loop_matches_the_target():
     """Chi-square on the first two emitted tokens of full generate runs (tiny model, 8-token vocabulary).
 

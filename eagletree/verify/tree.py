@@ -122,6 +122,22 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first n nodes (the searches emit them best first, and parents always come first, so it stays a
+        tree), with the search's fields cut alike; the tree itself when it has at most n nodes."""
+        if n >= len(self):
+            return self
+        if n < 1:
+            raise TreeError(f"a tree prefix needs at least the root: n must be >= 1, got {n}")
+        if self.sampled:
+            raise TreeError("a sampled tree cannot be cut: its nodes' draws depend on their siblings")
+        cut = DraftTree(self.tokens[:n], self.parents[:n],
+                        draft_probs=None if self.draft_probs is None else self.draft_probs[:n])
+        cut.node_ids = (self.node_ids or list(range(len(self))))[:n]
+        cut.values = None if self.values is None else self.values[:n]
+        cut.copy_info = None if self.copy_info is None else self.copy_info[:n]
+        return cut
+
     def _hop(self) -> torch.Tensor:
         hop = self.parents.clone()
         hop[0] = 0  # the root is its own parent so repeated hops stay in range

@@ -1,0 +1,189 @@
+"""Tree kinds as searchers: built once per generation, asked once per step for the tree to verify.
+
+`make_searcher(kind, ...)` returns one of these; the decoding loop calls only `drafts()`,
+`takes_copies()` and `search(expand, root, depth, copies)`, so a new kind is a new class:
+
+- `Eagle2Searcher`: EAGLE-2's dynamic tree (the `budget` nodes of highest path value found by a
+  beam of `top_k` per level).
+- `OptimalSearcher`: the exact best `budget` nodes under the same drafter.
+- `StaticSearcher`: a fixed shape (chain, Sequoia's, or given rank paths), cut to the step's depth.
+- `AutoSearcher`: the cost-aware tree: the optimal tree's prefix with the most expected tokens
+  per second on this device, and no drafting at all while trees do not pay.
+
+`expand(nodes, tokens, parents, level) -> probs` is the drafter (see draft_heads.Drafter), or None
+when the head does not draft this step; `copies` is a CopyTrie of copied spans, or None.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..verify import DraftTree
+from .cost import LatencyProfile, choose_budget
+from .dynamic import eagle2_search, optimal_search
+from .static import Shape, chain_shape, choices_shape, sequoia_tree, static_search
+
+KINDS = ("eagle2", "optimal", "chain", "sequoia", "auto")
+# Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
+DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
+
+
+class Searcher:
+    """A tree kind. `budget`: most nodes per tree (root included); `top_k`: candidates per drafted node."""
+
+    static = False  # a fixed shape: copied spans cannot be grafted into it
+
+    def __init__(self, budget: int, top_k: int, device="cpu", token_map=None):
+        self.budget, self.top_k, self.device, self.token_map = budget, top_k, device, token_map
+
+    def drafts(self) -> bool:
+        """Whether the head drafts this step (asked once per step, only when it could)."""
+        return True
+
+    def takes_copies(self) -> bool:
+        """Whether copied spans are worth building this generation (a one-node budget has no room for them)."""
+        return not self.static and self.budget > 1
+
+    def search(self, expand, root: int, depth: int, copies=None) -> DraftTree:
+        raise NotImplementedError
+
+    def _options(self, copies) -> dict:
+        return dict(device=self.device, token_map=self.token_map, copies=copies)
+
+
+class Eagle2Searcher(Searcher):
+    def search(self, expand, root, depth, copies=None):
+        return eagle2_search(expand, root, self.budget, depth, self.top_k, **self._options(copies))
+
+
+class OptimalSearcher(Searcher):
+    def search(self, expand, root, depth, copies=None):
+        return optimal_search(expand, root, self.budget, depth, self.top_k, **self._options(copies))
+
+
+class StaticSearcher(Searcher):
+    """A fixed shape; near the end of a generation the nodes deeper than the step's depth are cut."""
+
+    static = True
+
+    def __init__(self, shape: Shape, device="cpu", token_map=None):
+        super().__init__(len(shape.parents), 1, device, token_map)
+        self.shape = shape
+
+    def search(self, expand, root, depth, copies=None):
+        if copies is not None:
+            raise ValueError("a static shape takes no copied spans")
+        tree = static_search(expand, root, self.shape, device=self.device, token_map=self.token_map)
+        return tree.prefix(int((tree.depths <= depth).sum())) if tree.depth > depth else tree
+
+
+class AutoSearcher(Searcher):
+    """tree="auto": the cost-aware tree per step, and no drafting at all while trees do not pay.
+
+    After drafting, the optimal tree's prefix with the most expected tokens per second is kept
+    (latency profile of the device, drafting time measured so far, calibrated acceptance). When
+    even that is slower than a plain one-token pass, the next steps skip drafting (4, then 8, ...
+    up to 64 steps; x4 while a tree would lose more than 10%) before probing again, so on a device where
+    trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
+    pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
+    follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
+    `clock` times the drafter's calls (a stand-in clock makes a synthetic machine in tests).
+    """
+
+    def __init__(self, profile: LatencyProfile, calibrator=None, budget: int = 60, top_k: int = 10, device="cpu",
+                 token_map=None, max_wait: int = 64, clock=time.perf_counter):
+        super().__init__(budget, top_k, device, token_map)
+        self.profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
+        self.never = not trees_can_pay(profile, budget)
+        self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
+        self.search_budget = budget
+        self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
+        self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
+
+    def drafts(self) -> bool:
+        if self.never:
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def takes_copies(self) -> bool:
+        return super().takes_copies() and not self.never  # where no tree can pay, none is built
+
+    def search(self, expand, root, depth, copies=None):
+        """expand=None (the head is paused or absent): the copied spans alone, pruned by the same rule;
+        such a step does not change the head's pause."""
+        spent = [0.0, 0]  # this tree's drafter seconds and calls
+
+        def timed(nodes, tokens, parents, level):
+            t = self.clock()
+            probs = expand(nodes, tokens, parents, level)
+            spent[0] += self.clock() - t
+            spent[1] += 1
+            return probs
+
+        t_one = float(self.profile.verify(1))
+        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
+        full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
+                              min_gain=min_gain, **self._options(copies))
+        values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
+        if expand is None:
+            return full.prefix(choose_budget(values, self.profile, 0, max_budget=self.search_budget)[0])
+        # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
+        # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
+        self.draft_s += spent[0]
+        self.levels += spent[1]
+        self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
+        n, expected, rate = choose_budget(values, self.profile, spent[1] + 1, max_budget=self.search_budget)
+        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
+        gain = rate * t_one
+        self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
+        if self.gain < 1.0:
+            self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
+            self.skip = self.wait
+        else:
+            self.wait = 0
+        self.search_budget = min(self.budget, max(8, 2 * n))
+        return full.prefix(n)
+
+
+def trees_can_pay(profile: LatencyProfile, budget: int) -> bool:
+    """Whether some tree of 2..budget nodes could beat a one-token pass on this profile at all: at best
+    every drafted token is accepted (N tokens for N nodes), so trees cannot pay where t(N) >= N t(1)."""
+    n = torch.arange(2, max(budget, 2) + 1, dtype=torch.float64)
+    return bool((n * profile.verify(1) > profile.verify(n) * (1 + 1e-9)).any())
+
+
+def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
+    """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
+    a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
+    if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
+        copied = torch.tensor([info is not None and len(info) == 2 for info in tree.copy_info])
+        a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
+    a[0] = 1.0
+    return torch.exp(tree.ancestors().double() @ a.log())[1:]
+
+
+def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, device="cpu", token_map=None,
+                  accept_by_rank=None, paths=None, profile: LatencyProfile | None = None,
+                  calibrator=None) -> Searcher:
+    """The searcher of a tree kind (one of KINDS). "sequoia" takes `paths` (rank paths, e.g. [(0,), (1,), (0, 0)])
+    to draft that static shape instead of Sequoia's own; "auto" needs the device's latency `profile`."""
+    if kind == "eagle2":
+        return Eagle2Searcher(budget, top_k, device, token_map)
+    if kind == "optimal":
+        return OptimalSearcher(budget, top_k, device, token_map)
+    if kind == "chain":
+        return StaticSearcher(chain_shape(depth), device, token_map)
+    if kind == "sequoia":
+        shape = choices_shape(paths) if paths is not None else sequoia_tree(
+            accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, depth)
+        return StaticSearcher(shape, device, token_map)
+    if kind == "auto":
+        if profile is None:
+            raise ValueError("tree='auto' needs the device's latency profile")
+        return AutoSearcher(profile, calibrator, budget, top_k, device, token_map)
+    raise ValueError(f"tree must be one of {KINDS}, got {kind!r}")
