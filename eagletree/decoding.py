@@ -1,22 +1,30 @@
 """Speculative generation: draft a tree with the head, verify it in one target pass, accept, commit.
 
-`generate` is the decoding step of docs/design.md in a loop; it returns the text and the
-statistics people tune with (tokens per pass, predicted vs measured, where the time went).
+`speculative_steps` is the decoding step of docs/design.md in a loop (one Step per target pass);
+`decode_steps` prepares it (options, prompt, prefill, the tree kind's searcher) and records each
+Step; `generate` returns the text and the statistics people tune with (tokens per pass, predicted
+vs measured, where the time went).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .draft_heads import make_drafter
-from .target import new_cache
+from .draft_heads import make_drafter, target_identity
+from .packing import kernels_tag, machine_key
+from .target import cache_dir, new_cache
+from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_trie
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
 from .verify import DraftTree, prefill, verify_step
+from .verify.profile import measure_verify
 # name: (kind, smallest, largest, may be None); a float range's lower end is exclusive where marked
 _OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float, 0.0, None, False),
                   "top_k": (int, 0, None, True), "top_p": (float, "> 0", 1.0, True), "budget": (int, 1, None, False),
@@ -26,8 +34,6 @@ _OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float
 
 def check_options(cli: bool = False, **options) -> None:
     """Raise ValueError for a decoding option outside its range, named as given (`cli`: as its --flag)."""
-    import math
-
     for name, value in options.items():
         kind, low, high, optional = _OPTION_RANGES[name]
         flag = f"--{name.replace('_', '-')}" if cli else name
@@ -125,12 +131,6 @@ def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
 
 def latency_profile(target, path=None):
     """The verify-latency profile of this target on this device: loaded from `path`/the cache, or measured once."""
-    from .draft_heads import target_identity
-    from .packing import kernels_tag, machine_key
-    from .target import cache_dir
-    from .tree_search import LatencyProfile
-    from .verify.profile import measure_verify
-
     device = next(target.parameters()).device
     if path is None:
         name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
@@ -146,11 +146,6 @@ CALIBRATION = "calibration.json"
 
 def head_calibrator(head):
     """The calibration saved next to a head (`calibration.json`, written by its evaluation), if any."""
-    import json
-    from pathlib import Path
-
-    from .tree_search import Calibrator
-
     folder = getattr(head, "source_dir", None)
     path = Path(folder) / CALIBRATION if folder else None
     if path is None or not path.is_file():
@@ -343,8 +338,6 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
 
 def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
     """The copy calibration saved next to a head (`copy_calibration.json`), else an uninformed one (0.5 everywhere)."""
-    from pathlib import Path
-
     folder = getattr(head, "source_dir", None)
     path = Path(folder) / COPY_CALIBRATION if folder else None
     if path is not None and path.is_file():
