@@ -129,16 +129,46 @@ def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
     return sorted(ids)
 
 
+# A cached profile whose one-token pass is this many times slower than a fresh probe was measured
+# while something else loaded the machine; it would keep `auto` from drafting where trees pay.
+STALE_PROFILE = 2.0
+
+
 def latency_profile(target, path=None):
-    """The verify-latency profile of this target on this device: loaded from `path`/the cache, or measured once."""
+    """The verify-latency profile of this target on this device: loaded from `path`, or from the cache.
+
+    The cached profile (no `path`) is measured once and checked on every load against a quick probe
+    of the one-token pass (about 0.1-0.5 s): one measured while the machine was busy (t(1) more than
+    STALE_PROFILE times the probe's) is measured again and replaced, and `notes` says so. A cached
+    profile slower than the probe by less, or faster (this run is the busy one), is kept.
+    """
     device = next(target.parameters()).device
-    if path is None:
-        name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
-        name += kernels_tag(target)  # other kernels, other costs
-        path = cache_dir() / "profiles" / f"{name}.json"
-    return LatencyProfile.load_or_measure(path, lambda: LatencyProfile.from_measurements(
-        measure_verify(target, sizes=(1, 8, 16, 32, 64), prefix=128, reps=3, progress=False),
-        device=device.type, model=target.config.model_type))
+
+    def measure(sizes=(1, 8, 16, 32, 64), reps=3):
+        return LatencyProfile.from_measurements(
+            measure_verify(target, sizes=sizes, prefix=128, reps=reps, progress=False),
+            device=device.type, model=target.config.model_type)
+
+    if path is not None:  # a profile measured elsewhere (e.g. on a serving GPU) is taken as it is
+        return LatencyProfile.load_or_measure(path, measure)
+    name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
+    name += kernels_tag(target)  # other kernels, other costs
+    path = cache_dir() / "profiles" / f"{name}.json"
+    try:
+        cached = LatencyProfile.load(path) if path.is_file() else None
+    except ValueError:  # a damaged cache file is measured again
+        cached = None
+    if cached is not None:
+        probe = float(measure(sizes=(1,), reps=2).verify(1))
+        if float(cached.verify(1)) <= STALE_PROFILE * probe:
+            return cached
+        stale = float(cached.verify(1))
+    profile = measure()
+    if cached is not None:
+        profile.notes["remeasured"] = (f"the cached profile's one-token pass took {stale * 1e3:.1f} ms, a probe now "
+                                       f"{probe * 1e3:.1f} ms: it was measured on a busy machine")
+    profile.save(path)
+    return profile
 
 
 CALIBRATION = "calibration.json"

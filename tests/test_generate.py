@@ -242,6 +242,47 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert latency_profile(model, profile).sizes == [1, 8]
 
 
+def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_path):
+    import json
+
+    import eagletree.decoding as decoding
+
+    model = tiny_model("llama")
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
+    now = {"t1": 0.03}  # the one-token pass on this machine right now
+    calls = []
+
+    def fake_measure(target, sizes, prefix, reps, progress):
+        calls.append(tuple(sizes))
+        return {n: {"mask": 0.0, "forward": now["t1"] * (1 + n / 16), "accept": 0.0, "commit": 0.0} for n in sizes}
+
+    monkeypatch.setattr(decoding, "measure_verify", fake_measure)
+    first = decoding.latency_profile(model)  # nothing cached: measured once and cached
+    assert calls == [(1, 8, 16, 32, 64)] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
+    (cached,) = (tmp_path / "profiles").glob("*.json")
+    saved = cached.read_text()
+    # A later run probes the one-token pass only and keeps the cache: the machine is as fast (or busier now).
+    for t1 in (0.03, 0.05, 0.5):
+        now["t1"] = t1
+        calls.clear()
+        assert decoding.latency_profile(model).verify_s == first.verify_s
+        assert calls == [(1,)] and cached.read_text() == saved
+    # The cache came from a busy machine: its t(1) is more than twice the probe's, so it is measured again.
+    now["t1"] = 0.01
+    calls.clear()
+    fresh = decoding.latency_profile(model)
+    assert calls == [(1,), (1, 8, 16, 32, 64)]
+    assert float(fresh.verify(1)) == pytest.approx(0.01 * 17 / 16) and "busy machine" in fresh.notes["remeasured"]
+    assert json.loads(cached.read_text())["verify_s"] == fresh.verify_s
+    # A damaged cache file is measured again too, and a profile passed as a file is never probed.
+    cached.write_text("{not json")
+    calls.clear()
+    decoding.latency_profile(model)
+    assert calls == [(1, 8, 16, 32, 64)]
+    calls.clear()
+    assert decoding.latency_profile(model, cached).verify_s == fresh.verify_s and calls == []
+
+
 def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for_an_fp32_target():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
