@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -192,16 +193,30 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file under a temporary name and rename it over `path` (following the umask)."""
+@contextlib.contextmanager
+def writing(path: Path):
+    """Yield a temporary file name next to `path` to write (with open(), save_file, ...); when the block ends
+    without error the file is flushed to disk and renamed over `path`, else removed. Parent folders are made;
+    the file follows the umask, as open() makes it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file under a temporary name and rename it over `path` (following the umask)."""
+    with writing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: Path, data, indent: int = 2) -> None:
+    """`data` as JSON, written under a temporary name and renamed over `path` (following the umask)."""
+    write_text_atomic(path, json.dumps(data, indent=indent))

@@ -17,9 +17,7 @@ packing only at the row counts where it is faster (`KernelChoice`, cached per CP
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EagletreeError
+from .files import write_json_atomic
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -270,11 +269,7 @@ def load_or_measure_kernels(model, path=None) -> KernelChoice:
         except (OSError, json.JSONDecodeError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again and replaced
     choice = measure_kernels(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(choice.as_dict(), f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, choice.as_dict())
     return choice
 
 

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .decoding import _features, encode_prompt, generate
+from .draft_heads import TreeDrafter, make_drafter, target_to_draft
+from .files import write_json_atomic as write_json
+from .target import new_cache
+from .tree_search import LatencyProfile
+from .verify import prefill
 
 ENGINES = ("vllm", "sglang", "eagle")
 CHECK_TOLERANCE = 0.10
@@ -98,11 +103,6 @@ def _rank(probs: torch.Tensor, index: int) -> int:
 def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8,
                        top_k: int = 10) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
-    from .draft_heads import TreeDrafter, make_drafter, target_to_draft
-    from .decoding import _features, encode_prompt, generate
-    from .target import new_cache
-    from .verify import prefill
-
     if not prompts:
         raise ValueError("measuring acceptance needs at least one prompt")
     for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
@@ -232,8 +232,6 @@ def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) 
 
 def load_profile(path):
     """A LatencyProfile JSON, or the profile.json of `eagletree bench --profile-only` (rows per tree size)."""
-    from .tree_search import LatencyProfile
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -258,8 +256,6 @@ def load_profile(path):
 
 def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int) -> dict:
     """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
-    from .decoding import generate
-
     new = passes = 0
     for prompt in prompts:
         stats = generate(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, temperature=0.0,
@@ -271,20 +267,6 @@ def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int
     return {"prompts": len(prompts), "new_tokens": new, "passes": passes, "measured_tokens_per_pass": measured,
             "predicted_tokens_per_pass": predicted, "relative_error": error,
             "within_tolerance": abs(error) <= CHECK_TOLERANCE}
-
-
-def write_json(path, data: dict) -> None:
-    """Write atomically (a temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prompts, export_dir: str,

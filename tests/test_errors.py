@@ -101,6 +101,30 @@ def test_written_folders_follow_the_umask(saved_head, tmp_path):
             assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 
 
+def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
+    """Latency profiles, kernel choices, plans and copy calibrations go through files.writing: a failed write
+    leaves the old file and no temporary one; a new file is not private to its owner (mkstemp's 0600)."""
+    import json
+
+    from eagletree.files import write_json_atomic, writing
+    from eagletree.tree_search import LatencyProfile
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "cache" / "profile.json"
+        LatencyProfile([1, 8], [0.01, 0.02]).save(path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644 and LatencyProfile.load(path).verify_s == [0.01, 0.02]
+        with pytest.raises(TypeError):  # not JSON-serializable: the write fails part-way
+            write_json_atomic(path, {"sizes": [1], "bad": object()})
+        with pytest.raises(KeyboardInterrupt), writing(path) as tmp:
+            tmp.write_text("half")
+            raise KeyboardInterrupt
+        assert json.loads(path.read_text())["verify_s"] == [0.01, 0.02]
+        assert sorted(p.name for p in path.parent.iterdir()) == ["profile.json"]
+    finally:
+        os.umask(old)
+
+
 KILLED_WRITER = """
 import os, sys
 from eagletree.files import building

@@ -8,12 +8,12 @@ on a CPU); drafting costs per depth level. The profile is measured on the runnin
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..files import write_json_atomic
 
 
 @dataclass
@@ -49,12 +49,7 @@ class LatencyProfile:
 
     def save(self, path) -> None:
         """Write atomically (temporary file, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     @classmethod
     def from_measurements(cls, medians: dict[int, dict[str, float]], **info) -> "LatencyProfile":
