@@ -17,6 +17,7 @@ packing only at the row counts where it is faster (`KernelChoice`, cached per CP
 from __future__ import annotations
 
 import json
+import platform
 import re
 import time
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from torch import nn
 
 from .errors import EagletreeError
 from .files import write_json_atomic
+from .target import cache_dir, cpu_has_bf16
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -146,8 +148,6 @@ def packing_problem(model) -> str | None:
     if param.dtype not in PACKABLE:
         return f"packing supports {[str(d) for d in PACKABLE]}, the model is {param.dtype}"
     if param.dtype == torch.bfloat16:
-        from .target import cpu_has_bf16
-
         if not cpu_has_bf16():
             return "bf16 packing needs a CPU with native bf16 (avx512_bf16 or amx_bf16)"
     return None
@@ -193,8 +193,6 @@ KERNEL_SIZES = (1, 4, 8, 16, 32, 64)  # row counts `pack_target(..., "auto")` me
 
 def cpu_model() -> str:
     """This CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    import platform
-
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
@@ -252,8 +250,7 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4) -
 
 def kernel_choice_path(model) -> Path:
     """Where this model's kernel choice on this machine is cached (next to the latency profiles)."""
-    from .draft_heads import target_identity
-    from .target import cache_dir
+    from .draft_heads import target_identity  # not at the top: draft_heads' drafter imports this module
 
     return cache_dir() / "profiles" / f"kernels-{target_identity(model.config)['fingerprint']}-{machine_key(model)}.json"
 

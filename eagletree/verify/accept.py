@@ -14,6 +14,7 @@ from .tree import DraftTree, TreeError
 
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """Apply temperature, top-k and top-p exactly as `model.generate(do_sample=True)` does, in its order."""
+    # transformers is imported here, not at the top: it takes seconds to load and only sampling needs it.
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     if temperature <= 0:
