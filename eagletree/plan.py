@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .decoding import _features, encode_prompt, generate
-from .draft_heads import TreeDrafter, make_drafter, target_to_draft
+from .draft_heads import make_drafter, target_to_draft
 from .files import write_json_atomic as write_json
 from .target import new_cache
 from .tree_search import LatencyProfile
@@ -103,6 +103,8 @@ def _rank(probs: torch.Tensor, index: int) -> int:
 def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8,
                        top_k: int = 10) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
+    if not head.drafts_from_own_features:  # engines' EAGLE trees feed each level the head's own output
+        raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
     if not prompts:
         raise ValueError("measuring acceptance needs at least one prompt")
     for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
@@ -126,8 +128,6 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
         out = prefill(target, new_cache(target), seq[:-1], layers=layers)
         feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
         drafter = make_drafter(head, target)
-        if not isinstance(drafter, TreeDrafter):
-            raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
         to_draft = None if drafter.token_map is None else target_to_draft(drafter.token_map.cpu(),
                                                                           target.config.vocab_size).to(device)
         p = ids.numel()
@@ -277,7 +277,7 @@ def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prom
         acceptance = measure_acceptance(target, tokenizer, head, prompts, max_new_tokens, max_depth, top_k)
     plan = best_plan(acceptance, profile, engine, max_nodes, max_depth)
     check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
-    eagle3 = head.config.head_type == "eagle3"
+    eagle3 = head.fused_layers is not None  # the engines' EAGLE-3 reads fused target layers
     draft_vocab = head.config.draft_vocab_size is not None
     return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, draft_vocab),
             "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},

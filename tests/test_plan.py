@@ -104,6 +104,15 @@ def brute_force_plan(acceptance, profile, max_nodes, max_depth, chain=False):
     return best
 
 
+def test_plan_refuses_a_head_whose_levels_do_not_read_its_own_features():
+    from eagletree.draft_heads import MedusaHead
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = MedusaHead.for_target(model.config, num_heads=3).eval()
+    with pytest.raises(ValueError, match="plan takes EAGLE-1/2 or EAGLE-3 heads, not 'medusa'"):
+        measure_acceptance(model, tok, head, [torch.tensor([5, 9, 11, 3])], max_new_tokens=4, depth=3, top_k=4)
+
+
 def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
     flat = LatencyProfile([1, 64], [0.010, 0.0101], draft_s_per_level=0.0)  # verifying is free: the largest tree
     plan = best_plan(ACCEPT, flat, "sglang", max_nodes=12, max_depth=3)
