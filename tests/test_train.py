@@ -102,6 +102,33 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     assert EagleHead.from_pretrained(tmp_path / "checkpoints" / "step-0000002" / "head") is not None
 
 
+def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
+    from eagletree.draft_heads import EagleHead
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = EagleHead.create(model, tiny_cfg(tmp_path, init_from_target=True))
+    last = model.get_decoder().layers[-1].state_dict()
+    assert all(torch.equal(v, last[k]) for k, v in head.layer.state_dict().items())
+    assert set(last) - set(head.layer.state_dict()) == {"input_layernorm.weight"}  # the head's layer has no input norm
+    h = model.config.hidden_size
+    assert torch.equal(head.fc.weight[:, h:], torch.eye(h)) and head.fc.weight[:, :h].abs().sum() > 0
+    # fc passes the feature through: with a zero token embedding the layer's input is the feature itself
+    feats = torch.randn(1, 3, h)
+    zero = torch.nn.Embedding(model.config.vocab_size, h).requires_grad_(False)
+    torch.nn.init.zeros_(zero.weight)
+    assert torch.allclose(head.fc(torch.cat([zero(torch.zeros(1, 3, dtype=torch.long)), feats], -1)), feats)
+    fresh = EagleHead.create(model, tiny_cfg(tmp_path))
+    assert not torch.equal(fresh.layer.state_dict()["mlp.down_proj.weight"], last["mlp.down_proj.weight"])
+    trained, summary = run(tiny_cfg(tmp_path / "run", init_from_target=True))
+    assert summary["steps"] == 8 and not torch.equal(trained.layer.state_dict()["mlp.down_proj.weight"].cpu(),
+                                                     last["mlp.down_proj.weight"])
+    with pytest.raises(TrainingError, match="init_from_target starts an EAGLE-1/2 head .* head_type is 'medusa'"):
+        TrainConfig.from_sources(None, ["init_from_target=true", "head_type=medusa"])
+    with pytest.raises(TrainingError, match="init_from_target and init_head 'runs/x' both say where the head starts"):
+        TrainConfig.from_sources(None, ["init_from_target=true", "init_head=runs/x"])
+
+
 def test_draft_vocab_head_trains(tmp_path):
     head, _ = run(tiny_cfg(tmp_path, draft_vocab=20, steps=2))
     assert head.config.draft_vocab_size == 20 and head.d2t.numel() == 20

@@ -62,7 +62,29 @@ class EagleHead(DraftHead):
 
     @classmethod
     def create(cls, target_model, cfg, draft_tokens=None) -> "EagleHead":
-        return cls.for_target(target_model.config, draft_tokens, fc_bias=cfg.fc_bias)
+        head = cls.for_target(target_model.config, draft_tokens, fc_bias=cfg.fc_bias)
+        if cfg.init_from_target:
+            head.init_from_target(target_model)
+        return head
+
+    @torch.no_grad()
+    def init_from_target(self, target_model) -> None:
+        """Start as the target's last decoder layer (same class and shapes; the head's layer has no input norm),
+        with fc passing the feature half of its input through unchanged (the token embedding half keeps its
+        random init), instead of all random."""
+        last = target_model.get_decoder().layers[-1]
+        if type(last) is not type(self.layer):
+            raise HeadError(f"the target's decoder layer is a {type(last).__name__}, the head's a "
+                            f"{type(self.layer).__name__}: cannot start from it")
+        mine = self.layer.state_dict()
+        theirs = {k: v for k, v in last.state_dict().items() if k in mine}  # the head's layer has no input norm
+        if set(theirs) != set(mine):
+            raise HeadError(f"the target's last layer lacks {sorted(set(mine) - set(theirs))}: cannot start from it")
+        self.layer.load_state_dict(theirs)  # shapes must match
+        h = self.config.hidden_size
+        self.fc.weight[:, h:] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        if self.fc.bias is not None:
+            self.fc.bias.zero_()
 
     # -- forward ------------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ class TrainConfig:
     dataset: str = "sharegpt"
     eval_dataset: str = ""  # held-out conversations and prompts for evaluation; "" = dataset's own held-out split
     init_head: str = ""  # start from this saved head's weights (fine-tuning, e.g. on distilled answers); "" = fresh
+    # a fresh EAGLE-1/2 head starts as a copy of the target's last decoder layer, its fc passing the feature through
+    init_from_target: bool = False
     heldout_fraction: float = 0.04
     max_conversations: int = 0  # 0 = all training conversations
     max_len: int = 512
@@ -127,6 +129,12 @@ class TrainConfig:
             raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
         if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
             raise TrainingError(f"precision must be 'auto', 'bf16' or 'fp32', got {values['precision']!r}")
+        if values.get("init_from_target") and values.get("head_type", "eagle") != "eagle":
+            raise TrainingError(f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
+                                f"head_type is {values['head_type']!r}")
+        if values.get("init_from_target") and values.get("init_head"):
+            raise TrainingError(f"init_from_target and init_head {values['init_head']!r} both say where the head "
+                                "starts: set one")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)
