@@ -7,8 +7,8 @@
 category) and humaneval[:N] HumanEval problems. --copy off|on|both: decode with the head alone, with copied
 spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
 
-Every head decodes every prompt (greedy, EAGLE-2 tree of --budget nodes); decoding is lossless, so the heads'
-answers must be the same token for token, which is checked (against each other; the tests compare decoding
+Every head decodes every prompt (greedy unless --temperature, EAGLE-2 tree of --budget nodes unless --tree);
+decoding is lossless, so at T = 0 the heads' answers must be the same token for token, which is checked (against each other; the tests compare decoding
 with plain greedy decoding). A head's tokens/pass is its total new tokens
 over its total target passes. The difference to the first head is paired by prompt, with a 95% bootstrap
 interval over prompts: 30 prompts of 64 tokens leave a few percent of noise, which this makes visible.
@@ -32,7 +32,7 @@ from tqdm import tqdm
 from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout, spec_count
 from eagletree.draft_heads import HeadError, load_head
 from eagletree.loading import load_models
-from eagletree.prompts import mtbench_subset
+from eagletree.prompts import by_category, mtbench_subset
 from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
 
 
@@ -49,6 +49,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=60)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "auto"],
+                    help="the tree search; auto: the CLI's default, cost-aware on this machine (--budget its maximum)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (answers checked identical across rows); > 0: sampled with --seed + prompt index "
+                         "(rows' answers differ; the chi-square tests check the distribution)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
     ap.add_argument("--pair-with", default=None,
                     help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
@@ -62,7 +68,9 @@ def main(argv=None) -> int:
                         ("depth", args.depth), ("top-k", args.top_k)):
         if value < 1:
             ap.error(f"--{name} must be >= 1, got {value}")
-    for name, value in (("offset", args.offset), ("skip-prompts", args.skip_prompts)):
+    if args.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    for name, value in (("offset", args.offset), ("skip-prompts", args.skip_prompts), ("seed", args.seed)):
         if value < 0:
             ap.error(f"--{name} must be >= 0, got {value}")
     missing = [h for h in args.heads if not Path(h, "config.json").is_file()]
@@ -93,15 +101,18 @@ def main(argv=None) -> int:
         except HeadError as e:
             ap.error(f"{path}: {e}")
         heads.append(head)
-    options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k)
+    options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k, tree=args.tree,
+                   temperature=args.temperature)
+    sampled = args.temperature > 0
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
     configs = [(path, head, copy) for path, head in zip(args.heads, heads) for copy in copies]
     labels = [path + (" +copy" if copy else "") for path, _, copy in configs]
     earlier = None
     if args.pair_with:
         earlier = json.loads(Path(args.pair_with).read_text())
-        same = {k: earlier["settings"].get(k) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k",
-                                                         "offset", "skip_prompts", "target")}
+        defaults = {"temperature": 0.0, "seed": 0}  # files written before these options existed
+        same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k",
+                                                         "offset", "skip_prompts", "target", "temperature", "seed")}
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
@@ -113,17 +124,18 @@ def main(argv=None) -> int:
             row.append((first_row["new_tokens"][i], first_row["passes"][i]))
         for label, (path, head, copy) in zip(labels[len(labels) - len(configs):], configs):
             answers = []
-            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy, **options)
+            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy,
+                                seed=args.seed + i if sampled else None, **options)
             answer = answers[0][1]
             if first is None:
                 first = answer
-            elif not torch.equal(first, answer):
+            elif not sampled and not torch.equal(first, answer):
                 print(f"error: prompt {i}: {label} decoded another answer than {labels[0]}; decoding must be "
                       "lossless", file=sys.stderr)
                 return 1
             row.append((r["new_tokens"], r["passes"]))
         digest = hashlib.sha1(first.numpy().tobytes()).hexdigest()
-        if earlier is not None and earlier["answers"][i] != digest:
+        if earlier is not None and not sampled and earlier["answers"][i] != digest:
             print(f"error: prompt {i}: the answer differs from the one in {args.pair_with} (same settings and "
                   "prompts: decoding must be lossless, or the target or its kernels changed)", file=sys.stderr)
             return 1
@@ -132,8 +144,11 @@ def main(argv=None) -> int:
 
     base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
     source = benchmark or "held-out ShareGPT"
-    print(f"{len(prompts)} prompts ({source}) x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes "
-          f"(depth {args.depth}, top-k {args.top_k}), T = 0; the same answers from every row\n")
+    tree = {"eagle2": "EAGLE-2", "optimal": "optimal", "auto": "auto (cost-aware) up to"}[args.tree]
+    answers_note = "the same answers from every row" if not sampled else \
+        f"sampled answers (seed {args.seed} + prompt index), different in every row"
+    print(f"{len(prompts)} prompts ({source}) x {args.max_new_tokens} new tokens, {tree} {args.budget} nodes "
+          f"(depth {args.depth}, top-k {args.top_k}), T = {args.temperature:g}; {answers_note}\n")
     print("| head | tokens/pass | vs first (95% interval over prompts) |\n|---|---|---|")
     report = []
     for j, label in enumerate(labels):
@@ -163,12 +178,8 @@ def category_table(categories, rows, labels) -> str:
     names = list(dict.fromkeys(categories))
     lines = ["", "| head | " + " | ".join(names) + " | mean |", "|---|" + "---|" * (len(names) + 1)]
     for j, label in enumerate(labels):
-        cells = []
-        for c in names:
-            idx = [i for i, cat in enumerate(categories) if cat == c]
-            cells.append(f"{sum(rows[i][j][0] for i in idx) / sum(rows[i][j][1] for i in idx):.2f}")
-        total = sum(r[j][0] for r in rows) / sum(r[j][1] for r in rows)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {total:.2f} |")
+        table = by_category(categories, [r[j][0] for r in rows], [r[j][1] for r in rows])
+        lines.append(f"| {label} | " + " | ".join(f"{table[c]:.2f}" for c in names) + f" | {table['mean']:.2f} |")
     return "\n".join(lines)
 
 

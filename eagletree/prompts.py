@@ -88,3 +88,18 @@ def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]
         raise ValueError(f"the number of HumanEval problems must be >= 1, got {n}")
     chosen = problems[offset: None if n is None else offset + n]
     return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]
+
+
+def by_category(categories, new_tokens, passes) -> dict[str, float]:
+    """Tokens per pass per category (in order of first appearance) and "mean" over all, from per-prompt
+    counts: each is total tokens over total passes, as the EAGLE papers' MT-bench tables report tau."""
+    if not (len(categories) == len(new_tokens) == len(passes)) or not categories:
+        raise ValueError(f"one category, token count and pass count per prompt, got {len(categories)}, "
+                         f"{len(new_tokens)} and {len(passes)}")
+    table = {}
+    for name in dict.fromkeys(categories):
+        idx = [i for i, c in enumerate(categories) if c == name]
+        table[name] = sum(new_tokens[i] for i in idx) / max(sum(passes[i] for i in idx), 1)
+    table["mean"] = sum(new_tokens) / max(sum(passes), 1)
+    return table
+

@@ -252,8 +252,14 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
         evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
     cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), eval_dataset=str(tmp_path / "all.jsonl"),
                heldout_fraction=0.3, eval_conversations=2)
-    metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
+    metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4, mtbench=2)
     assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
+    # MT-bench first turns (2 questions: one writing, one coding), per category, head alone and with copies.
+    for row in ("eagle2_60", "eagle2_60_copy"):
+        table = metrics["mtbench"][row]
+        assert table["questions"] == 2 and table["max_new_tokens"] == 128
+        assert list(table["tokens_per_pass"]) == ["writing", "coding", "mean"]
+        assert all(v >= 1.0 for v in table["tokens_per_pass"].values())
     assert metrics["agreement_own_answers"]["positions"] == metrics["eagle2_60"]["new_tokens"] - 2  # last one has no next
     # The head alone, and with copied spans (same prompts, same lossless answers); the copy calibration is saved.
     assert metrics["eagle2_60_copy"]["new_tokens"] == metrics["eagle2_60"]["new_tokens"]

@@ -40,3 +40,13 @@ def test_humaneval_prompts_ask_to_complete_each_function():
     assert humaneval_prompts(2, offset=1) == prompts[1:3] == bench.load_prompts("humaneval:3")[1:]
     with pytest.raises(ValueError, match="'humaneval:x': expected humaneval or humaneval:N"):
         bench.load_prompts("humaneval:x")
+
+
+def test_tokens_per_pass_by_category_is_total_tokens_over_total_passes():
+    from eagletree.prompts import by_category
+
+    table = by_category(["math", "coding", "math"], [30, 40, 10], [10, 10, 10])
+    assert table == {"math": 40 / 20, "coding": 4.0, "mean": 80 / 30}
+    with pytest.raises(ValueError, match="one category, token count and pass count per prompt, got 2, 1 and 1"):
+        by_category(["math", "coding"], [3], [1])
+

@@ -17,6 +17,7 @@ from .. import target as targets
 from ..decoding import GenerationStats, decode_steps, encode_prompt
 from ..draft_heads import TreeDrafter, load_head
 from ..packing import pack_target
+from ..prompts import by_category, mtbench_subset
 from ..tree_search import Calibrator, acceptance_pairs, calibration_report
 from ..tree_search.copy import COPY_CALIBRATION, CopyCalibration
 from .config import TrainConfig, TrainingError
@@ -175,9 +176,26 @@ def evaluation_conversations(cfg) -> list:
     return heldout
 
 
-def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None) -> dict:
+def mtbench_tokens_per_pass(head, target, tokenizer, questions: int, max_new_tokens: int = 128, depth: int = 6,
+                            copy: bool = False) -> dict:
+    """Tokens/pass on `questions` MT-bench first turns (spread over the 8 categories), per category and mean:
+    EAGLE-2, 60 nodes, top-k 10, T = 0, the head alone or (copy) with copied spans."""
+    chosen = mtbench_subset(questions)
+    new, passes = [], []
+    for q in tqdm(chosen, desc="MT-bench", leave=False):
+        r = tokens_per_pass(head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth,
+                            top_k_draft=10, copy=copy)
+        new.append(r["new_tokens"])
+        passes.append(r["passes"])
+    return {"questions": len(chosen), "max_new_tokens": max_new_tokens, "depth": depth,
+            "tokens_per_pass": by_category([q.category for q in chosen], new, passes)}
+
+
+def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None,
+                 mtbench: int = 0) -> dict:
     """Agreement (on held-out ShareGPT answers and on the target's own answers to the held-out prompts) and
-    tokens/pass on held-out ShareGPT prompts; written to <out_dir>/metrics.json.
+    tokens/pass on held-out ShareGPT prompts, and with `mtbench` > 0 on that many MT-bench first turns (128
+    new tokens, per category, head alone and with copied spans); written to <out_dir>/metrics.json.
 
     `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
     """
@@ -197,6 +215,10 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
+    if mtbench:
+        metrics["mtbench"] = {"eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth),
+                              "eagle2_60_copy": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth,
+                                                                        copy=True)}
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
         Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
@@ -225,13 +247,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt for tokens/pass")
     ap.add_argument("--depth", type=int, default=6, help="the EAGLE-2 tree's depth (60 nodes, top-k 10)")
+    ap.add_argument("--mtbench", type=int, default=0,
+                    help="also tokens/pass on this many MT-bench first turns (per category, 128 new tokens)")
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
         cfg = TrainConfig.from_sources(args.config, args.overrides)
         head = load_head(Path(cfg.out_dir) / "head")
-        metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth)
+        if args.mtbench < 0:
+            raise TrainingError(f"--mtbench must be >= 0 (0 = no MT-bench), got {args.mtbench}")
+        metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
+                               mtbench=args.mtbench)
         print(json.dumps(metrics, indent=2))
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
