@@ -80,7 +80,7 @@ def test_eagle3_tree_call_equals_each_path_alone():
 
 
 def test_ttt_mask_matches_inference_visibility():
-    from eagletree.train.objectives import ttt_mask
+    from eagletree.draft_heads.objectives import ttt_mask
 
     m = ttt_mask(5, 3)
     # step 3 at position 4 drafts from start 2: context positions 0..2 (step 1), its chain at 3 (step 2) and 4 (step 3)

@@ -143,14 +143,14 @@ def test_medusa_heads_train(tmp_path):
 def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
     import json
 
-    from eagletree.train import features as feat_mod
+    from eagletree import files  # every cache file is renamed into place by files.writing
     from eagletree.train.features import FeatureError, cache_features
 
     model, tok, convs = tiny_model("llama"), tiny_tokenizer(), tiny_conversations(10)
     cfg = tiny_cfg(tmp_path / "run", features_dir=str(tmp_path / "feats"), feature_dtype="fp32", steps=3,
                    save_every=3)
     # Interrupt after the first shard: the second is neither on disk nor in the manifest.
-    real_save = feat_mod.os.replace
+    real_save = files.os.replace
     calls = {"n": 0}
 
     def flaky(src, dst):
@@ -160,7 +160,7 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
                 raise KeyboardInterrupt
         return real_save(src, dst)
 
-    monkeypatch.setattr(feat_mod.os, "replace", flaky)
+    monkeypatch.setattr(files.os, "replace", flaky)
     with pytest.raises(KeyboardInterrupt):
         cache_features(cfg, model, tok, convs, shard_size=4, progress=False)
     manifest = json.loads((tmp_path / "feats" / "manifest.json").read_text())
@@ -295,7 +295,7 @@ def test_unrolled_steps_equal_sequential_drafting():
     """The training-time test of an EAGLE-1/2 head: step k at position p is exactly the depth-k node that
     chain drafting from the committed position p-k+1 computes, one step at a time with the head's cache."""
     from eagletree.draft_heads import EagleHead
-    from eagletree.train.objectives import unroll_drafts
+    from eagletree.draft_heads.objectives import unroll_drafts
 
     model = tiny_model("llama")
     torch.manual_seed(1)
@@ -322,7 +322,7 @@ def test_unrolled_steps_equal_sequential_drafting():
 
 
 def test_eagle_head_trains_with_the_training_time_test(tmp_path):
-    from eagletree.train import objectives
+    from eagletree.draft_heads import objectives
 
     seen = []
     real = objectives.unroll_drafts

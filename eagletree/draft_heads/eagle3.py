@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from ..train.objectives import eagle3_loss
+from .objectives import eagle3_loss
 from .base import DraftHead, HeadConfig, target_identity
 from .drafter import TreeDrafter
 from .layers import (attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache,

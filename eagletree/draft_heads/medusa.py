@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..train.objectives import medusa_loss
+from .objectives import medusa_loss
 from .base import DraftHead, HeadConfig, target_identity
 
 

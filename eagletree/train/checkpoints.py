@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..draft_heads import HeadError, load_head
-from ..files import building, publish
+from ..files import building, publish, write_text_atomic
 from .config import TrainConfig, TrainingError, lr_lambda
 
 
@@ -115,9 +115,7 @@ def keep_history(path: Path, step: int) -> None:
                 kept.append(line + "\n")
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut by a kill
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def append_history(path: Path, history: list, written: int) -> int:

@@ -9,9 +9,7 @@ atomically), so an interrupted run resumes at the first missing shard and never 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from tqdm import tqdm
 
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
+from ..files import write_json_atomic, writing
 from .render import RenderError, render
 
 MANIFEST = "manifest.json"
@@ -30,13 +29,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 class FeatureError(EagletreeError, ValueError):
     """A feature cache that does not belong to this target or config, or is damaged."""
-
-
-def _write_json_atomic(path: Path, data) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def _identity(cfg, target_config) -> dict:
@@ -103,17 +95,15 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
             ids.append(conv_id)
             bar.update(r.input_ids.numel())
         name = f"shard-{k:05d}.safetensors"
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
-        os.close(fd)
-        save_file(tensors, tmp)
-        os.replace(tmp, folder / name)
+        with writing(folder / name) as tmp:
+            save_file(tensors, tmp)
         manifest["shards"].append({"index": k, "file": name, "conversations": ids,
                                    "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids"))})
         manifest["shards"].sort(key=lambda s: s["index"])
-        _write_json_atomic(folder / MANIFEST, manifest)
+        write_json_atomic(folder / MANIFEST, manifest, indent=1)
     bar.close()
     manifest["complete"] = len(manifest["shards"]) == len(shards)
-    _write_json_atomic(folder / MANIFEST, manifest)
+    write_json_atomic(folder / MANIFEST, manifest, indent=1)
     return manifest
 
 

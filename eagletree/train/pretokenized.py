@@ -12,13 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import zipfile
 import zlib
-from pathlib import Path
 
 import torch
 
+from ..files import writing
 from .data import DataError
 from .render import Rendered
 
@@ -52,18 +51,10 @@ def save(path: str | os.PathLike, records: list[Rendered], tokenizer, **info) ->
     header = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
               "vocab_size": len(tokenizer), "records": len(records), "tokens": int(ids.numel()),
               "assistant_tokens": int(mask.sum()), "truncated": sum(r.truncated for r in records), **info}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, ids=ids.numpy().astype(np.uint16), offsets=np.cumsum([0] + lengths, dtype=np.int64),
-                                mask=np.packbits(mask), truncated=np.array([r.truncated for r in records], dtype=bool),
-                                header=np.array(json.dumps(header)))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with writing(path) as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, ids=ids.numpy().astype(np.uint16), offsets=np.cumsum([0] + lengths, dtype=np.int64),
+                            mask=np.packbits(mask), truncated=np.array([r.truncated for r in records], dtype=bool),
+                            header=np.array(json.dumps(header)))
     return header
 
 

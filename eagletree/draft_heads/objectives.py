@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # (config imports the heads, whose modules import these objectives)
-    from .config import TrainConfig
+if TYPE_CHECKING:  # (the training config imports the heads, whose modules import these objectives)
+    from ..train.config import TrainConfig
 
 
 def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
