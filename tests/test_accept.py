@@ -4,14 +4,13 @@ The target and drafter are synthetic functions of the context over a tiny vocabu
 true distribution of the first two emitted tokens is known in closed form.
 """
 
-import hashlib
-
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from eagletree.verify import DraftTree, TreeError, accept_tree, target_probs
 from eagletree.verify import accept as accept_mod
+from eagletree.verify.synthetic import SyntheticPair, synthetic_tree
 
 from helpers import chi_square_p
 
@@ -19,59 +18,10 @@ V = 6
 DRAWS = 20_000
 
 
-def _seeded(tag: str, context: tuple) -> torch.Generator:
-    digest = hashlib.sha256(f"{tag}{context}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-
-
-class Synthetic:
-    """Target logits and draft distributions as deterministic functions of the context."""
-
-    def __init__(self):
-        self._logits, self._draft = {}, {}
-
-    def logits(self, context):
-        if context not in self._logits:
-            self._logits[context] = torch.randn(V, generator=_seeded("target", context)) * 1.3
-        return self._logits[context]
-
-    def draft(self, context):
-        # A drafter that roughly agrees with the target, so both acceptance and rejection happen.
-        if context not in self._draft:
-            noisy = self.logits(context) + torch.randn(V, generator=_seeded("draft", context))
-            self._draft[context] = torch.softmax(noisy, -1)
-        return self._draft[context]
-
-
-def build_tree(syn, context, mode, generator, widths=(3, 2)):
-    """Depth-2 tree after `context`: top-k drafted (deterministic) or sampled from the draft."""
-    tokens, parents, contexts = [context[-1]], [-1], [context]
-    frontier = [0]
-    for width in widths:
-        nxt = []
-        for u in frontier:
-            q = syn.draft(contexts[u])
-            if mode == "deterministic":
-                picks = torch.topk(q, width).indices.tolist()
-            else:
-                picks = torch.multinomial(q, width, replacement=(mode == "replacement"), generator=generator).tolist()
-            for t in picks:
-                tokens.append(t)
-                parents.append(u)
-                contexts.append(contexts[u] + (t,))
-                nxt.append(len(tokens) - 1)
-        frontier = nxt
-    sampled = mode != "deterministic"
-    dists = torch.stack([syn.draft(c) for c in contexts]) if sampled else None
-    tree = DraftTree(tokens, parents, draft_dists=dists, sampled=sampled, with_replacement=(mode == "replacement"))
-    logits = torch.stack([syn.logits(c) for c in contexts])
-    return tree, logits
-
-
 def first_two_tokens(syn, mode, generator, **sampling):
     context, out = (0,), []
     while len(out) < 2:
-        tree, logits = build_tree(syn, context, mode, generator)
+        tree, logits = synthetic_tree(syn, context, mode, generator)
         accepted, nxt = accept_tree(tree, logits, generator=generator, **sampling)
         step = tree.tokens[accepted[1:]].tolist() + [nxt]
         out += step
@@ -92,7 +42,7 @@ def test_chi_square_p_takes_float32_probabilities_whatever_their_last_bits():
 
 
 def run_chi_square(mode, seed=0, **sampling):
-    syn, g = Synthetic(), torch.Generator().manual_seed(seed)
+    syn, g = SyntheticPair(V), torch.Generator().manual_seed(seed)
     pairs = torch.zeros(V, V)
     for _ in range(DRAWS):
         a, b = first_two_tokens(syn, mode, g, **sampling)

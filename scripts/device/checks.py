@@ -12,7 +12,6 @@ Each returns a dict of measurements with "ok"; nothing here needs pytest or scip
 
 from __future__ import annotations
 
-import hashlib
 
 import torch
 
@@ -20,6 +19,7 @@ from eagletree.draft_heads import EagleHead
 from eagletree.decoding import decode_steps
 from eagletree.target import new_cache
 from eagletree.verify import DraftTree, accept_tree, prefill, target_probs, verify_step, verify_tree
+from eagletree.verify.synthetic import SyntheticPair, synthetic_tree
 
 
 def tiny_model(kind: str, device, dtype, attn: str = "sdpa", seed: int = 0, vocab: int = 97):
@@ -130,45 +130,6 @@ def greedy_check(device, dtype, kinds=("llama", "qwen2"), prompts: int = 10, max
     return result
 
 
-class _Synthetic:
-    """Target logits and draft distributions over a tiny vocabulary as seeded functions of the context."""
-
-    def __init__(self, vocab, device):
-        self.vocab, self.device, self._cache = vocab, device, {}
-
-    def _draw(self, tag, context):
-        key = (tag, context)
-        if key not in self._cache:
-            seed = int.from_bytes(hashlib.sha256(f"{tag}{context}".encode()).digest()[:8], "little")
-            self._cache[key] = torch.randn(self.vocab, generator=torch.Generator().manual_seed(seed)).to(self.device)
-        return self._cache[key]
-
-    def logits(self, context):
-        return self._draw("target", context) * 1.3
-
-    def draft(self, context):
-        return torch.softmax(self.logits(context) + self._draw("draft", context), -1)
-
-
-def _tree(syn, context, sampled, g, widths=(3, 2)):
-    """A depth-2 tree after `context`, top-k drafted or sampled from the draft (with `g`, on the draft's device)."""
-    tokens, parents, contexts, frontier = [context[-1]], [-1], [context], [0]
-    for width in widths:
-        nxt = []
-        for u in frontier:
-            q = syn.draft(contexts[u])
-            picks = (torch.multinomial(q, width, generator=g) if sampled else torch.topk(q, width).indices).tolist()
-            for t in picks:
-                tokens.append(t)
-                parents.append(u)
-                contexts.append(contexts[u] + (t,))
-                nxt.append(len(tokens) - 1)
-        frontier = nxt
-    dists = torch.stack([syn.draft(c) for c in contexts]) if sampled else None
-    tree = DraftTree(tokens, parents, draft_dists=dists, sampled=sampled)
-    return tree, torch.stack([syn.logits(c) for c in contexts])
-
-
 def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: float = 1.0, top_p=None,
                   max_seconds: float | None = None) -> dict:
     """Chi-square of the first token and of the first two tokens emitted by tree acceptance on `device`,
@@ -179,7 +140,7 @@ def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: floa
     result = {"device": str(device), "temperature": temperature, "top_p": top_p}
     sampling = {"temperature": temperature, "top_p": top_p}
     for mode in ("deterministic", "sampled"):
-        syn = _Synthetic(vocab, device)
+        syn = SyntheticPair(vocab, device)
         # Trees are sampled on the device; acceptance samples on the host, as decoding does (a CPU generator).
         g_tree, g = torch.Generator(device=device).manual_seed(1), torch.Generator().manual_seed(0)
         pairs = torch.zeros(vocab, vocab)
@@ -189,7 +150,7 @@ def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: floa
                 break
             context, out = (0,), []
             while len(out) < 2:
-                tree, logits = _tree(syn, context, mode == "sampled", g_tree)
+                tree, logits = synthetic_tree(syn, context, mode, g_tree)
                 accepted, nxt = accept_tree(tree, logits, generator=g, **sampling)
                 step = tree.tokens[accepted[1:]].tolist() + [int(nxt)]
                 out += step
