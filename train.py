@@ -9,12 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from eagletree.draft_heads import HeadError
-from eagletree.target import TargetError
-from eagletree.train.data import DataError
+from eagletree.errors import EagletreeError
 from eagletree.train.evaluate import evaluate_run, evaluation_conversations
-from eagletree.train.features import FeatureError
-from eagletree.train.loop import TrainConfig, TrainingError, train
+from eagletree.train.loop import TrainConfig, train
 
 
 def main(argv=None) -> int:
@@ -38,7 +35,7 @@ def main(argv=None) -> int:
         print(json.dumps(summary, default=float))
         if args.eval:
             print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
-    except (TrainingError, DataError, HeadError, TargetError, FeatureError, ValueError, OSError) as e:
+    except (EagletreeError, ValueError, OSError) as e:
         if out_dir is not None and not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()  # a failed run leaves no empty folder it made
         print(f"error: {e}", file=sys.stderr)

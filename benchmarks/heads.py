@@ -110,9 +110,10 @@ def main(argv=None) -> int:
     earlier = None
     if args.pair_with:
         earlier = json.loads(Path(args.pair_with).read_text())
-        defaults = {"temperature": 0.0, "seed": 0}  # files written before these options existed
-        same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget", "depth", "top_k",
-                                                         "offset", "skip_prompts", "target", "temperature", "seed")}
+        defaults = {"temperature": 0.0, "seed": 0, "tree": "eagle2"}  # for files written without these settings
+        same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget",
+                                                                         "depth", "top_k", "offset", "skip_prompts",
+                                                                         "target", "temperature", "seed", "tree")}
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]

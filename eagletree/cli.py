@@ -25,10 +25,10 @@ from .decoding import (GenerationStats, _stream_text, check_options, decode_step
 from .draft_heads import load_head
 from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
 from .errors import EagletreeError
-from .files import check_output_dir
-from .loading import SHIPPED_HEADS, draft_dtype, head_to_load, load_models
+from .files import check_output_dir, write_json_atomic
+from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
-from .plan import Acceptance, load_profile, make_plan, split_prompts, summary, write_json
+from .plan import Acceptance, load_profile, make_plan, split_prompts, summary
 from .train.data import HELDOUT_FRACTION, load_dataset, split, stats
 from .train.distill import distill, ids_in
 from .train.evaluate import measure_copy_calibration
@@ -37,8 +37,7 @@ from .train.loop import TrainConfig, on_cpu, resolve_precision, training_convers
 from .tree_search.copy import COPY_CALIBRATION
 from .viz import render_html, viz_step
 
-# SHIPPED_HEADS and draft_dtype live in .loading; named here too, where scripts and tests have imported them from.
-__all__ = ["SHIPPED_HEADS", "build_parser", "draft_dtype", "main"]
+__all__ = ["build_parser", "main"]
 
 
 def cmd_data(args) -> int:
@@ -318,7 +317,7 @@ def cmd_plan(args) -> int:
                        max_nodes=args.max_nodes, max_depth=args.max_depth, top_k=args.top_k_draft,
                        max_new_tokens=args.max_new_tokens)
     result["prompts"] = args.prompts
-    write_json(args.out, result)
+    write_json_atomic(args.out, result)
     print(summary(result))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if result["check"]["within_tolerance"] else 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,10 +138,10 @@ STALE_PROFILE = 2.0
 def latency_profile(target, path=None):
     """The verify-latency profile of this target on this device: loaded from `path`, or from the cache.
 
-    The cached profile (no `path`) is measured once and checked on every load against a quick probe
-    of the one-token pass (about 0.1-0.5 s): one measured while the machine was busy (t(1) more than
-    STALE_PROFILE times the probe's) is measured again and replaced, and `notes` says so. A cached
-    profile slower than the probe by less, or faster (this run is the busy one), is kept.
+    The cached profile (no `path`) is measured once and checked by each process that loads it, against a
+    quick probe of the one-token pass (about 0.1-0.5 s): one measured while the machine was busy (t(1)
+    more than STALE_PROFILE times the probe's) is measured again and replaced, and `notes` says so. A
+    cached profile slower than the probe by less, or faster (this run is the busy one), is kept.
     """
     device = next(target.parameters()).device
 
@@ -154,6 +155,18 @@ def latency_profile(target, path=None):
     name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
     name += kernels_tag(target)  # other kernels, other costs
     path = cache_dir() / "profiles" / f"{name}.json"
+    if path in _CHECKED_PROFILES:  # probed once per process (a chat probes before its first turn only)
+        return deepcopy(_CHECKED_PROFILES[path])  # a copy: the auto searcher updates its drafting cost
+    _CHECKED_PROFILES[path] = _checked_profile(path, measure)
+    return deepcopy(_CHECKED_PROFILES[path])
+
+
+_CHECKED_PROFILES: dict = {}  # cache path -> the profile this process checked (or measured) there
+
+
+def _checked_profile(path, measure) -> LatencyProfile:
+    """The cached profile at `path` if a probe of the one-token pass says it was not measured on a busy machine,
+    else (or when there is none, or it is damaged) a new measurement saved there."""
     try:
         cached = LatencyProfile.load(path) if path.is_file() else None
     except ValueError:  # a damaged cache file is measured again
@@ -341,11 +354,13 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     if copy:
         copy_calibration = copy_calibration if copy_calibration is not None else head_copy_calibration(head, copy_len)
 
+    searcher = make_searcher(tree, budget, depth, top_k_draft, device, None, accept_by_rank, tree_paths, profile,
+                             calibrator) if drafts else None
     t0 = time.perf_counter()
     seq = _Sequence(target, head, ids, copy_calibration if copy else None)
     stats.times["prefill"] += time.perf_counter() - t0
-    searcher = make_searcher(tree, budget, depth, top_k_draft, device, seq.drafter.token_map if seq.drafter else None,
-                             accept_by_rank, tree_paths, profile, calibrator) if drafts else None
+    if searcher is not None and seq.drafter is not None:
+        searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
     for step in speculative_steps(target, seq, searcher, int(ids[-1]), max_new_tokens, depth,
                                   (temperature, top_k, top_p, generator), stop_token_ids(target, tokenizer, stop),
                                   copy_spans, copy_len, inspect_step):

@@ -30,7 +30,6 @@ import torch
 
 from .decoding import _features, encode_prompt, generate
 from .draft_heads import make_drafter, target_to_draft
-from .files import write_json_atomic as write_json
 from .target import new_cache
 from .tree_search import LatencyProfile
 from .verify import prefill

@@ -882,7 +882,7 @@ def main(argv=None) -> int:
     vllm = VLLM(Wheel(find_wheel(args.wheels, "vllm", args.vllm_wheel)))
     sglang = SGLang(Wheel(find_wheel(args.wheels, "sglang", args.sglang_wheel)))
 
-    from eagletree.cli import SHIPPED_HEADS
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import Eagle3Head, load_head
     from eagletree.target import load_target
 

@@ -257,19 +257,26 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
         return {n: {"mask": 0.0, "forward": now["t1"] * (1 + n / 16), "accept": 0.0, "commit": 0.0} for n in sizes}
 
     monkeypatch.setattr(decoding, "measure_verify", fake_measure)
+    monkeypatch.setattr(decoding, "_CHECKED_PROFILES", {})
     first = decoding.latency_profile(model)  # nothing cached: measured once and cached
     assert calls == [(1, 8, 16, 32, 64)] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
     (cached,) = (tmp_path / "profiles").glob("*.json")
     saved = cached.read_text()
-    # A later run probes the one-token pass only and keeps the cache: the machine is as fast (or busier now).
+    # Within one process the checked profile is reused as it is (a copy: auto updates its drafting cost).
+    calls.clear()
+    again = decoding.latency_profile(model)
+    assert calls == [] and again.verify_s == first.verify_s and again is not first
+    # A later process probes the one-token pass only and keeps the cache: the machine is as fast (or busier now).
     for t1 in (0.03, 0.05, 0.5):
         now["t1"] = t1
         calls.clear()
+        decoding._CHECKED_PROFILES.clear()  # as in a new process
         assert decoding.latency_profile(model).verify_s == first.verify_s
         assert calls == [(1,)] and cached.read_text() == saved
     # The cache came from a busy machine: its t(1) is more than twice the probe's, so it is measured again.
     now["t1"] = 0.01
     calls.clear()
+    decoding._CHECKED_PROFILES.clear()
     fresh = decoding.latency_profile(model)
     assert calls == [(1,), (1, 8, 16, 32, 64)]
     assert float(fresh.verify(1)) == pytest.approx(0.01 * 17 / 16) and "busy machine" in fresh.notes["remeasured"]
@@ -277,6 +284,7 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     # A damaged cache file is measured again too, and a profile passed as a file is never probed.
     cached.write_text("{not json")
     calls.clear()
+    decoding._CHECKED_PROFILES.clear()
     decoding.latency_profile(model)
     assert calls == [(1, 8, 16, 32, 64)]
     calls.clear()

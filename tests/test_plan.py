@@ -218,7 +218,7 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
     """On the shipped head: the plan's tree decoded by `generate` gives the predicted tokens/pass (same prompts,
     so only the estimator is checked, not prompt-to-prompt noise)."""
     from eagletree.bench import load_prompts
-    from eagletree.cli import SHIPPED_HEADS
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import load_head
     from eagletree.plan import make_plan
 

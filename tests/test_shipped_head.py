@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagletree.cli import SHIPPED_HEADS
+from eagletree.loading import SHIPPED_HEADS
 from eagletree.draft_heads import EagleHead, load_head
 from eagletree.decoding import generate
 from eagletree.packing import pack_linears, packing_problem, stock_kernels, unpack_linears

@@ -245,7 +245,7 @@ def test_page_walk_is_the_engines_walk(browser, tmp_path):
 
 @pytest.mark.real
 def test_viz_on_smollm2(smollm2, tmp_path):
-    from eagletree.cli import SHIPPED_HEADS
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import load_head
 
     model, tok = smollm2

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..draft_heads import EagleHead, make_drafter
+from ..files import write_json_atomic, write_text_atomic
 from ..tree_search import eagle2_search
 from ..verify.profile import measure_verify
 from .inputs import TREE_METHODS, parse_list
@@ -206,9 +207,8 @@ def main_profile(args, command: str) -> int:
             "tokens_source": source, "machine": machine_info(model)}
     text = profile_report(rows, projections, info, command)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps({"command": command, **info, "rows": rows,
-                                                  "projections": projections}, indent=2))
-    (out / "profile.md").write_text(text)
+    write_json_atomic(out / "profile.json", {"command": command, **info, "rows": rows, "projections": projections})
+    write_text_atomic(out / "profile.md", text)
     print(text)
     print(f"wrote {out / 'profile.md'} and profile.json", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_json_atomic, write_text_atomic
 from ..packing import cpu_model
 from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
 
@@ -204,7 +205,7 @@ def write_outputs(report: dict, out) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report["plots"] = write_plots(report, out)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    (out / "results.md").write_text(markdown_report(report))
+    write_json_atomic(out / "results.json", report)
+    write_text_atomic(out / "results.md", markdown_report(report))
     return out
 

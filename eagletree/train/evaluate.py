@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import sys
@@ -16,6 +17,8 @@ from tqdm import tqdm
 from .. import target as targets
 from ..decoding import GenerationStats, decode_steps, encode_prompt
 from ..draft_heads import TreeDrafter, load_head
+from ..errors import EagletreeError
+from ..files import write_json_atomic
 from ..packing import pack_target
 from ..prompts import by_category, mtbench_subset
 from ..tree_search import Calibrator, acceptance_pairs, calibration_report
@@ -177,14 +180,17 @@ def evaluation_conversations(cfg) -> list:
 
 
 def mtbench_tokens_per_pass(head, target, tokenizer, questions: int, max_new_tokens: int = 128, depth: int = 6,
-                            copy: bool = False) -> dict:
+                            copy_calibration: CopyCalibration | None = None) -> dict:
     """Tokens/pass on `questions` MT-bench first turns (spread over the 8 categories), per category and mean:
-    EAGLE-2, 60 nodes, top-k 10, T = 0, the head alone or (copy) with copied spans."""
+    EAGLE-2, 60 nodes, top-k 10, T = 0, the head alone, or with copied spans valued by `copy_calibration`
+    (a copy of it starts every question, so each question's number does not depend on the ones before)."""
     chosen = mtbench_subset(questions)
     new, passes = [], []
     for q in tqdm(chosen, desc="MT-bench", leave=False):
+        copying = dict(copy=False) if copy_calibration is None else \
+            dict(copy=True, copy_calibration=copy.deepcopy(copy_calibration))
         r = tokens_per_pass(head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth,
-                            top_k_draft=10, copy=copy)
+                            top_k_draft=10, **copying)
         new.append(r["new_tokens"])
         passes.append(r["passes"])
     return {"questions": len(chosen), "max_new_tokens": max_new_tokens, "depth": depth,
@@ -216,14 +222,15 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
     if mtbench:
+        # copies valued by the calibration just measured on the held-out prompts (what is saved with the head)
         metrics["mtbench"] = {"eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth),
                               "eagle2_60_copy": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth,
-                                                                        copy=True)}
+                                                                        copy_calibration=copy_calibration)}
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
-        Path(head_dir, "calibration.json").write_text(json.dumps(asdict(calibrator)))
+        write_json_atomic(head_dir / "calibration.json", asdict(calibrator))
         copy_calibration.save(head_dir / COPY_CALIBRATION)
-    Path(cfg.out_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json_atomic(Path(cfg.out_dir, "metrics.json"), metrics)
     return metrics
 
 
@@ -260,7 +267,7 @@ def main(argv=None) -> int:
         metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
                                mtbench=args.mtbench)
         print(json.dumps(metrics, indent=2))
-    except TrainingError as e:
+    except EagletreeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.ship:
