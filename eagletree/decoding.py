@@ -270,7 +270,7 @@ class _Sequence:
 
 
 def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_tokens: int, depth: int, sampling: tuple,
-                      stops, copy_spans: int = 3, copy_len: int = 64, inspect_step=None):
+                      stops, copy_spans: int = 3, copy_len: int = 16, inspect_step=None):
     """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit.
 
     `sampling` is (temperature, top_k, top_p, generator); yields a Step per pass.
@@ -309,7 +309,7 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
                  truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
-                 inspect_step=None, copy=None, copy_spans=3, copy_len=64, copy_calibration=None, tree_paths=None):
+                 inspect_step=None, copy=None, copy_spans=3, copy_len=16, copy_calibration=None, tree_paths=None):
     """Yield the tokens each target pass emits (a list per pass); records every pass in `stats`.
 
     tree: "eagle2" | "optimal" | "chain" | "sequoia" | "auto" (see tree_search.searchers); "auto" keeps
