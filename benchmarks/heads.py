@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout, spec_count
 from eagletree.draft_heads import HeadError, load_head
+from eagletree.files import write_json_atomic
 from eagletree.loading import load_models
 from eagletree.prompts import by_category, mtbench_subset
 from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
         same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget",
                                                                          "depth", "top_k", "offset", "skip_prompts",
                                                                          "target", "temperature", "seed", "tree")}
+        if not sampled:
+            same.pop("seed")  # greedy decoding does not use it
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
@@ -168,9 +171,8 @@ def main(argv=None) -> int:
     if categories is not None:
         print(category_table(categories, rows, labels))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "categories": categories, "answers": hashes,
-                                              "heads": report}, indent=2))
+        write_json_atomic(Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes,
+                                           "heads": report})
     return 0
 
 

@@ -155,10 +155,9 @@ def latency_profile(target, path=None):
     name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
     name += kernels_tag(target)  # other kernels, other costs
     path = cache_dir() / "profiles" / f"{name}.json"
-    if path in _CHECKED_PROFILES:  # probed once per process (a chat probes before its first turn only)
-        return deepcopy(_CHECKED_PROFILES[path])  # a copy: the auto searcher updates its drafting cost
-    _CHECKED_PROFILES[path] = _checked_profile(path, measure)
-    return deepcopy(_CHECKED_PROFILES[path])
+    if path not in _CHECKED_PROFILES:  # probed once per process (a chat probes before its first turn only)
+        _CHECKED_PROFILES[path] = _checked_profile(path, measure)
+    return deepcopy(_CHECKED_PROFILES[path])  # a copy: the auto searcher updates its drafting cost
 
 
 _CHECKED_PROFILES: dict = {}  # cache path -> the profile this process checked (or measured) there

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config_cls, model1, model3 = eagle_modules(args.eagle_repo)
 
-    from eagletree.cli import SHIPPED_HEADS
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import Eagle3Head, load_head
     from eagletree.draft_heads.export import exported_state, export_head
     from eagletree.target import load_target

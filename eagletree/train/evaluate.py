@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shutil
 import sys
 import warnings
+from copy import deepcopy
 from dataclasses import asdict
 from pathlib import Path
 
@@ -188,7 +188,7 @@ def mtbench_tokens_per_pass(head, target, tokenizer, questions: int, max_new_tok
     new, passes = [], []
     for q in tqdm(chosen, desc="MT-bench", leave=False):
         copying = dict(copy=False) if copy_calibration is None else \
-            dict(copy=True, copy_calibration=copy.deepcopy(copy_calibration))
+            dict(copy=True, copy_calibration=deepcopy(copy_calibration))
         r = tokens_per_pass(head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth,
                             top_k_draft=10, **copying)
         new.append(r["new_tokens"])
@@ -260,10 +260,10 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
-        cfg = TrainConfig.from_sources(args.config, args.overrides)
-        head = load_head(Path(cfg.out_dir) / "head")
         if args.mtbench < 0:
             raise TrainingError(f"--mtbench must be >= 0 (0 = no MT-bench), got {args.mtbench}")
+        cfg = TrainConfig.from_sources(args.config, args.overrides)
+        head = load_head(Path(cfg.out_dir) / "head")
         metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
                                mtbench=args.mtbench)
         print(json.dumps(metrics, indent=2))

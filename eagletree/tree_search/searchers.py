@@ -97,6 +97,7 @@ class AutoSearcher(Searcher):
         super().__init__(budget, top_k, device, token_map)
         self.profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
         self.never = not trees_can_pay(profile, budget)
+        self.t_one = float(profile.verify(1))  # a plain one-token pass
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.search_budget = budget
         self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
@@ -125,8 +126,7 @@ class AutoSearcher(Searcher):
             spent[1] += 1
             return probs
 
-        t_one = float(self.profile.verify(1))
-        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
+        min_gain = self.profile.draft_s_per_level / self.t_one  # tokens a drafting level must add to pay for itself
         full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
                               min_gain=min_gain, **self._options(copies))
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
@@ -139,7 +139,7 @@ class AutoSearcher(Searcher):
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         n, expected, rate = choose_budget(values, self.profile, spent[1] + 1, max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
-        gain = rate * t_one
+        gain = rate * self.t_one
         self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
         if self.gain < 1.0:
             self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)

@@ -12,7 +12,6 @@ Each returns a dict of measurements with "ok"; nothing here needs pytest or scip
 
 from __future__ import annotations
 
-
 import torch
 
 from eagletree.draft_heads import EagleHead
