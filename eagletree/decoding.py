@@ -21,7 +21,7 @@ from .draft_heads import make_drafter, target_identity
 from .packing import kernels_tag, machine_key
 from .target import cache_dir, new_cache
 from .tree_search import Calibrator, LatencyProfile
-from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_trie
+from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_only, copy_trie
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
 from .verify import DraftTree, prefill, verify_step
@@ -256,7 +256,7 @@ class _Sequence:
         if draft.copy_info is None:
             return 0
         self.calibration.update(draft, accepted)
-        return sum(len(draft.copy_info[v] or ()) == 2 for v in accepted[1:])
+        return sum(copy_only(draft.copy_info[v]) for v in accepted[1:])
 
     def commit(self, step) -> None:
         """A verified pass's tokens reach the drafter (at its next catch-up) and the copy index."""

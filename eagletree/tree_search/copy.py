@@ -28,6 +28,12 @@ MATCH_BINS = (1, 2, 3, 4, 8)
 COPY_CALIBRATION = "copy_calibration.json"
 
 
+def copy_only(info) -> bool:
+    """Whether a node's `DraftTree.copy_info` entry says a copied span alone proposed it: (match bin, position);
+    a copy the head proposed too carries a third entry, and a node no span proposed has None."""
+    return info is not None and len(info) == 2
+
+
 def match_bin(length: int) -> int:
     """Index into MATCH_BINS of a match of `length` >= 1 tokens."""
     return sum(length >= b for b in MATCH_BINS) - 1
@@ -124,7 +130,7 @@ class CopyCalibration:
         on_path = set(accepted)
         parents = tree.parents.tolist()
         for v, info in enumerate(tree.copy_info):
-            if info is None or len(info) > 2 or parents[v] not in on_path:
+            if not copy_only(info) or parents[v] not in on_path:
                 continue
             b, j = info
             self.tried[b, j] += 1

@@ -21,6 +21,7 @@ import time
 import torch
 
 from ..verify import DraftTree
+from .copy import copy_only
 from .cost import LatencyProfile, choose_budget
 from .dynamic import eagle2_search, optimal_search
 from .static import Shape, chain_shape, choices_shape, sequoia_tree, static_search
@@ -161,7 +162,7 @@ def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
     """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
     a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
     if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
-        copied = torch.tensor([info is not None and len(info) == 2 for info in tree.copy_info])
+        copied = torch.tensor([copy_only(info) for info in tree.copy_info])
         a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
     a[0] = 1.0
     return torch.exp(tree.ancestors().double() @ a.log())[1:]
