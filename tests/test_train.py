@@ -109,7 +109,23 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     torch.manual_seed(0)
     head = EagleHead.create(model, tiny_cfg(tmp_path, init_from_target=True))
     last = model.get_decoder().layers[-1].state_dict()
-    assert all(torch.equal(v, last[k]) for k, v in head.layer.state_dict().items())
+    mine = head.layer.state_dict()
+    scaled = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "mlp.down_proj.weight"}
+    assert all(torch.equal(v, last[k]) for k, v in mine.items() if k not in scaled)
+    # the rescaled ones: the target's weight times one factor per group, measured on a target pass
+    ratio = {k: (mine[k] / last[k]).flatten() for k in scaled}
+    assert all(torch.allclose(r, r[:1].expand_as(r), rtol=1e-4) for r in ratio.values())
+    first = {k: r[0].item() for k, r in ratio.items()}
+    assert first["self_attn.q_proj.weight"] == pytest.approx(first["self_attn.v_proj.weight"], rel=1e-5)
+    assert first["self_attn.o_proj.weight"] == pytest.approx(first["mlp.down_proj.weight"], rel=1e-5)
+    from eagletree.draft_heads.base import HeadError
+    from eagletree.draft_heads.eagle import _last_layer_scales
+    residual, normed, feature = _last_layer_scales(model, None)
+    assert first["mlp.down_proj.weight"] == pytest.approx(feature / residual, rel=1e-5) and feature / residual < 0.9
+    assert first["self_attn.q_proj.weight"] == pytest.approx(normed / feature, rel=1e-5)
+    with pytest.raises(HeadError, match=r"probe_tokens must be one sequence of at least 32 token ids, got shape \(2, 40\)"):
+        _last_layer_scales(model, torch.zeros(2, 40, dtype=torch.long))
     assert set(last) - set(head.layer.state_dict()) == {"input_layernorm.weight"}  # the head's layer has no input norm
     h = model.config.hidden_size
     assert torch.equal(head.fc.weight[:, h:], torch.eye(h)) and head.fc.weight[:, :h].abs().sum() > 0

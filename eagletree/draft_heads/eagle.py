@@ -68,11 +68,19 @@ class EagleHead(DraftHead):
         return head
 
     @torch.no_grad()
-    def init_from_target(self, target_model) -> None:
-        """Start as the target's last decoder layer (same class and shapes; the head's layer has no input norm),
-        with fc passing the feature half of its input through unchanged (the token embedding half keeps its
-        random init), instead of all random."""
-        last = target_model.get_decoder().layers[-1]
+    def init_from_target(self, target_model, probe_tokens: torch.Tensor | None = None) -> None:
+        """Start as the target's last decoder layer, rescaled to work on features, with fc passing the feature
+        half of its input through unchanged (the token embedding half keeps its random init).
+
+        The head's layer has no input norm and reads and writes post-norm features, while the target's last
+        layer reads the normed residual stream and adds updates sized for it (on SmolLM2-135M the residual's
+        RMS is ~31 and the feature's ~2). So q/k/v are scaled by rms(normed input) / rms(feature) and o_proj and
+        down_proj by rms(feature) / rms(residual), measured by one target pass over `probe_tokens` (default:
+        256 token ids drawn with a fixed seed): the start then adds the last layer's update at the feature's
+        scale instead of one ~15x too large.
+        """
+        decoder = target_model.get_decoder()
+        last = decoder.layers[-1]
         if type(last) is not type(self.layer):
             raise HeadError(f"the target's decoder layer is a {type(last).__name__}, the head's a "
                             f"{type(self.layer).__name__}: cannot start from it")
@@ -80,7 +88,17 @@ class EagleHead(DraftHead):
         theirs = {k: v for k, v in last.state_dict().items() if k in mine}  # the head's layer has no input norm
         if set(theirs) != set(mine):
             raise HeadError(f"the target's last layer lacks {sorted(set(mine) - set(theirs))}: cannot start from it")
+        scaled = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.down_proj.weight")
+        if not set(scaled) <= set(mine):
+            raise HeadError(f"the head's layer lacks {sorted(set(scaled) - set(mine))}: cannot rescale the target's "
+                            f"last layer to the feature's scale")
         self.layer.load_state_dict(theirs)  # shapes must match
+        residual, normed, feature = _last_layer_scales(target_model, probe_tokens)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(self.layer.self_attn, name).weight.mul_(normed / feature)
+        self.layer.self_attn.o_proj.weight.mul_(feature / residual)
+        self.layer.mlp.down_proj.weight.mul_(feature / residual)
         h = self.config.hidden_size
         self.fc.weight[:, h:] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
         if self.fc.bias is not None:
@@ -116,3 +134,25 @@ class EagleHead(DraftHead):
 
     def make_drafter(self, target_model) -> TreeDrafter:
         return TreeDrafter(self, target_model)
+
+
+def _rms(x: torch.Tensor) -> float:
+    return x.float().pow(2).mean(-1).sqrt().mean().item()
+
+
+@torch.no_grad()
+def _last_layer_scales(target_model, probe_tokens: torch.Tensor | None) -> tuple[float, float, float]:
+    """RMS of the target's residual stream entering its last layer, of that layer's normed input, and of the
+    final post-norm features, over one pass of probe_tokens [T] (the first 16 positions left out)."""
+    device = next(target_model.parameters()).device
+    if probe_tokens is None:
+        generator = torch.Generator().manual_seed(0)
+        probe_tokens = torch.randint(0, target_model.config.vocab_size, (256,), generator=generator)
+    if probe_tokens.dim() != 1 or probe_tokens.numel() < 32:
+        raise HeadError(f"probe_tokens must be one sequence of at least 32 token ids, got shape {tuple(probe_tokens.shape)}")
+    decoder = target_model.get_decoder()
+    states = decoder(input_ids=probe_tokens[None].to(device), output_hidden_states=True).hidden_states
+    entering = states[-2][0, 16:]
+    normed = decoder.layers[-1].input_layernorm(entering)
+    return _rms(entering), _rms(normed), _rms(states[-1][0, 16:])
+
