@@ -269,7 +269,7 @@ class _Sequence:
 
 
 def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_tokens: int, depth: int, sampling: tuple,
-                      stops, copy_spans: int = 3, copy_len: int = 16, inspect_step=None):
+                      stops, copy_spans: int = 3, copy_len: int = 64, inspect_step=None):
     """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit.
 
     `sampling` is (temperature, top_k, top_p, generator); yields a Step per pass.
@@ -279,11 +279,12 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
         left = max_new_tokens - emitted
         t, seq.draft_s = time.perf_counter(), 0.0
         step_depth = min(depth, left - 1)  # drafting deeper than the tokens still wanted is wasted work
-        # 1. Draft: the head, when it drafts this step, and copied spans of earlier text. A span longer
-        #    than the budget could never be verified whole.
+        # 1. Draft: the head, when it drafts this step, and copied spans of earlier text, also looked up
+        #    after the head's best nodes' paths. A span longer than the budget could never be verified whole.
         drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
         expand = seq.expand(root, inspect_step) if drafting else None
-        copies = copy_trie(seq.index, seq.calibration, copy_spans, min(copy_len, searcher.budget - 1, left - 1)) \
+        copies = copy_trie(seq.index, seq.calibration, copy_spans, min(copy_len, searcher.budget - 1, left - 1),
+                           at_nodes=expand is not None) \
             if seq.index is not None and left > 1 and searcher.takes_copies() else None
         # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
         if expand is None and copies is None:
@@ -307,7 +308,7 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
                  truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
-                 inspect_step=None, copy=None, copy_spans=3, copy_len=16, copy_calibration=None, tree_paths=None):
+                 inspect_step=None, copy=None, copy_spans=3, copy_len=64, copy_calibration=None, tree_paths=None):
     """Yield the tokens each target pass emits (a list per pass); records every pass in `stats`.
 
     tree: "eagle2" | "optimal" | "chain" | "sequoia" | "auto" (see tree_search.searchers); "auto" keeps
@@ -317,8 +318,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     e.g. [(0,), (1,), (0, 0)]) drafts that static shape instead of Sequoia's.
     copy (default: on for eagle2, optimal and auto) adds copied continuations of earlier text to the
     tree (`copy_spans` matches, up to `copy_len` tokens each, valued by `copy_calibration`, by
-    default the one saved next to the head, learning from every verified tree); with head=None
-    the tree is the copies alone (prompt lookup).
+    default the one saved next to the head, learning from every verified tree), under the root and
+    under the head's best nodes; with head=None the tree is the copies alone (prompt lookup).
     `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
     trees from the same drafter state); the drafter's tree is reset after it.
     """
@@ -385,7 +386,7 @@ def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
     folder = getattr(head, "source_dir", None)
     path = Path(folder) / COPY_CALIBRATION if folder else None
     if path is not None and path.is_file():
-        return CopyCalibration.load(path)  # spans are cut at its length
+        return CopyCalibration.load(path)  # its last column values the positions past its length
     return CopyCalibration(max_len=copy_len)
 
 

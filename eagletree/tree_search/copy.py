@@ -11,7 +11,9 @@ span, learned as decoding goes.
 
 The tree search (`dynamic._search` with `copies=`) grafts the trie onto the head's candidates:
 a copied token equal to a head candidate is one node, and the search chooses among all of them
-under the one node budget. Copied nodes are deterministic drafts (a point mass), which the
+under the one node budget. With `copy_trie(at_nodes=True)` copies also start under the head's
+best nodes: the context extended by such a node's path is looked up the same way, and what
+followed is grafted under that node. Copied nodes are deterministic drafts (a point mass), which the
 acceptance rules already treat exactly, so the output stays the target's.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -61,22 +64,28 @@ class NgramIndex:
             for n in range(1, min(self.max_ngram, end) + 1):
                 self.table.setdefault(tuple(self.tokens[end - n:]), []).append(end)
 
-    def matches(self, per_ngram: int = 8) -> list[tuple[int, int]]:
+    def matches(self, per_ngram: int = 8, suffix=()) -> list[tuple[int, int]]:
         """(match length, position after the match) of earlier occurrences of the context's last tokens.
 
         Longest first, then most recent; the length is extended backwards past max_ngram (up to
-        max_match) so that calibration can tell a 3-token match from a 12-token one.
+        max_match) so that calibration can tell a 3-token match from a 12-token one. `suffix`:
+        tokens not committed yet (a draft node's path) that extend the context for this lookup.
         """
-        tokens, n_tok = self.tokens, len(self.tokens)
+        tokens, n_tok, suffix = self.tokens, len(self.tokens), list(suffix)
+        n_all = n_tok + len(suffix)
+
+        def at(i):
+            return tokens[i] if i < n_tok else suffix[i - n_tok]
+
         found: dict[int, int] = {}
-        for n in range(min(self.max_ngram, n_tok), 0, -1):
-            ends = self.table.get(tuple(tokens[n_tok - n:]), ())
+        for n in range(min(self.max_ngram, n_all), 0, -1):
+            ends = self.table.get(tuple(at(i) for i in range(n_all - n, n_all)), ())
             seen = 0
             for end in reversed(ends):
-                if end >= n_tok or end in found:
+                if end >= n_all or end in found:
                     continue
                 length = n
-                while length < self.max_match and end - 1 - length >= 0 and tokens[end - 1 - length] == tokens[n_tok - 1 - length]:
+                while length < self.max_match and end - 1 - length >= 0 and at(end - 1 - length) == at(n_all - 1 - length):
                     length += 1
                 found[end] = length
                 seen += 1
@@ -84,11 +93,13 @@ class NgramIndex:
                     break
         return sorted(((length, end) for end, length in found.items()), key=lambda m: (-m[0], -m[1]))
 
-    def continuation(self, end: int, length: int) -> list[int]:
-        """The `length` tokens that followed position `end`; running into the present, the copy repeats itself."""
-        tokens, n_tok, span = self.tokens, len(self.tokens), []
+    def continuation(self, end: int, length: int, suffix=()) -> list[int]:
+        """The `length` tokens that followed position `end` (of the context extended by `suffix`);
+        running into the present, the copy repeats itself."""
+        tokens, n_tok, suffix, span = self.tokens, len(self.tokens), list(suffix), []
+        n_all = n_tok + len(suffix)
         for pos in range(end, end + length):
-            span.append(tokens[pos] if pos < n_tok else span[pos - n_tok])
+            span.append((tokens[pos] if pos < n_tok else suffix[pos - n_tok]) if pos < n_all else span[pos - n_all])
         return span
 
 
@@ -98,6 +109,7 @@ class CopyCalibration:
     Beta-smoothed counts: `prior` is the measured table a later run starts from (e.g. measured on
     held-out prompts and saved next to the head), worth `strength` observations per cell; each
     decoding step's outcomes are added with `update`, so the values follow the text at hand.
+    The last position's cell stands for every later one too, so spans may be longer than the table.
     """
 
     def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0):
@@ -136,11 +148,27 @@ class CopyCalibration:
             self.tried[b, j] += 1
             self.accepted[b, j] += v in on_path
 
+    def cell(self, position: int) -> int:
+        """The table's column for a copied token `position` tokens into its span."""
+        return min(position, self.max_len - 1)
+
+    def measured(self) -> torch.Tensor:
+        """[bins, positions] rates for a later run's prior: each position's counts smoothed toward the
+        previous position's rate (the first toward the prior), not toward a flat prior.
+
+        Deeper positions are tried less often (their parents must be accepted first); next to each
+        other they are accepted at similar rates, so a cell with few counts takes its neighbour's."""
+        rate = torch.empty_like(self.prior)
+        for j in range(self.max_len):
+            toward = self.prior[:, 0] if j == 0 else rate[:, j - 1]
+            rate[:, j] = (self.accepted[:, j] + self.strength * toward) / (self.tried[:, j] + self.strength)
+        return rate
+
     def save(self, path) -> None:
-        """Write the smoothed rates (the next run's prior) with the counts behind them, atomically."""
+        """Write the measured rates (`measured`: the next run's prior) with the counts behind them, atomically."""
         from ..files import write_text_atomic
 
-        rate = self.rate().clamp(0.01, 0.99)
+        rate = self.measured().clamp(0.01, 0.99)
         write_text_atomic(Path(path), json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
                                                   "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}))
 
@@ -163,8 +191,11 @@ class CopyTrie:
     tokens: list[int]
     parents: list[int]
     factors: list[float]  # calibrated P(accept | parent accepted)
-    info: list[tuple[int, int] | None]  # (match bin, position index) per node
+    info: list[tuple[int, int] | None]  # (match bin, calibration column: `CopyCalibration.cell`) per node
     depths: list[int]
+    # path (tokens after the root) -> the CopyTrie of the continuations of the context extended by
+    # that path, or None; the searches graft it under the head's best nodes (`copy_trie(at_nodes=True)`).
+    lookup: Callable[[tuple], "CopyTrie | None"] | None = None
 
     @property
     def depth(self) -> int:
@@ -188,17 +219,40 @@ class CopyTrie:
         return kids
 
 
-def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 3, max_len: int | None = None) -> CopyTrie | None:
-    """The continuations of the `max_spans` best matches as one trie, or None when nothing matches."""
-    max_len = min(max_len or calibration.max_len, calibration.max_len)
+def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 3, max_len: int | None = None,
+              at_nodes: bool = False) -> CopyTrie | None:
+    """The continuations (max_len tokens, default the calibration's length) of the `max_spans` best
+    matches as one trie, or None when nothing matches.
+
+    at_nodes=True: the trie also looks up, for a draft node's path, the continuations of the context
+    extended by it (`CopyTrie.lookup`), so copies start under head-drafted nodes too, with spans
+    reaching at most max_len tokens below the root; the trie is then returned even when empty.
+    """
+    max_len = max_len or calibration.max_len
     rate = calibration.rate()
+    trie = _matches_trie(index, calibration, rate, max_spans, max_len, ())
+    if at_nodes:
+        def lookup(path: tuple) -> CopyTrie | None:
+            if len(path) >= max_len:
+                return None
+            below = _matches_trie(index, calibration, rate, max_spans, max_len - len(path), path)
+            return below if len(below) > 1 else None
+
+        trie.lookup = lookup
+        return trie
+    return trie if len(trie) > 1 else None
+
+
+def _matches_trie(index: NgramIndex, calibration: CopyCalibration, rate: torch.Tensor, max_spans: int, max_len: int,
+                  suffix: tuple) -> CopyTrie:
+    """The trie of the continuations (up to max_len tokens) of the context + `suffix`'s best matches."""
     trie = CopyTrie([-1], [-1], [1.0], [None], [0])
     child: dict[tuple[int, int], int] = {}
     spans = 0
-    for length, end in index.matches():
+    for length, end in index.matches(suffix=suffix):
         if spans >= max_spans:
             break
-        span = index.continuation(end, max_len)
+        span = index.continuation(end, max_len, suffix)
         b, u, new = match_bin(length), 0, False
         for j, t in enumerate(span):
             v = child.get((u, t))
@@ -207,10 +261,10 @@ def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 
                 child[(u, t)] = v
                 trie.tokens.append(t)
                 trie.parents.append(u)
-                trie.factors.append(float(rate[b, j]))
-                trie.info.append((b, j))
+                trie.factors.append(float(rate[b, calibration.cell(j)]))
+                trie.info.append((b, calibration.cell(j)))
                 trie.depths.append(j + 1)
                 new = True
             u = v
         spans += new  # a span that only repeats an earlier one's tokens adds nothing
-    return trie if len(trie) > 1 else None
+    return trie

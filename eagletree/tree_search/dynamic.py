@@ -64,6 +64,30 @@ def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) 
     return tree
 
 
+COPY_MASS = 0.99  # the most a node's copied children are worth together: the head's others keep a little
+
+
+def _exclusive(copy_parents, copy_probs, merged_parents, merged_head_probs) -> tuple[dict, dict]:
+    """Per parent with copied children: (scale of its copied children, scale of its other head children).
+
+    At most one child of a node is accepted, so its children's estimates should sum to at most 1:
+    copied children (estimate p each, the better of copy and head for one the head proposed too)
+    worth M > COPY_MASS together are scaled to that, and the head's other children keep their share
+    of what the copies leave, (1 - M) / (1 - the head's probability of the copied tokens it proposed).
+    """
+    mass, head_mass = {}, {}
+    for u, p in zip(copy_parents, copy_probs):
+        mass[u] = mass.get(u, 0.0) + p
+    for u, q in zip(merged_parents, merged_head_probs):
+        head_mass[u] = head_mass.get(u, 0.0) + q
+    copy_scale = {u: COPY_MASS / m for u, m in mass.items() if m > COPY_MASS}
+    head_scale = {}
+    for u, m in mass.items():
+        rest = 1.0 - head_mass.get(u, 0.0)
+        head_scale[u] = min(1.0, (1.0 - min(m, COPY_MASS)) / rest) if rest > 0 else 0.0
+    return copy_scale, head_scale
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference forms
 # ---------------------------------------------------------------------------------------------
@@ -75,8 +99,11 @@ class _Nodes:
     def __init__(self, root_token, copies=None):
         self.tokens, self.parents, self.probs, self.values, self.depths = [int(root_token)], [-1], [1.0], [1.0], [0]
         self.paths = [()]
-        self.copies, self.trie_node = copies, ({0: 0} if copies is not None else {})  # node -> copy trie node, same path
-        self.trie_kids = copies.children() if copies is not None else None
+        self.copies = copies
+        # node -> (copy trie, its children lists, trie node) on the same path: the root's trie, or one
+        # looked up under a head node (`look_up`)
+        self.trie_node = {0: (copies, copies.children(), 0)} if copies is not None else {}
+        self.lookup = copies.lookup if copies is not None else None
         self.copy_info = {}
 
     def _add(self, u, t, p) -> int:
@@ -87,6 +114,14 @@ class _Nodes:
         self.depths.append(self.depths[u] + 1)
         self.paths.append(self.paths[u] + (t,))
         return len(self.tokens) - 1
+
+    def look_up(self, nodes) -> None:
+        """Give each of `nodes` not on a copied path the copies of the context extended by its path."""
+        for u in nodes if self.lookup is not None else ():
+            if u not in self.trie_node:
+                trie = self.lookup(self.paths[u])
+                if trie is not None:
+                    self.trie_node[u] = (trie, trie.children(), 0)
 
     def children(self, child_probs, u, top_k, head=True):
         """Create u's top_k children with non-zero probability (head=True) and its copied ones; return their ids."""
@@ -99,18 +134,28 @@ class _Nodes:
                 if p > 0:
                     by_token[t] = self._add(u, t, p)
                     made.append(by_token[t])
-        for c in self.trie_kids[self.trie_node[u]] if u in self.trie_node else ():
-            t, a = self.copies.tokens[c], self.copies.factors[c]
+        trie, kids, at = self.trie_node.get(u, (None, None, None))
+        copied, merged = [], []
+        for c in kids[at] if trie is not None else ():
+            t, a = trie.tokens[c], trie.factors[c]
             v = by_token.get(t)
             if v is None:
                 v = self._add(u, t, a)
                 made.append(v)
-                self.copy_info[v] = self.copies.info[c]
+                self.copy_info[v] = trie.info[c]
             else:
-                if a > self.probs[v]:  # one node: valued by the better of the two estimates
-                    self.probs[v], self.values[v] = a, self.values[u] * a
-                self.copy_info[v] = self.copies.info[c] + (True,)  # the head proposed it too
-            self.trie_node[v] = c
+                merged.append((v, self.probs[v]))
+                self.probs[v] = max(a, self.probs[v])  # one node: valued by the better of the two estimates
+                self.copy_info[v] = trie.info[c] + (True,)  # the head proposed it too
+            copied.append(v)
+            self.trie_node[v] = (trie, kids, c)
+        if copied:
+            copy_scale, head_scale = _exclusive([u] * len(copied), [self.probs[v] for v in copied],
+                                                [u] * len(merged), [q for _, q in merged])
+            for v in made:
+                self.probs[v] *= copy_scale.get(u, 1.0) if v in copied else head_scale[u]
+        for v in made:
+            self.values[v] = self.values[u] * self.probs[v]
         return made
 
     def key(self, v):  # rank order: higher value, then shallower, then created earlier
@@ -128,16 +173,22 @@ def eagle2_tree(child_probs: Callable, root_token: int, budget: int = 60, depth:
 
     `copies` (a `copy.CopyTrie`): its continuations are drafted too, to the trie's depth; the head
     drafts under the frontier only, and copied children of frontier nodes may enter the frontier.
+    With `copies.lookup`, each level's best top_k nodes not on a copied path get the copies of the
+    context extended by their path as well. A node's children with copies among them are valued
+    so that they sum to at most 1 (`_exclusive`).
     """
     check_search_args(budget, depth, top_k)
     nodes = _Nodes(root_token, copies)
-    frontier, drafted = [0], []
-    for level in range(1, max(depth, copies.depth if copies is not None else 0) + 1):
+    frontier, drafted, level = [0], [], 0
+    while True:
+        level += 1
         candidates = [c for u in frontier for c in nodes.children(child_probs, u, top_k)]
         others = [u for u in nodes.trie_node if nodes.depths[u] == level - 1 and u not in frontier]
         drafted += candidates + [c for u in others for c in nodes.children(child_probs, u, top_k, head=False)]
-        frontier = sorted(candidates, key=nodes.key)[:top_k] if level < depth else []
-        if not frontier and (copies is None or level >= copies.depth):
+        best = sorted(candidates, key=nodes.key)[:top_k]
+        nodes.look_up(best)  # copies also start under the level's best nodes
+        frontier = best if level < depth else []
+        if not frontier and not any(nodes.depths[u] == level for u in nodes.trie_node):
             break
     return nodes.tree(sorted(drafted, key=nodes.key)[: budget - 1])
 
@@ -148,7 +199,8 @@ def optimal_tree(child_probs: Callable, root_token: int, budget: int = 60, depth
 
     Best-first: a child is never worth more than its parent, so popping the highest value from a
     heap of candidates yields the global top nodes in order, each after its parent. `copies` (a
-    `copy.CopyTrie`) adds the copied continuations as candidates too, to their own depth.
+    `copy.CopyTrie`) adds the copied continuations as candidates too, to their own depth, and with
+    `copies.lookup` those looked up after each chosen node not on a copied path.
     """
     check_search_args(budget, depth, top_k)
     nodes = _Nodes(root_token, copies)
@@ -158,6 +210,7 @@ def optimal_tree(child_probs: Callable, root_token: int, budget: int = 60, depth
     while heap and len(chosen) < budget - 1:
         _, d, v = heapq.heappop(heap)
         chosen.append(v)
+        nodes.look_up([v])
         for c in nodes.children(child_probs, v, top_k, head=d < depth):
             heapq.heappush(heap, nodes.key(c))
     return nodes.tree(chosen)
@@ -207,7 +260,8 @@ class _Table:
     def graft(self, copies, level, placed, frontier, ids, values):
         """Add the copy trie's nodes at depth `level` under their placed parents, merging with equal head children.
 
-        ids/values: the head's new children at this level (a contiguous id range). Returns the
+        Where a parent gets copied children, its children are revalued to sum to at most 1
+        (`_exclusive`). ids/values: the head's new children at this level (a contiguous id range). Returns the
         level's (ids, values) with the new copied nodes appended, and the copied nodes the head can
         expand next (those under this level's frontier: the drafter has their parents' state).
         A few host reads per level, none per node.
@@ -218,7 +272,6 @@ class _Table:
         if not level_nodes:
             return ids, values, none
         parents = [placed[copies.parents[c]] for c in level_nodes]
-        parent_values = self.values[torch.tensor(parents, device=device)].tolist()
         head_child = {}
         if ids.numel():
             mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))]
@@ -226,9 +279,9 @@ class _Table:
                 table = torch.stack([mine, self.parents[mine], self.tokens[mine]]).tolist()
                 head_child = {(u, t): v for v, u, t in zip(*table)}
         start, expanded = int(ids[0]) if ids.numel() else 0, set(frontier.tolist())
-        new_tokens, new_parents, new_probs, new_values, can_expand, merged = [], [], [], [], [], []
+        new_tokens, new_parents, new_probs, can_expand, merged = [], [], [], [], []
         next_id = self.tokens.numel()
-        for c, u, pv in zip(level_nodes, parents, parent_values):
+        for c, u in zip(level_nodes, parents):
             t, a = copies.tokens[c], copies.factors[c]
             v = head_child.get((u, t))
             if v is None:
@@ -237,30 +290,41 @@ class _Table:
                 new_tokens.append(t)
                 new_parents.append(u)
                 new_probs.append(a)
-                new_values.append(pv * a)
                 can_expand.append(u in expanded)
                 self.copy_info[v] = copies.info[c]
             else:
                 merged.append((v, u, a))
                 self.copy_info[v] = copies.info[c] + (True,)  # the head proposed it too
             placed[c] = v
-        if merged:  # one node, valued by the better of the two estimates
+        f64 = dict(dtype=torch.float64, device=device)
+        head_q = self.probs[torch.tensor([v for v, _, _ in merged], device=device)].tolist() if merged else []
+        merged_p = [max(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the better of the two estimates
+        copy_scale, head_scale = _exclusive(new_parents + [u for _, u, _ in merged], new_probs + merged_p,
+                                            [u for _, u, _ in merged], head_q)
+        new_probs = [p * copy_scale.get(u, 1.0) for u, p in zip(new_parents, new_probs)]
+        merged_p = [p * copy_scale.get(u, 1.0) for (_, u, _), p in zip(merged, merged_p)]
+        if merged:
             vs = torch.tensor([v for v, _, _ in merged], device=device)
-            a = torch.tensor([a for _, _, a in merged], dtype=torch.float64, device=device)
-            better = a > self.probs[vs]
-            vs, a = vs[better], a[better]
-            self.probs[vs] = a
-            self.values[vs] = self.values[self.parents[vs]] * a
+            self.probs[vs] = torch.tensor(merged_p, **f64)
+            self.values[vs] = self.values[self.parents[vs]] * self.probs[vs]
             values[vs - start] = self.values[vs]
+        if head_scale:  # the head's other children of a parent with copies share what the copies leave
+            copied = torch.tensor([v for v, _, _ in merged] or [-1], device=device)
+            for u, r in head_scale.items():
+                own = (self.parents[ids] == u) & ~torch.isin(ids, copied) & torch.isfinite(values)
+                vs = ids[own]
+                self.probs[vs] *= r
+                self.values[vs] = self.values[u] * self.probs[vs]
+                values[own] = self.values[vs]
         if not new_tokens:
             return ids, values, none
-        f64 = dict(dtype=torch.float64, device=device)
+        new_values = (self.values[torch.tensor(new_parents, device=device)] * torch.tensor(new_probs, **f64))
         self.tokens = torch.cat([self.tokens, torch.tensor(new_tokens, device=device)])
         self.parents = torch.cat([self.parents, torch.tensor(new_parents, device=device)])
         self.probs = torch.cat([self.probs, torch.tensor(new_probs, **f64)])
-        self.values = torch.cat([self.values, torch.tensor(new_values, **f64)])
+        self.values = torch.cat([self.values, new_values])
         new = torch.arange(next_id - len(new_tokens), next_id, device=device)
-        return (torch.cat([ids, new]), torch.cat([values, torch.tensor(new_values, **f64)]),
+        return (torch.cat([ids, new]), torch.cat([values, new_values]),
                 new[torch.tensor(can_expand, device=device)])
 
     def best(self, ids, values, count):
@@ -283,26 +347,55 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
     frontier = torch.zeros(1 if expand is not None else 0, dtype=torch.long, device=device)  # None: copies only
     none = (torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.float64, device=device))
     drafted, drafted_values = [], []
-    placed = {0: 0}  # copy trie node -> table node
-    levels = max(depth, copies.depth) if copies is not None else depth
-    for level in range(1, levels + 1):
+    # Copy tries being grafted: (trie, trie node -> table node, the level of its root). The root's
+    # trie first; with `copies.lookup`, one more under each of a level's best nodes not on a copied path.
+    tries = [(copies, {0: 0}, 0)] if copies is not None else []
+    lookup = copies.lookup if copies is not None else None
+    on_copy = {0}  # table nodes with a trie of their own or on a copied path
+    level = 0
+    while True:
+        level += 1
         # The head drafts to `depth` under the frontier; copied spans go on to their own depth.
         ids, values = table.grow(expand, frontier, top_k, level, token_map) if frontier.numel() else none
-        head_ids, head_values = ids, values
-        if copies is not None:
-            ids, values, copied = table.graft(copies, level, placed, frontier, ids, values)
-            head_ids, head_values = torch.cat([head_ids, copied]), torch.cat([head_values, table.values[copied]])
+        head_ids = ids  # and the copied nodes the head can expand
+        for trie, placed, start in tries:
+            if start < level <= start + trie.depth:
+                ids, values, copied = table.graft(trie, level - start, placed, frontier, ids, values)
+                head_ids = torch.cat([head_ids, copied])
         drafted.append(ids)
         drafted_values.append(values)
-        frontier = table.best(head_ids, head_values, width) if level < depth else none[0]
+        best = table.best(head_ids, table.values[head_ids], width)  # values as the grafts left them
+        if lookup is not None:
+            tries += _look_up(table, lookup, best, on_copy, level)
+        frontier = best if level < depth else none[0]
         # A child is worth at most its parent times its probability, so the next level can add at
         # most the frontier's total value: stop once that is below what drafting a level costs.
         if min_gain > 0 and frontier.numel() and float(table.values[frontier].sum()) < min_gain:
             frontier = none[0]
-        if frontier.numel() == 0 and (copies is None or level >= copies.depth):
+        if frontier.numel() == 0 and not any(level < start + trie.depth for trie, _, start in tries):
             break
     ids, values = torch.cat(drafted), torch.cat(drafted_values)
     return table.tree(table.best(ids, values, budget - 1), with_copies=copies is not None)
+
+
+def _look_up(table: _Table, lookup, nodes: torch.Tensor, on_copy: set, level: int) -> list:
+    """The copy tries of the context extended by each of `nodes`' paths, for nodes not on a copied path."""
+    on_copy.update(table.copy_info)
+    todo = [v for v in nodes.tolist() if v not in on_copy]
+    if not todo:
+        return []
+    tokens, parents = table.tokens.tolist(), table.parents.tolist()
+    found = []
+    for v in todo:
+        path, u = [], v
+        while u > 0:
+            path.append(tokens[u])
+            u = parents[u]
+        trie = lookup(tuple(reversed(path)))
+        on_copy.add(v)
+        if trie is not None:
+            found.append((trie, {0: v}, level))
+    return found
 
 
 def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
