@@ -295,6 +295,8 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
         # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
         step = verify_step(target, seq.cache, draft, *sampling, stops, layers=seq.layers)
         times.update(step.times)
+        if searcher is not None:
+            searcher.observe(len(draft), sum(step.times.values()))
         copied = seq.learn(draft, step.accepted)
         tokens = step.tokens[:left]
         emitted += len(tokens)

@@ -53,11 +53,12 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     assert saved["machine"].endswith(f"-{torch.get_num_threads()}t-float32")
 
 
-def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16):
+def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True):
     """Decode `steps` passes with tree="auto" on a synthetic machine: every drafter call costs `level_s`
     (the catch-up call on committed tokens too), a pass over N nodes costs profile.verify(N), and every
-    draft distribution puts `top1` on one token (acceptance = draft probability). Returns (tokens/s over a
-    plain one-token pass's, passes that drafted)."""
+    draft distribution puts `top1` on one token (acceptance = draft probability); `load` x both costs on a
+    machine that is that much busier than when the profile was measured, each pass's time told to the
+    searcher when `observe`. Returns (tokens/s over a plain one-token pass's on that machine, passes that drafted)."""
     clock = [0.0]  # the synthetic machine's time: drafter calls advance it
     policy = AutoSearcher(profile, None, budget, top_k, clock=lambda: clock[0])
     t1 = float(profile.verify(1))
@@ -67,19 +68,21 @@ def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4
     dist[0] = top1
 
     def expand(nodes, tokens, parents, level):
-        clock[0] += level_s
+        clock[0] += load * level_s
         return dist.expand(len(nodes), vocab).clone()
 
     for _ in range(steps):
         n, expected = 1, 1.0
         if policy.drafts():
             drafted += 1
-            clock[0] += level_s  # the catch-up call on the committed tokens
+            clock[0] += load * level_s  # the catch-up call on the committed tokens
             tree = policy.search(expand, 0, depth)
             n, expected = len(tree), tree.expected_tokens
-        clock[0] += float(profile.verify(n))
+        clock[0] += load * float(profile.verify(n))
+        if observe:
+            policy.observe(n, load * float(profile.verify(n)))
         tokens += expected
-    return tokens / clock[0] * t1, drafted
+    return tokens / clock[0] * t1 * load, drafted
 
 
 T1 = 0.03  # seconds of a one-token pass
@@ -105,6 +108,24 @@ def test_default_tree_is_never_slower_than_plain_and_takes_the_gain_where_trees_
     xeon = LatencyProfile([1, 8, 16, 64], [0.0328, 0.0586, 0.0619, 0.1154])
     speed, _ = simulate_auto(xeon, 0.0024, top1)
     assert speed >= 0.97 and (top1 < 0.5 or speed > 1.05)
+
+
+def test_a_busy_machine_weighs_drafting_and_verifying_alike():
+    # The profile was measured idle; now everything runs 3x slower. Timed live, drafting looks 3x dearer
+    # than the profile's passes unless the passes' measured times rescale the profile.
+    pays = LatencyProfile([1, 16, 64], [T1, 1.1 * T1, 3 * T1])
+    idle, drafted_idle = simulate_auto(pays, 0.1 * T1, 0.5)
+    busy, drafted_busy = simulate_auto(pays, 0.1 * T1, 0.5, load=3.0)
+    blind, drafted_blind = simulate_auto(pays, 0.1 * T1, 0.5, load=3.0, observe=False)
+    assert drafted_idle == 128 and drafted_busy >= 120 and busy == pytest.approx(idle, rel=0.03) and busy > 1.1
+    assert drafted_blind < 16 and blind < 1.05  # without the passes' times it pauses and loses the gain
+    # The first pass sets the ratio; after it one odd pass (a GC pause: 40x the profile) moves it by at most 4^0.2.
+    policy = AutoSearcher(pays, None, 32, 4)
+    policy.observe(16, 2 * 1.1 * T1)
+    policy.observe(16, 40 * 1.1 * T1)
+    assert policy.load == pytest.approx(2 * 2 ** AutoSearcher.LOAD_SMOOTHING)
+    assert policy.measured.verify_s == pytest.approx([t * policy.load for t in pays.verify_s])
+    assert pays.verify_s == [T1, 1.1 * T1, 3 * T1]  # the profile itself is left as measured
 
 
 def test_cli_defaults_to_the_auto_tree_for_generate_and_chat():

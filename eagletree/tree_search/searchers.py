@@ -17,6 +17,7 @@ when the head does not draft this step; `copies` is a CopyTrie of copied spans, 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -49,6 +50,9 @@ class Searcher:
 
     def search(self, expand, root: int, depth: int, copies=None) -> DraftTree:
         raise NotImplementedError
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """Told after each target pass: it verified `nodes` nodes (root included) in `seconds` (verify, accept, commit)."""
 
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
@@ -90,8 +94,13 @@ class AutoSearcher(Searcher):
     trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
     pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
     follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
+    The profile's verify times are rescaled by what the passes of this generation actually took (`observe`),
+    so drafting (timed live) and verifying are weighed under the same load: on a machine busier than when the
+    profile was measured, both are slower, not only drafting.
     `clock` times the drafter's calls (a stand-in clock makes a synthetic machine in tests).
     """
+
+    LOAD_SMOOTHING = 0.2  # weight of each new pass in the running verify-time ratio
 
     def __init__(self, profile: LatencyProfile, calibrator=None, budget: int = 60, top_k: int = 10, device="cpu",
                  token_map=None, max_wait: int = 64, clock=time.perf_counter):
@@ -103,6 +112,16 @@ class AutoSearcher(Searcher):
         self.search_budget = budget
         self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
         self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
+        self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
+        self.measured = profile  # the profile with its verify times scaled by `load`
+
+    def observe(self, nodes, seconds):
+        expected = float(self.profile.verify(nodes))
+        if not (seconds > 0 and expected > 0):
+            return
+        ratio = min(max(seconds / expected, 0.25), 4.0)  # one pass (a GC pause, a page fault) moves it little
+        self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
+        self.measured = replace(self.profile, verify_s=[t * self.load for t in self.profile.verify_s])
 
     def drafts(self) -> bool:
         if self.never:
@@ -127,20 +146,21 @@ class AutoSearcher(Searcher):
             spent[1] += 1
             return probs
 
-        min_gain = self.profile.draft_s_per_level / self.t_one  # tokens a drafting level must add to pay for itself
+        profile, t_one = self.measured, self.t_one * (self.load or 1.0)
+        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
         full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
                               min_gain=min_gain, **self._options(copies))
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
         if expand is None:
-            return full.prefix(choose_budget(values, self.profile, 0, max_budget=self.search_budget)[0])
+            return full.prefix(choose_budget(values, profile, 0, max_budget=self.search_budget)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         self.draft_s += spent[0]
         self.levels += spent[1]
-        self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(values, self.profile, spent[1] + 1, max_budget=self.search_budget)
+        self.profile.draft_s_per_level = profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
+        n, expected, rate = choose_budget(values, profile, spent[1] + 1, max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
-        gain = rate * self.t_one
+        gain = rate * t_one
         self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
         if self.gain < 1.0:
             self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
