@@ -145,7 +145,7 @@ def brute_force_hybrid(child_probs, trie, budget, depth, top_k):
         for c in kids_of[at] if copy is not None else ():
             tok = copy.tokens[c]
             head_q += kids.get(tok, 0.0)
-            kids[tok] = max(kids.get(tok, 0.0), copy.factors[c])
+            kids[tok] = 1 - (1 - kids.get(tok, 0.0)) * (1 - copy.factors[c])  # agreeing head and copy
             copied.add(tok)
             trie_at[path + (tok,)] = (copy, kids_of, c)
         if copied:  # a node's children are worth at most 0.99 + what the head's others keep
@@ -243,10 +243,11 @@ def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_p
     kids = tree.children()
     assert sorted(tree.tokens[kids[0]].tolist()) == [1, 2]  # the copy's 2 merged with the head's 2
     two = next(c for c in kids[0] if int(tree.tokens[c]) == 2)
-    assert float(tree.draft_probs[two]) == pytest.approx(0.9) and tree.copy_info[two] == (4, 0, True)
+    # Both propose 2: 1 - (1 - 0.9)(1 - 0.32), more than either alone
+    assert float(tree.draft_probs[two]) == pytest.approx(0.932) and tree.copy_info[two] == (4, 0, True)
     one = next(c for c in kids[0] if int(tree.tokens[c]) == 1)
-    # At most one child is accepted: the head's 1 keeps its share of what the copy leaves, 0.6 (1 - 0.9) / (1 - 0.32).
-    assert tree.copy_info[one] is None and float(tree.draft_probs[one]) == pytest.approx(0.6 * 0.1 / 0.68)
+    # At most one child is accepted: the head's 1 keeps its share of what the copy leaves, 0.6 (1 - 0.932) / (1 - 0.32).
+    assert tree.copy_info[one] is None and float(tree.draft_probs[one]) == pytest.approx(0.6 * 0.068 / 0.68)
     assert tree.depth == 8  # the copied span runs past the head's depth 2
     assert tree.tokens[tree.path_to(int(tree.depths.argmax()))].tolist() == [0, 2, 3, 4, 5, 3, 2, 1, 4]
     # Siblings stay distinct (DraftTree refuses repeats), and a greedy target that follows the copy accepts it all.

@@ -64,6 +64,15 @@ def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) 
     return tree
 
 
+def agreed(copy_rate: float, head_prob: float) -> float:
+    """The estimate of a token both a copied span and the head propose: 1 - (1 - a)(1 - q), as if either
+    signal alone would have found it. Two independent sources agreeing are right more often than either:
+    measured on 10 MT-bench questions (EAGLE-2 60 nodes), such nodes whose larger estimate was 0.5-0.8
+    were accepted 74-100% of the time, so the larger estimate alone undervalues them, and a path's
+    product compounds that along chains where head and copy keep agreeing."""
+    return 1.0 - (1.0 - copy_rate) * (1.0 - head_prob)
+
+
 COPY_MASS = 0.99  # the most a node's copied children are worth together: the head's others keep a little
 
 
@@ -71,7 +80,7 @@ def _exclusive(copy_parents, copy_probs, merged_parents, merged_head_probs) -> t
     """Per parent with copied children: (scale of its copied children, scale of its other head children).
 
     At most one child of a node is accepted, so its children's estimates should sum to at most 1:
-    copied children (estimate p each, the better of copy and head for one the head proposed too)
+    copied children (estimate p each, `agreed` for one the head proposed too)
     worth M > COPY_MASS together are scaled to that, and the head's other children keep their share
     of what the copies leave, (1 - M) / (1 - the head's probability of the copied tokens it proposed).
     """
@@ -145,7 +154,7 @@ class _Nodes:
                 self.copy_info[v] = trie.info[c]
             else:
                 merged.append((v, self.probs[v]))
-                self.probs[v] = max(a, self.probs[v])  # one node: valued by the better of the two estimates
+                self.probs[v] = agreed(a, self.probs[v])  # one node: the head and a copy agree
                 self.copy_info[v] = trie.info[c] + (True,)  # the head proposed it too
             copied.append(v)
             self.trie_node[v] = (trie, kids, c)
@@ -298,7 +307,7 @@ class _Table:
             placed[c] = v
         f64 = dict(dtype=torch.float64, device=device)
         head_q = self.probs[torch.tensor([v for v, _, _ in merged], device=device)].tolist() if merged else []
-        merged_p = [max(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the better of the two estimates
+        merged_p = [agreed(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the head and a copy agree
         copy_scale, head_scale = _exclusive(new_parents + [u for _, u, _ in merged], new_probs + merged_p,
                                             [u for _, u, _ in merged], head_q)
         new_probs = [p * copy_scale.get(u, 1.0) for u, p in zip(new_parents, new_probs)]
@@ -417,7 +426,7 @@ def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10
     tokens (the tree is then optimal for the levels drafted). `copies` (a `copy.CopyTrie`) adds
     its copied continuations as candidates, valued by their calibrated acceptance, to the trie's
     own depth (beyond the head's): a copied token equal to a head candidate is that node (valued by
-    the larger estimate), and the head also drafts under copied nodes of the beam. The result is
+    `agreed`), and the head also drafts under copied nodes of the beam. The result is
     `optimal_tree(..., copies=)`'s: the best budget-node tree over head and copy candidates.
     """
     return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map,
