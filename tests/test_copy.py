@@ -182,13 +182,20 @@ def test_hybrid_optimal_equals_brute_force_and_batched_equals_reference():
             assert_children_sum_to_at_most_one(ref)
     for seed in range(30):
         child_probs, trie = drafter(seed, vocab=12), random_trie(seed, vocab=12, spans=4, length=9)
-        for search, reference in ((optimal_search, optimal_tree), (eagle2_search, eagle2_tree)):
-            ref = reference(child_probs, 0, 20, depth=3, top_k=3, copies=trie)
-            fast = search(path_expand(child_probs), 0, 20, depth=3, top_k=3, copies=trie)
-            assert paths_of(fast) == paths_of(ref), (seed, search.__name__)
-            assert fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
-            assert copy_info_by_path(fast) == copy_info_by_path(ref)
-            assert_children_sum_to_at_most_one(fast)
+        assert_batched_equals_reference(child_probs, trie, seed)
+
+
+def assert_batched_equals_reference(child_probs, trie, seed):
+    """Both batched searches build their reference form's tree (20 nodes, depth 3, top-k 3); returns them."""
+    trees = {}
+    for search, reference in ((optimal_search, optimal_tree), (eagle2_search, eagle2_tree)):
+        ref = reference(child_probs, 0, 20, depth=3, top_k=3, copies=trie)
+        fast = trees[search] = search(path_expand(child_probs), 0, 20, depth=3, top_k=3, copies=trie)
+        assert paths_of(fast) == paths_of(ref), (seed, search.__name__)
+        assert fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
+        assert copy_info_by_path(fast) == copy_info_by_path(ref)
+        assert_children_sum_to_at_most_one(fast)
+    return trees
 
 
 def assert_children_sum_to_at_most_one(tree):
@@ -212,13 +219,7 @@ def test_copies_looked_up_under_head_nodes_equal_brute_force_and_batched_equals_
     for seed in range(30):
         child_probs, trie = drafter(seed, vocab=12), random_trie(seed, vocab=12, spans=4, length=9)
         trie.lookup = random_lookup(12, 6)
-        for search, reference in ((optimal_search, optimal_tree), (eagle2_search, eagle2_tree)):
-            ref = reference(child_probs, 0, 20, depth=3, top_k=3, copies=trie)
-            fast = search(path_expand(child_probs), 0, 20, depth=3, top_k=3, copies=trie)
-            assert paths_of(fast) == paths_of(ref), (seed, search.__name__)
-            assert fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
-            assert copy_info_by_path(fast) == copy_info_by_path(ref)
-            assert_children_sum_to_at_most_one(fast)
+        for search, fast in assert_batched_equals_reference(child_probs, trie, seed).items():
             plain = copy_trie_without_lookup(trie)
             grew += fast.expected_tokens > search(path_expand(child_probs), 0, 20, depth=3, top_k=3,
                                                   copies=plain).expected_tokens + 1e-9
