@@ -25,6 +25,17 @@ def test_head_shapes_and_size(kind):
     assert out.shape == (2, 5, h)
 
 
+def test_a_head_for_a_bf16_target_keeps_float32_weights():
+    # Training's precision=auto loads the target in bf16, and its config then says dtype=bfloat16: the head's
+    # weights must stay float32 (the optimizer's master copy) while autocast computes in bf16.
+    from eagletree.draft_heads.eagle3 import Eagle3Head
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    for head in (EagleHead.for_target(model.config), Eagle3Head.for_target(model)):
+        assert {p.dtype for p in head.parameters()} == {torch.float32}, type(head).__name__
+
+
 @pytest.mark.real
 def test_smollm2_head_is_about_three_percent_of_the_target(smollm2):
     model, _ = smollm2

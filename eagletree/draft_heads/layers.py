@@ -48,7 +48,9 @@ def build_layer(layer_config):
 
     cfg = copy.deepcopy(layer_config)
     cfg.vocab_size, cfg.pad_token_id = 1, None  # the throwaway base model's embedding stays tiny
-    base = AutoModel.from_config(cfg, attn_implementation="sdpa")
+    # float32 whatever the target's config says: a target loaded in bf16 (training's precision=auto) carries
+    # dtype=bfloat16, which from_config would give the layer, and the optimizer would then update bf16 weights.
+    base = AutoModel.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     layer = base.layers[0]
     # EAGLE's first (only) layer has no input norm: its input is the fc output (EAGLE, vLLM and
     # SGLang all drop it), so the exported weights carry none.
