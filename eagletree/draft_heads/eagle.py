@@ -17,6 +17,11 @@ from .drafter import TreeDrafter
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
 
 
+# The decoder layer's weights that read its input and that write its updates (rescaled by init_from_target).
+READS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+WRITES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
 class EagleHead(DraftHead):
     """EAGLE-1/2 feature-level draft head."""
 
@@ -88,17 +93,14 @@ class EagleHead(DraftHead):
         theirs = {k: v for k, v in last.state_dict().items() if k in mine}  # the head's layer has no input norm
         if set(theirs) != set(mine):
             raise HeadError(f"the target's last layer lacks {sorted(set(mine) - set(theirs))}: cannot start from it")
-        scaled = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "self_attn.o_proj.weight", "mlp.down_proj.weight")
-        if not set(scaled) <= set(mine):
-            raise HeadError(f"the head's layer lacks {sorted(set(scaled) - set(mine))}: cannot rescale the target's "
-                            f"last layer to the feature's scale")
+        if not set(READS + WRITES) <= set(mine):
+            raise HeadError(f"the head's layer lacks {sorted(set(READS + WRITES) - set(mine))}: cannot rescale the "
+                            f"target's last layer to the feature's scale")
         self.layer.load_state_dict(theirs)  # shapes must match
         residual, normed, feature = _last_layer_scales(target_model, probe_tokens)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(self.layer.self_attn, name).weight.mul_(normed / feature)
-        self.layer.self_attn.o_proj.weight.mul_(feature / residual)
-        self.layer.mlp.down_proj.weight.mul_(feature / residual)
+        for names, factor in ((READS, normed / feature), (WRITES, feature / residual)):
+            for name in names:
+                self.layer.get_parameter(name).mul_(factor)
         h = self.config.hidden_size
         self.fc.weight[:, h:] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
         if self.fc.bias is not None:
@@ -155,4 +157,3 @@ def _last_layer_scales(target_model, probe_tokens: torch.Tensor | None) -> tuple
     entering = states[-2][0, 16:]
     normed = decoder.layers[-1].input_layernorm(entering)
     return _rms(entering), _rms(normed), _rms(states[-1][0, 16:])
-

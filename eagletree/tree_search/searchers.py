@@ -113,7 +113,11 @@ class AutoSearcher(Searcher):
         self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
         self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
-        self.measured = profile  # the profile with its verify times scaled by `load`
+
+    @property
+    def measured(self) -> LatencyProfile:
+        """The profile with its verify times scaled by `load` (and the drafting cost measured so far)."""
+        return replace(self.profile, verify_s=[t * (self.load or 1.0) for t in self.profile.verify_s])
 
     def observe(self, nodes, seconds):
         expected = float(self.profile.verify(nodes))
@@ -121,7 +125,6 @@ class AutoSearcher(Searcher):
             return
         ratio = min(max(seconds / expected, 0.25), 4.0)  # one pass (a GC pause, a page fault) moves it little
         self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
-        self.measured = replace(self.profile, verify_s=[t * self.load for t in self.profile.verify_s])
 
     def drafts(self) -> bool:
         if self.never:
@@ -146,19 +149,19 @@ class AutoSearcher(Searcher):
             spent[1] += 1
             return probs
 
-        profile, t_one = self.measured, self.t_one * (self.load or 1.0)
+        t_one = self.t_one * (self.load or 1.0)
         min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
         full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
                               min_gain=min_gain, **self._options(copies))
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
         if expand is None:
-            return full.prefix(choose_budget(values, profile, 0, max_budget=self.search_budget)[0])
+            return full.prefix(choose_budget(values, self.measured, 0, max_budget=self.search_budget)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         self.draft_s += spent[0]
         self.levels += spent[1]
-        self.profile.draft_s_per_level = profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(values, profile, spent[1] + 1, max_budget=self.search_budget)
+        self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
+        n, expected, rate = choose_budget(values, self.measured, spent[1] + 1, max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
         gain = rate * t_one
         self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
