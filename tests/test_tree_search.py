@@ -114,7 +114,25 @@ def test_batched_search_calls_the_drafter_once_per_level():
 
     eagle2_search(counting, 0, budget=60, depth=6, top_k=10)
     assert [level for level, _ in calls] == [1, 2, 3, 4, 5, 6]
-    assert [n for _, n in calls] == [1, 10, 10, 10, 10, 10]
+    assert [n for _, n in calls][:4] == [1, 10, 10, 10]
+
+
+def test_nothing_is_drafted_under_nodes_worth_less_than_the_budgets_last():
+    """Once budget-1 nodes are drafted, a frontier node worth less than the last of them cannot be chosen
+    (nor its descendants): it is not expanded, and the tree is still the reference's."""
+    child_probs = drafter(1, vocab=30)
+    for budget in (8, 60):
+        calls = []
+        expand = path_expand(child_probs)
+
+        def counting(nodes, tokens, parents, level):
+            calls.append(nodes.numel())
+            return expand(nodes, tokens, parents, level)
+
+        tree = eagle2_search(counting, 0, budget=budget, depth=6, top_k=10)
+        assert paths_of(tree) == paths_of(eagle2_tree(child_probs, 0, budget=budget, depth=6, top_k=10))
+        # unpruned: 1 + 10 * 5 = 51 frontier nodes
+        assert sum(calls) == {8: 10, 60: 38}[budget], calls
 
 
 def test_min_gain_stops_drafting_once_a_level_cannot_pay():
@@ -125,15 +143,16 @@ def test_min_gain_stops_drafting_once_a_level_cannot_pay():
         levels.append(level)
         return expand(nodes, tokens, parents, level)
 
-    full = optimal_search(counting, 0, budget=20, depth=6, top_k=4)
-    assert levels == [1, 2, 3, 4, 5, 6]
+    full = optimal_search(counting, 0, budget=60, depth=6, top_k=4)
+    drafted = len(levels)  # (the sixth level: none of the fifth's nodes is worth a place among the best 59)
+    assert levels == [1, 2, 3, 4, 5]
     levels.clear()
-    cut = optimal_search(counting, 0, budget=20, depth=6, top_k=4, min_gain=0.05)
-    assert 1 < len(levels) < 6 and cut.depth <= len(levels)
+    cut = optimal_search(counting, 0, budget=60, depth=6, top_k=4, min_gain=0.2)
+    assert 1 < len(levels) < drafted and cut.depth <= len(levels)
     # Up to the levels drafted, the tree is the optimum of that depth.
-    again = optimal_search(expand, 0, budget=20, depth=len(levels), top_k=4)
+    again = optimal_search(expand, 0, budget=60, depth=len(levels), top_k=4)
     assert paths_of(again) == paths_of(cut)
-    assert optimal_search(expand, 0, budget=20, depth=6, top_k=4, min_gain=0.0).expected_tokens == full.expected_tokens
+    assert optimal_search(expand, 0, budget=60, depth=6, top_k=4, min_gain=0.0).expected_tokens == full.expected_tokens
 
 
 def brute_force_static(p, budget, depth):

@@ -266,8 +266,10 @@ class _Table:
         ids = torch.arange(start, self.tokens.numel(), device=frontier.device)
         return ids, value.flatten()
 
-    def graft(self, copies, level, placed, frontier, ids, values):
+    def graft(self, copies, level, placed, frontier, ids, values, floor=-math.inf):
         """Add the copy trie's nodes at depth `level` under their placed parents, merging with equal head children.
+
+        Parents worth less than `floor` get none (nothing under them can be chosen), nor do unplaced ones.
 
         Where a parent gets copied children, its children are revalued to sum to at most 1
         (`_exclusive`). ids/values: the head's new children at this level (a contiguous id range). Returns the
@@ -275,9 +277,12 @@ class _Table:
         expand next (those under this level's frontier: the drafter has their parents' state).
         A few host reads per level, none per node.
         """
-        level_nodes = copies.by_level(level)
         device = self.tokens.device
         none = torch.zeros(0, dtype=torch.long, device=device)
+        level_nodes = [c for c in copies.by_level(level) if copies.parents[c] in placed]
+        if level_nodes and floor > -math.inf:
+            worth = self.values[torch.tensor([placed[copies.parents[c]] for c in level_nodes], device=device)]
+            level_nodes = [c for c, ok in zip(level_nodes, (worth >= floor).tolist()) if ok]
         if not level_nodes:
             return ids, values, none
         parents = [placed[copies.parents[c]] for c in level_nodes]
@@ -361,26 +366,42 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
     tries = [(copies, {0: 0}, 0)] if copies is not None else []
     lookup = copies.lookup if copies is not None else None
     on_copy = {0}  # table nodes with a trie of their own or on a copied path
+    # The budget-1 best values of the finished levels (they never change once a level is done): a node
+    # worth less than the last of them is never chosen, nor is anything below it (a child is worth at
+    # most its parent), so nothing is drafted, looked up or grafted under it. The tree is the same.
+    best_kept, floor = none[1], -math.inf
     level = 0
     while True:
         level += 1
         # The head drafts to `depth` under the frontier; copied spans go on to their own depth.
         ids, values = table.grow(expand, frontier, top_k, level, token_map) if frontier.numel() else none
         head_ids = ids  # and the copied nodes the head can expand
+        live = []
         for trie, placed, start in tries:
             if start < level <= start + trie.depth:
-                ids, values, copied = table.graft(trie, level - start, placed, frontier, ids, values)
+                ids, values, copied = table.graft(trie, level - start, placed, frontier, ids, values, floor)
                 head_ids = torch.cat([head_ids, copied])
+                if not any(c in placed for c in trie.by_level(level - start)):
+                    continue  # nothing of this trie placed at this level: nothing deeper can be
+            live.append((trie, placed, start))
+        tries = live
         drafted.append(ids)
         drafted_values.append(values)
+        best_kept = torch.cat([best_kept, values[torch.isfinite(values)]])
+        best_kept = torch.topk(best_kept, min(budget - 1, best_kept.numel())).values
+        if best_kept.numel() == budget - 1 > 0:
+            floor = float(best_kept[-1])
         best = table.best(head_ids, table.values[head_ids], width)  # values as the grafts left them
+        worth = best[table.values[best] >= floor]
         if lookup is not None:
-            tries += _look_up(table, lookup, best, on_copy, level)
+            tries += _look_up(table, lookup, worth, on_copy, level)
         frontier = best if level < depth else none[0]
         # A child is worth at most its parent times its probability, so the next level can add at
         # most the frontier's total value: stop once that is below what drafting a level costs.
         if min_gain > 0 and frontier.numel() and float(table.values[frontier].sum()) < min_gain:
             frontier = none[0]
+        if frontier.numel():
+            frontier = worth if level < depth else none[0]
         if frontier.numel() == 0 and not any(level < start + trie.depth for trie, _, start in tries):
             break
     ids, values = torch.cat(drafted), torch.cat(drafted_values)
