@@ -97,7 +97,8 @@ class AutoSearcher(Searcher):
     The profile's verify times are rescaled by what the passes of this generation actually took (`observe`),
     so drafting (timed live) and verifying are weighed under the same load: on a machine busier than when the
     profile was measured, both are slower, not only drafting.
-    `clock` times the drafter's calls (a stand-in clock makes a synthetic machine in tests).
+    `clock` times the drafter's calls and the search's own work between them (a stand-in clock makes a
+    synthetic machine in tests); both are charged per drafted level.
     """
 
     LOAD_SMOOTHING = 0.2  # weight of each new pass in the running verify-time ratio
@@ -110,7 +111,7 @@ class AutoSearcher(Searcher):
         self.t_one = float(profile.verify(1))  # a plain one-token pass
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.search_budget = budget
-        self.draft_s, self.levels = 0.0, 0  # drafter calls so far: seconds and count
+        self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
         self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
 
@@ -150,17 +151,24 @@ class AutoSearcher(Searcher):
             return probs
 
         t_one = self.t_one * (self.load or 1.0)
-        min_gain = self.profile.draft_s_per_level / t_one  # tokens a drafting level must add to pay for itself
+        # tokens a drafting level must add to pay for itself
+        min_gain = (self.profile.draft_s_per_level + self.profile.search_s_per_level) / t_one
+        start = self.clock()
         full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
                               min_gain=min_gain, **self._options(copies))
+        searched = self.clock() - start  # the drafter's calls and the search's own work between them
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
         if expand is None:
             return full.prefix(choose_budget(values, self.measured, 0, max_budget=self.search_budget)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
+        # The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
+        # it is paid before the verify pass as well, and on a CPU it is not small next to the head's calls.
         self.draft_s += spent[0]
+        self.search_s += searched - spent[0]
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
+        self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
         n, expected, rate = choose_budget(values, self.measured, spent[1] + 1, max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
         gain = rate * t_one
