@@ -7,7 +7,8 @@ value once per query head of its group (`repeat_kv`) in every layer, because on 
 directly, so on CPU the copies are pure cost, and they grow with the context: at 1,024 cached tokens
 they were a quarter of an 8-node pass on the dev machine. `GQA_SDPA` is transformers' SDPA attention
 with that one change (bitwise the same outputs), registered under its own name so that it is chosen
-per model (`use_gqa_sdpa`), never process-wide.
+per model (`use_gqa_sdpa`), never process-wide; on other devices it is transformers' SDPA unchanged. (A
+head's one decoder layer keeps transformers' SDPA: its copies measured no different per drafting level.)
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ GQA_SDPA = "eagletree_sdpa_gqa"
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                        **kwargs):
-    """transformers' `sdpa_attention_forward`, except that grouped key/value heads are read in place
-    (`enable_gqa`) when several query rows attend; anything else goes to transformers' own function."""
+    """transformers' `sdpa_attention_forward`, except that on CPU grouped key/value heads are read in place
+    (`enable_gqa`) when several masked query rows attend; anything else goes to transformers' own function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
-    if groups == 1 or q_len == 1 or attention_mask is None or kwargs.get("position_bias") is not None \
+    if query.device.type != "cpu" or groups == 1 or q_len == 1 or attention_mask is None \
+            or kwargs.get("position_bias") is not None \
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
