@@ -280,12 +280,13 @@ class _Table:
         device = self.tokens.device
         none = torch.zeros(0, dtype=torch.long, device=device)
         level_nodes = [c for c in copies.by_level(level) if copies.parents[c] in placed]
-        if level_nodes and floor > -math.inf:
-            worth = self.values[torch.tensor([placed[copies.parents[c]] for c in level_nodes], device=device)]
-            level_nodes = [c for c, ok in zip(level_nodes, (worth >= floor).tolist()) if ok]
+        parents = [placed[copies.parents[c]] for c in level_nodes]
+        if parents and floor > -math.inf:
+            keep = (self.values[torch.tensor(parents, device=device)] >= floor).tolist()
+            level_nodes = [c for c, ok in zip(level_nodes, keep) if ok]
+            parents = [u for u, ok in zip(parents, keep) if ok]
         if not level_nodes:
             return ids, values, none
-        parents = [placed[copies.parents[c]] for c in level_nodes]
         head_child = {}
         if ids.numel():
             mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))]
@@ -395,13 +396,11 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
         worth = best[table.values[best] >= floor]
         if lookup is not None:
             tries += _look_up(table, lookup, worth, on_copy, level)
-        frontier = best if level < depth else none[0]
+        frontier = worth if level < depth else none[0]
         # A child is worth at most its parent times its probability, so the next level can add at
-        # most the frontier's total value: stop once that is below what drafting a level costs.
-        if min_gain > 0 and frontier.numel() and float(table.values[frontier].sum()) < min_gain:
+        # most the best nodes' total value: stop once that is below what drafting a level costs.
+        if min_gain > 0 and frontier.numel() and float(table.values[best].sum()) < min_gain:
             frontier = none[0]
-        if frontier.numel():
-            frontier = worth if level < depth else none[0]
         if frontier.numel() == 0 and not any(level < start + trie.depth for trie, _, start in tries):
             break
     ids, values = torch.cat(drafted), torch.cat(drafted_values)
