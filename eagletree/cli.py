@@ -30,7 +30,7 @@ from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
 from .plan import Acceptance, load_profile, make_plan, split_prompts, summary
 from .train.data import HELDOUT_FRACTION, load_dataset, split, stats
-from .train.distill import distill, ids_in
+from .train.distill import TURNS, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
@@ -374,7 +374,7 @@ def cmd_distill(args) -> int:
     counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, limit=args.limit, seed=args.seed,
-                     skip_answered=tuple(args.skip_answered))
+                     skip_answered=tuple(args.skip_answered), turns=args.turns)
     print(json.dumps(counts))
     return 0
 
@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out prompts this other distill file answers (e.g. one made with another "
                         "--max-new-tokens); repeatable")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped (counted)")
+    p.add_argument("--turns", default="first", choices=list(TURNS),
+                   help="which user turns to answer: the first, the later ones (after the conversation so far, "
+                        "earlier answers as the dataset has them; record ids end in @turn<k>), or all")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what T=0 decoding meets)")
     p.add_argument("--seed", type=int, default=0)

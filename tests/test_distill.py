@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from eagletree.train.data import Conversation, load_dataset
-from eagletree.train.distill import DistillError, answered_ids, distill, first_turns
+from eagletree.train.data import Conversation, is_heldout, load_dataset
+from eagletree.train.distill import DistillError, answered_ids, distill, first_turns, user_turns
 from eagletree.train.loop import TrainConfig, TrainingError, train
 
 from helpers import tiny_conversations, tiny_model, tiny_tokenizer
@@ -40,6 +40,43 @@ def test_first_turns_take_the_prompt_up_to_the_first_user_turn():
     assert "starts-with-assistant" not in items
     assert [m["role"] for m in items["with-system"]] == ["system", "user"]
     assert [m["role"] for m in items["t0"]] == ["user"]
+
+
+def multi_turn_conversations():
+    return [Conversation("c_0", [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+                                 {"role": "user", "content": "three"}, {"role": "assistant", "content": "four"},
+                                 {"role": "user", "content": " "}, {"role": "assistant", "content": "five"},
+                                 {"role": "user", "content": "six"}]),
+            Conversation("d", [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}])]
+
+
+def test_later_turns_are_the_conversation_so_far_with_ids_the_split_reads_as_the_same_chat():
+    convs = multi_turn_conversations()
+    later = dict(user_turns(convs, "later"))
+    assert list(later) == ["c_0@turn2", "c_0@turn4"]  # turn 3 is empty; "d" has one turn
+    assert [m["content"] for m in later["c_0@turn2"]] == ["one", "two", "three"]
+    assert [m["content"] for m in later["c_0@turn4"]][-1] == "six" and len(later["c_0@turn4"]) == 7
+    assert [i for i, _ in user_turns(convs, "all")] == ["c_0", "c_0@turn2", "c_0@turn4", "d"]
+    assert user_turns(convs, "first") == first_turns(convs)
+    with pytest.raises(DistillError, match="turns must be one of first, later, all, got 'second'"):
+        user_turns(convs, "second")
+    # Every part and turn of a chat lands on the same side of the held-out split as the chat itself.
+    ids = [f"conv{i}" for i in range(400)]
+    assert all(is_heldout(f"{i}_3@turn5", 0.3) == is_heldout(i, 0.3) == is_heldout(f"{i}@turn2", 0.3) for i in ids)
+    assert any(is_heldout(i, 0.3) for i in ids) and not all(is_heldout(i, 0.3) for i in ids)
+
+
+def test_later_turns_are_answered_greedily_and_refuse_a_file_of_first_turns(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    out = tmp_path / "later.jsonl"
+    counts = distill(model, tok, multi_turn_conversations(), out, max_new_tokens=5, batch_size=2, progress=False,
+                     turns="later", max_prompt_tokens=10_000)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert counts["answered"] == 2 and [r["id"] for r in records] == ["c_0@turn2", "c_0@turn4"]
+    for r in records:
+        assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 5)
+    with pytest.raises(DistillError, match="this run asks for"):
+        distill(model, tok, multi_turn_conversations(), out, max_new_tokens=5, progress=False)
 
 
 def test_batched_answers_equal_the_unbatched_greedy_answers(tmp_path):

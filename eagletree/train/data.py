@@ -287,8 +287,9 @@ def load_dataset(source="sharegpt") -> Dataset:
 
 
 def base_id(conv_id: str) -> str:
-    """ShareGPT splits long chats into `<id>_0`, `<id>_1`, ...: all parts share one split."""
-    return re.sub(r"_\d+$", "", conv_id)
+    """ShareGPT splits long chats into `<id>_0`, `<id>_1`, ...: all parts share one split, and so do
+    distilled answers to a chat's later turns (`<id>@turn<k>`)."""
+    return re.sub(r"(_\d+)?(@turn\d+)?$", "", conv_id)
 
 
 def is_heldout(conv_id: str, fraction: float = HELDOUT_FRACTION) -> bool:

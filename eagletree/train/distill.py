@@ -2,8 +2,8 @@
 
 A head drafts for the target's text, not for the dataset's: ShareGPT's answers come from much
 larger models, so a head trained on them learns contexts the target never writes. `eagletree
-distill` answers the first user turn of each training conversation with the target (greedy by
-default) and appends one JSONL record per answer; train on the file with `dataset=PATH`.
+distill` answers the first user turn of each training conversation (or, with `--turns`, the later
+ones, after the conversation so far) with the target (greedy by default) and appends one JSONL record per answer; train on the file with `dataset=PATH`.
 
 Only the training side of the held-out split is read, so evaluation prompts stay unseen. The file
 is append-only and resumable: a rerun skips the ids already answered, and a line cut off by an
@@ -36,15 +36,33 @@ def first_turns(conversations) -> list[tuple[str, list[dict]]]:
 
     The same prompts as evaluation takes from held-out conversations (`evaluate.heldout_prompts`).
     """
+    return user_turns(conversations, "first")
+
+
+TURNS = ("first", "later", "all")
+
+
+def user_turns(conversations, turns: str = "first") -> list[tuple[str, list[dict]]]:
+    """(id, messages through a user turn) for the conversations' first user turns, their later ones, or all.
+
+    A later turn's prompt is the conversation up to it, earlier answers included as the dataset has
+    them; its id is the conversation's with `@turn<k>` (k = 2, 3, ...), which the held-out split
+    reads as the same conversation (`data.base_id`). Empty user turns are left out.
+    """
+    if turns not in TURNS:
+        raise DistillError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
     out = []
     for conv in conversations:
-        msgs = []
+        msgs, k = [], 0
         for m in conv.messages:
             msgs.append(m)
-            if m["role"] == "user":
+            if m["role"] != "user":
+                continue
+            k += 1
+            if m["content"].strip() and (turns == "all" or (k == 1) == (turns == "first")):
+                out.append((conv.id if k == 1 else f"{conv.id}@turn{k}", list(msgs)))
+            if turns == "first":
                 break
-        if msgs and msgs[-1]["role"] == "user" and msgs[-1]["content"].strip():
-            out.append((conv.id, msgs))
     return out
 
 
@@ -175,8 +193,9 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
 
 def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
-            skip_answered: tuple = (), progress: bool = True) -> dict:
-    """Answer the first user turn of `conversations` with the target; append JSONL records to `out`.
+            skip_answered: tuple = (), progress: bool = True, turns: str = "first") -> dict:
+    """Answer the first user turn of `conversations` (`turns`: "first", "later" or "all": see `user_turns`)
+    with the target; append JSONL records to `out`.
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
     "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
@@ -195,7 +214,7 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
                            "prompt format to answer in")
     settings = {"target": target_identity(model.config)["fingerprint"], "dtype": str(model.dtype).removeprefix("torch."),
                 "temperature": float(temperature), "max_new_tokens": max_new_tokens,
-                **({"seed": seed} if temperature > 0 else {})}
+                **({"seed": seed} if temperature > 0 else {}), **({"turns": turns} if turns != "first" else {})}
     path = Path(out)
     if isinstance(skip_answered, (str, os.PathLike)):
         skip_answered = (skip_answered,)
@@ -205,7 +224,7 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     elsewhere = set().union(*(ids_in(p) for p in skip_answered))
     path.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(path, settings)
-    items = first_turns(conversations)
+    items = user_turns(conversations, turns)
     if limit:
         items = items[:limit]
     # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
