@@ -89,6 +89,34 @@ def test_tree_call_equals_running_each_path_alone(kind, draft_vocab):
         assert set(tree.tokens[1:].tolist()) <= set(d2t.tolist())  # drafted ids map back to target ids
 
 
+def test_drafting_on_cpu_reads_grouped_heads_in_place_with_sdpas_exact_outputs():
+    """The drafter switches a CPU head's decoder layer (grouped key/value heads) to GQA_SDPA: every level's
+    distributions are bitwise those of transformers' SDPA."""
+    from eagletree.target.attention import GQA_SDPA
+
+    model = tiny_model("llama")
+    head = head_for(model)
+    g = torch.Generator().manual_seed(2)
+    feats, toks = torch.randn(11, 64, generator=g), torch.randint(97, (11,), generator=g)
+    runs = {}
+    for impl in (GQA_SDPA, "sdpa"):
+        drafter = TreeDrafter(head, model)
+        assert head.layer.self_attn.config._attn_implementation == head.layer_config._attn_implementation == GQA_SDPA
+        if impl == "sdpa":
+            head.layer.self_attn.config._attn_implementation = head.layer_config._attn_implementation = "sdpa"
+        drafter.extend(feats, toks)
+        seen = []
+
+        def recording(nodes, tokens, parents, level):
+            probs = drafter(nodes, tokens, parents, level)
+            seen.append(probs)
+            return probs
+
+        optimal_search(recording, int(toks[-1]), budget=20, depth=4, top_k=3)
+        runs[impl] = seen
+    assert len(runs["sdpa"]) == 4 and all(torch.equal(a, b) for a, b in zip(runs[GQA_SDPA], runs["sdpa"]))
+
+
 def test_extend_after_a_step_continues_the_committed_prefix():
     model = tiny_model("llama")
     head = head_for(model)

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..packing import is_packed, pack_linears, packed_linear, packed_weight, packing_problem
+from ..target.attention import use_gqa_sdpa_layer
 
 
 @runtime_checkable
@@ -78,6 +79,9 @@ class TreeDrafter:
             if self.lm_weight is not None:
                 self.lm_packed = packed_weight(head, self.lm_weight)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
+        if hasattr(head, "layer"):
+            # On CPU each level's rows read the cached grouped key/value heads in place (bitwise the same outputs).
+            use_gqa_sdpa_layer(head.layer, head.layer_config)
         self.cache = head.new_cache()
         self.committed = 0
         self.root_probs = None

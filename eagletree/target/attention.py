@@ -7,8 +7,9 @@ value once per query head of its group (`repeat_kv`) in every layer, because on 
 directly, so on CPU the copies are pure cost (on the dev machine, 2 threads: 6-15% of a tree pass of
 8-32 nodes after 256 or 1,024 cached tokens). `GQA_SDPA` is transformers' SDPA attention
 with that one change (bitwise the same outputs), registered under its own name so that it is chosen
-per model (`use_gqa_sdpa`), never process-wide; on other devices it is transformers' SDPA unchanged. (A
-head's one decoder layer keeps transformers' SDPA: its copies measured no different per drafting level.)
+per model (`use_gqa_sdpa`), never process-wide; on other devices it is transformers' SDPA unchanged. A
+draft head's one decoder layer uses it too while drafting (`use_gqa_sdpa_layer`: its tree levels are
+several masked rows after the whole context).
 """
 
 from __future__ import annotations
@@ -45,18 +46,32 @@ def register() -> None:
     AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
 
 
+def _grouped_on_cpu_sdpa(config, device) -> bool:
+    groups = config.num_attention_heads // max(getattr(config, "num_key_value_heads", None)
+                                                or config.num_attention_heads, 1)
+    return device.type == "cpu" and getattr(config, "_attn_implementation", None) == "sdpa" and groups > 1
+
+
 def use_gqa_sdpa(model) -> bool:
     """Switch a CPU model on SDPA with grouped key/value heads to `GQA_SDPA`; True if it did.
 
     Models on other devices (CUDA: a mask with enable_gqa takes the math kernel), with other attention
     implementations or without grouped heads are left as they are.
     """
-    config = model.config
-    groups = config.num_attention_heads // max(getattr(config, "num_key_value_heads", None)
-                                                or config.num_attention_heads, 1)
-    device = next(model.parameters()).device
-    if device.type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa" or groups <= 1:
+    if not _grouped_on_cpu_sdpa(model.config, next(model.parameters()).device):
         return False
     register()
     model.set_attn_implementation(GQA_SDPA)
+    return True
+
+
+def use_gqa_sdpa_layer(layer, *configs) -> bool:
+    """The same for one decoder layer built outside a model (a draft head's): its attention module's config
+    and `configs` (those its masks are made from) switch to `GQA_SDPA`; True if they did."""
+    attn = layer.self_attn
+    if not _grouped_on_cpu_sdpa(attn.config, next(layer.parameters()).device):
+        return False
+    register()
+    for config in (attn.config, *configs):
+        config._attn_implementation = GQA_SDPA
     return True
