@@ -34,7 +34,7 @@ from .train.distill import TURNS, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
-from .tree_search.copy import COPY_CALIBRATION
+from .tree_search.copy import COPY_CALIBRATION, bin_labels
 from .viz import render_html, viz_step
 
 __all__ = ["build_parser", "main"]
@@ -338,7 +338,7 @@ def cmd_calibrate_copy(args) -> int:
     first = calibration.rate()[:, 0].tolist()
     print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
           f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass); first-token acceptance "
-          f"by match length 1/2/3/4-7/8+: " + " ".join(f"{r:.2f}" for r in first))
+          f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first))
     return 0
 
 

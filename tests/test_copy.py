@@ -1,12 +1,13 @@
 """Copy candidates: the n-gram index, the copy trie, calibration, and hybrid (head + copy) tree search."""
 
+import json
 import random
 
 import pytest
 import torch
 
 from eagletree.tree_search import eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand
-from eagletree.tree_search.copy import CopyCalibration, CopyTrie, NgramIndex, copy_trie, match_bin
+from eagletree.tree_search.copy import CopyCalibration, CopyTrie, NgramIndex, bin_labels, copy_trie, match_bin
 from eagletree.verify import accept_tree
 
 from test_tree_search import connected_subtrees, drafter, paths_of
@@ -88,7 +89,8 @@ def test_copy_trie_merges_agreeing_spans_and_values_by_match_length_and_position
     assert trie.factors[1] == pytest.approx(0.5) and trie.factors[5:] == pytest.approx([0.8, 0.7, 0.6])
     assert trie.depth == 4 and trie.children()[0] == [1]  # one node for the shared first token
     assert copy_trie(NgramIndex([1, 2, 3]), cal) is None
-    assert match_bin(1) == 0 and match_bin(3) == 2 and match_bin(7) == 3 and match_bin(30) == 4
+    assert [match_bin(n) for n in (1, 3, 7, 8, 30)] == [0, 2, 3, 4, 4]
+    assert bin_labels() == ["1", "2", "3", "4-7", "8+"]
 
 
 def test_measured_rates_back_off_to_the_previous_position_and_long_spans_share_the_last_cell():
@@ -288,3 +290,7 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
         CopyCalibration(strength=0)
     with pytest.raises(ValueError, match=r"prior must be \[5, 3\]"):
         CopyCalibration(max_len=3, prior=[[0.5] * 4] * 5)
+    # A table measured with other match bins values other matches: refused, naming the fix.
+    (tmp_path / "other.json").write_text(json.dumps({"match_bins": [1, 2, 3, 4, 8, 16], "rate": [[0.5] * 3] * 6}))
+    with pytest.raises(ValueError, match=r"match bins \[1, 2, 3, 4, 8, 16\], expected \[1, 2, 3, 4, 8\].*calibrate-copy"):
+        CopyCalibration.load(tmp_path / "other.json")

@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-# Match-length bins: 1, 2, 3, 4-7 and 8+ tokens of context agreeing before the copied span.
+# Match-length bins: 1, 2, 3, 4-7 and 8+ tokens of context agreeing before the copied span. (A separate
+# 16+ bin, matches extended to 32 tokens, measured no better: docs/results.md.)
 MATCH_BINS = (1, 2, 3, 4, 8)
 COPY_CALIBRATION = "copy_calibration.json"
 
@@ -40,6 +41,12 @@ def copy_only(info) -> bool:
 def match_bin(length: int) -> int:
     """Index into MATCH_BINS of a match of `length` >= 1 tokens."""
     return sum(length >= b for b in MATCH_BINS) - 1
+
+
+def bin_labels() -> list[str]:
+    """MATCH_BINS as match-length ranges: '1', '2', '3', '4-7', '8+'."""
+    ends = [b - 1 for b in MATCH_BINS[1:]]
+    return [str(b) if e == b else f"{b}-{e}" for b, e in zip(MATCH_BINS, ends)] + [f"{MATCH_BINS[-1]}+"]
 
 
 class NgramIndex:
@@ -180,7 +187,8 @@ class CopyCalibration:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}") from None
         if list(bins) != list(MATCH_BINS):
-            raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}")
+            raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}; measure a new table with "
+                             "`eagletree calibrate-copy`")
         return cls(max_len=len(rate[0]), prior=rate, strength=strength)
 
 
