@@ -3,7 +3,8 @@
 A head drafts for the target's text, not for the dataset's: ShareGPT's answers come from much
 larger models, so a head trained on them learns contexts the target never writes. `eagletree
 distill` answers the first user turn of each training conversation (or, with `--turns`, the later
-ones, after the conversation so far) with the target (greedy by default) and appends one JSONL record per answer; train on the file with `dataset=PATH`.
+ones, after the conversation so far) with the target (greedy by default) and appends one JSONL
+record per answer; train on the file with `dataset=PATH`.
 
 Only the training side of the held-out split is read, so evaluation prompts stay unseen. The file
 is append-only and resumable: a rerun skips the ids already answered, and a line cut off by an
@@ -194,8 +195,8 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
 def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
             skip_answered: tuple = (), progress: bool = True, turns: str = "first") -> dict:
-    """Answer the first user turn of `conversations` (`turns`: "first", "later" or "all": see `user_turns`)
-    with the target; append JSONL records to `out`.
+    """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
+    `user_turns`) with the target; append JSONL records to `out`.
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
     "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
