@@ -298,7 +298,7 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
         step = verify_step(target, seq.cache, draft, *sampling, stops, layers=seq.layers)
         times.update(step.times)
         if searcher is not None:
-            searcher.observe(len(draft), sum(step.times.values()))
+            searcher.observe(len(draft), sum(step.times.values()), len(step.accepted) - 1)
         copied = seq.learn(draft, step.accepted)
         tokens = step.tokens[:left]
         emitted += len(tokens)

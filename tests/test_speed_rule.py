@@ -53,14 +53,19 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     assert saved["machine"].endswith(f"-{torch.get_num_threads()}t-float32")
 
 
-def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True):
+def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True,
+                  calibrator=None, scale=True):
     """Decode `steps` passes with tree="auto" on a synthetic machine: every drafter call costs `level_s`
     (the catch-up call on committed tokens too), a pass over N nodes costs profile.verify(N), and every
-    draft distribution puts `top1` on one token (acceptance = draft probability); `load` x both costs on a
-    machine that is that much busier than when the profile was measured, each pass's time told to the
-    searcher when `observe`. Returns (tokens/s over a plain one-token pass's on that machine, passes that drafted)."""
+    draft distribution puts `top1` on one token (acceptance = draft probability, whatever `calibrator` makes
+    of it); `load` x both costs on a machine that is that much busier than when the profile was measured, each
+    pass's time and expected accepted drafts told to the searcher when `observe`; `scale=False` leaves the
+    values unscaled by what passes accepted. Returns (tokens/s over a plain one-token pass's on that machine,
+    passes that drafted)."""
     clock = [0.0]  # the synthetic machine's time: drafter calls advance it
-    policy = AutoSearcher(profile, None, budget, top_k, clock=lambda: clock[0])
+    policy = AutoSearcher(profile, calibrator, budget, top_k, clock=lambda: clock[0])
+    if not scale:
+        policy.VALUE_SCALE_RANGE = (1.0, 1.0)
     t1 = float(profile.verify(1))
     tokens = 0.0
     drafted = 0
@@ -80,7 +85,7 @@ def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4
             n, expected = len(tree), tree.expected_tokens
         clock[0] += load * float(profile.verify(n))
         if observe:
-            policy.observe(n, load * float(profile.verify(n)))
+            policy.observe(n, load * float(profile.verify(n)), expected - 1)
         tokens += expected
     return tokens / clock[0] * t1 * load, drafted
 
@@ -126,6 +131,34 @@ def test_a_busy_machine_weighs_drafting_and_verifying_alike():
     assert policy.load == pytest.approx(2 * 2 ** AutoSearcher.LOAD_SMOOTHING)
     assert policy.measured.verify_s == pytest.approx([t * policy.load for t in pays.verify_s])
     assert pays.verify_s == [T1, 1.1 * T1, 3 * T1]  # the profile itself is left as measured
+
+
+def test_values_are_rescaled_by_what_the_passes_accepted():
+    # A head calibrated on other text: its values say 1.4x (optimistic) or 0.7x (pessimistic) what each node is
+    # accepted at. Without the rescaling, auto drafts where trees lose (0.92x of plain on the Xeon's profile)
+    # or pauses where they pay; with it, the accepted drafts pull the values back.
+    xeon = LatencyProfile([1, 8, 16, 64], [0.0328, 0.0586, 0.0619, 0.1154])
+    optimistic = lambda p: (1.4 * p).clamp(max=1.0)
+    pessimistic = lambda p: 0.7 * p
+    assert simulate_auto(xeon, 0.0024, 0.3, calibrator=optimistic, scale=False)[0] < 0.95
+    assert simulate_auto(xeon, 0.0024, 0.3, calibrator=optimistic)[0] >= 0.97
+    true_speed = simulate_auto(xeon, 0.0024, 0.7)[0]
+    assert simulate_auto(xeon, 0.0024, 0.7, calibrator=pessimistic, scale=False)[0] < 1.1 < true_speed
+    assert simulate_auto(xeon, 0.0024, 0.7, calibrator=pessimistic)[0] > 0.95 * true_speed
+    # The scale: accepted / predicted drafted tokens of observed passes, shrunk toward 1, within its range.
+    policy = AutoSearcher(xeon, None, 32, 4)
+    dist = torch.tensor([0.5, 0.5])
+    tree = policy.search(lambda nodes, tokens, parents, level: dist.expand(len(nodes), 2).clone(), 0, 2)
+    predicted = float(tree.values[1:].sum())
+    assert policy.value_scale == 1.0 and predicted > 0
+    policy.observe(len(tree), 0.05, 3)
+    prior = AutoSearcher.VALUE_PRIOR
+    assert policy.value_scale == pytest.approx((3 + prior) / (predicted + prior))
+    policy.observe(1, 0.03, 1)  # a pass after no search (a paused step) counts nothing
+    policy.observe(1, 0.03)
+    assert (policy.predicted, policy.accepted) == (pytest.approx(predicted), 3)
+    policy.accepted = 1000.0
+    assert policy.value_scale == AutoSearcher.VALUE_SCALE_RANGE[1]
 
 
 def test_cli_defaults_to_the_auto_tree_for_generate_and_chat():

@@ -51,8 +51,9 @@ class Searcher:
     def search(self, expand, root: int, depth: int, copies=None) -> DraftTree:
         raise NotImplementedError
 
-    def observe(self, nodes: int, seconds: float) -> None:
-        """Told after each target pass: it verified `nodes` nodes (root included) in `seconds` (verify, accept, commit)."""
+    def observe(self, nodes: int, seconds: float, accepted: int | None = None) -> None:
+        """Told after each target pass: it verified `nodes` nodes (root included) in `seconds` (verify, accept,
+        commit), and `accepted` of its drafted nodes were accepted (None: not told)."""
 
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
@@ -96,12 +97,16 @@ class AutoSearcher(Searcher):
     follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
     The profile's verify times are rescaled by what the passes of this generation actually took (`observe`),
     so drafting (timed live) and verifying are weighed under the same load: on a machine busier than when the
-    profile was measured, both are slower, not only drafting.
+    profile was measured, both are slower, not only drafting. Likewise the trees' values are rescaled by how many
+    drafted tokens the passes of this generation accepted against how many their values predicted (`value_scale`):
+    calibrated on other text, the values run low or high by a roughly constant factor on the text at hand.
     `clock` times the drafter's calls and the search's own work between them (a stand-in clock makes a
     synthetic machine in tests); both are charged per drafted level.
     """
 
     LOAD_SMOOTHING = 0.2  # weight of each new pass in the running verify-time ratio
+    VALUE_PRIOR = 8.0  # drafted tokens the prior value scale of 1 is worth
+    VALUE_SCALE_RANGE = (0.5, 2.0)
 
     def __init__(self, profile: LatencyProfile, calibrator=None, budget: int = 60, top_k: int = 10, device="cpu",
                  token_map=None, max_wait: int = 64, clock=time.perf_counter):
@@ -114,13 +119,29 @@ class AutoSearcher(Searcher):
         self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
         self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
+        self.predicted = self.accepted = 0.0  # drafted tokens the verified trees' values predicted, and accepted
+        self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
 
     @property
     def measured(self) -> LatencyProfile:
         """The profile with its verify times scaled by `load` (and the drafting cost measured so far)."""
         return replace(self.profile, verify_s=[t * (self.load or 1.0) for t in self.profile.verify_s])
 
-    def observe(self, nodes, seconds):
+    @property
+    def value_scale(self) -> float:
+        """Accepted / predicted drafted tokens so far, shrunk toward 1 by VALUE_PRIOR tokens."""
+        low, high = self.VALUE_SCALE_RANGE
+        scale = (self.accepted + self.VALUE_PRIOR) / (self.predicted + self.VALUE_PRIOR)
+        return min(max(scale, low), high)
+
+    def _scaled(self, values: torch.Tensor) -> torch.Tensor:
+        return (values * self.value_scale).clamp(max=1.0)
+
+    def observe(self, nodes, seconds, accepted=None):
+        if self._pending is not None and accepted is not None:
+            self.predicted += self._pending
+            self.accepted += accepted
+        self._pending = None
         expected = float(self.profile.verify(nodes))
         if not (seconds > 0 and expected > 0):
             return
@@ -159,7 +180,8 @@ class AutoSearcher(Searcher):
         searched = self.clock() - start  # the drafter's calls and the search's own work between them
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
         if expand is None:
-            return full.prefix(choose_budget(values, self.measured, 0, max_budget=self.search_budget)[0])
+            return self._chosen(full, values, choose_budget(self._scaled(values), self.measured, 0,
+                                                            max_budget=self.search_budget)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         # The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
@@ -169,7 +191,8 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(values, self.measured, spent[1] + 1, max_budget=self.search_budget)
+        n, expected, rate = choose_budget(self._scaled(values), self.measured, spent[1] + 1,
+                                          max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
         gain = rate * t_one
         self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
@@ -179,6 +202,11 @@ class AutoSearcher(Searcher):
         else:
             self.wait = 0
         self.search_budget = min(self.budget, max(8, 2 * n))
+        return self._chosen(full, values, n)
+
+    def _chosen(self, full: DraftTree, values: torch.Tensor, n: int) -> DraftTree:
+        """The tree's n-node prefix; the drafted tokens its (unscaled) values predict are kept for `observe`."""
+        self._pending = float(values[: n - 1].double().sum())
         return full.prefix(n)
 
 
