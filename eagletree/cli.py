@@ -374,7 +374,8 @@ def cmd_distill(args) -> int:
     counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, limit=args.limit, seed=args.seed,
-                     skip_answered=tuple(args.skip_answered), turns=args.turns)
+                     skip_answered=tuple(args.skip_answered), turns=args.turns,
+                     min_prompt_tokens=args.min_prompt_tokens)
     print(json.dumps(counts))
     return 0
 
@@ -428,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out prompts this other distill file answers (e.g. one made with another "
                         "--max-new-tokens); repeatable")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped (counted)")
+    p.add_argument("--min-prompt-tokens", type=int, default=0,
+                   help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
+                        "file with a lower --max-prompt-tokens left out")
     p.add_argument("--turns", default="first", choices=list(TURNS),
                    help="which user turns to answer: the first, the later ones (after the conversation so far, "
                         "earlier answers as the dataset has them; record ids end in @turn<k>), or all")

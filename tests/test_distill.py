@@ -170,7 +170,15 @@ def test_limits_long_prompts_and_bad_values(tmp_path):
                      progress=False)  # t0..t3, of which t2's prompt has 16 tokens
     assert (counts["answered"], counts["skipped_long_prompt"]) == (3, 1)
     assert "t2" not in answered_ids(tmp_path / "a.jsonl")
+    # The long prompts alone (what a file made with a lower max_prompt_tokens left out): t2 only.
+    counts = distill(model, tok, convs, tmp_path / "long.jsonl", max_new_tokens=4, limit=4, min_prompt_tokens=10,
+                     max_prompt_tokens=64, progress=False)
+    assert (counts["answered"], counts["skipped_short_prompt"], counts["skipped_long_prompt"]) == (1, 3, 0)
+    assert answered_ids(tmp_path / "long.jsonl") == {"t2"}
     for kw, message in ((dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+                        (dict(min_prompt_tokens=300, max_prompt_tokens=256),
+                         r"min_prompt_tokens \(300\) must not exceed max_prompt_tokens \(256\)"),
+                        (dict(min_prompt_tokens=-1), "min_prompt_tokens must be an integer >= 0, got -1"),
                         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
                         (dict(temperature=-0.5), "temperature must be >= 0, got -0.5")):
         with pytest.raises(DistillError, match=message):

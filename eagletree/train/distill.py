@@ -133,16 +133,18 @@ def ids_in(path: str | os.PathLike) -> set[str]:
     return _scan(path, None, "pass another --skip-answered file")[0]
 
 
-def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
-    """Prompts of similar length together (less padding), in a fixed order; over-long prompts are skipped.
+def _batches(items, tok, batch_size: int, max_prompt_tokens: int, min_prompt_tokens: int = 0):
+    """Prompts of similar length together (less padding), in a fixed order; prompts longer than
+    max_prompt_tokens or shorter than min_prompt_tokens are skipped (counted: long, short).
 
     Built from all prompts, answered or not, so a resumed run makes the same batches as a straight one.
     """
-    rendered, skipped = [], 0
+    rendered, long, short = [], 0, 0
     for conv_id, msgs in items:
         ids = encode_prompt(tok, msgs).tolist()  # the prompt tokens decoding itself starts from
-        if len(ids) > max_prompt_tokens:
-            skipped += 1
+        if len(ids) > max_prompt_tokens or len(ids) < min_prompt_tokens:
+            long += len(ids) > max_prompt_tokens
+            short += len(ids) < min_prompt_tokens
             continue
         rendered.append((conv_id, msgs, ids))
     # Sorted within windows of 16 batches: similar lengths per batch, yet the file fills in dataset order.
@@ -151,7 +153,7 @@ def _batches(items, tok, batch_size: int, max_prompt_tokens: int):
     for w in range(0, len(rendered), window):
         chunk = sorted(rendered[w : w + window], key=lambda r: len(r[2]))
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    return batches, skipped
+    return batches, long, short
 
 
 @torch.inference_mode()
@@ -194,7 +196,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
 
 def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
-            skip_answered: tuple = (), progress: bool = True, turns: str = "first") -> dict:
+            skip_answered: tuple = (), progress: bool = True, turns: str = "first", min_prompt_tokens: int = 0) -> dict:
     """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
     `user_turns`) with the target; append JSONL records to `out`.
 
@@ -202,12 +204,17 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
     max_new_tokens, seed): resuming with other settings is an error. `limit` takes the first N conversations
     (0 = all); their prompts answered in any file of `skip_answered` (paths) are left out and counted, so a
-    limit of N answers at most N. Returns counts.
+    limit of N answers at most N. Prompts outside min_prompt_tokens..max_prompt_tokens are skipped (counted).
+    Returns counts.
     """
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
-                             ("batch_size", batch_size, 1), ("limit", limit, 0)):
+                             ("batch_size", batch_size, 1), ("limit", limit, 0),
+                             ("min_prompt_tokens", min_prompt_tokens, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise DistillError(f"{name} must be an integer >= {low}, got {value!r}")
+    if min_prompt_tokens > max_prompt_tokens:
+        raise DistillError(f"min_prompt_tokens ({min_prompt_tokens}) must not exceed max_prompt_tokens "
+                           f"({max_prompt_tokens}): no prompt would be answered")
     if not temperature >= 0:
         raise DistillError(f"temperature must be >= 0, got {temperature!r}")
     if getattr(tok, "chat_template", None) is None:
@@ -229,11 +236,11 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     if limit:
         items = items[:limit]
     # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
-    batches, skipped = _batches(items, tok, batch_size, max_prompt_tokens)
+    batches, long, short = _batches(items, tok, batch_size, max_prompt_tokens, min_prompt_tokens)
     left_out = done | elsewhere
     todo = [b for b in batches if any(r[0] not in left_out for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
-              "skipped_long_prompt": skipped,
+              "skipped_long_prompt": long, "skipped_short_prompt": short,
               "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
               "new_tokens": 0, "eos": 0, "length": 0}
     bar = tqdm(total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer",
