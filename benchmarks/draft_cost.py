@@ -34,13 +34,15 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--draft-vocab", default="head", choices=["head", "full"],
+                    help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)")
     args = ap.parse_args(argv)
 
     head_dir = head_to_load(args.target, args.head)
     if head_dir is None:
         ap.error("--head none: this measures a head's drafting; pass a head folder")
     model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,
-                                      head_dtype=args.draft_dtype)
+                                      head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
     clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0}
     counts = {"call": 0, "extend": 0}
     timers = []

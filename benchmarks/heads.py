@@ -6,6 +6,8 @@
 --prompts N takes held-out ShareGPT prompts (below); mtbench[:N] MT-bench first turns (with a table per
 category) and humaneval[:N] HumanEval problems. --copy off|on|both: decode with the head alone, with copied
 spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
+--draft-vocab head|full|both: each head drafts over its own draft vocabulary, over the target's whole
+vocabulary, or both ("full vocab" rows).
 
 Every head decodes every prompt (greedy unless --temperature, EAGLE-2 tree of --budget nodes unless --tree);
 decoding is lossless, so at T = 0 the heads' answers must be the same token for token, which is checked (against each other; the tests compare decoding
@@ -56,6 +58,10 @@ def main(argv=None) -> int:
                     help="0: greedy (answers checked identical across rows); > 0: sampled with --seed + prompt index "
                          "(rows' answers differ; the chi-square tests check the distribution)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-vocab", default="head", choices=["head", "full", "both"],
+                    help="draft over each head's own draft vocabulary, over the target's whole vocabulary "
+                         "(DraftHead.widen_vocab; a head with an lm_head of its own keeps its vocabulary), or both "
+                         "(each head twice, \"full vocab\" rows)")
     ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
     ap.add_argument("--pair-with", default=None,
                     help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
@@ -94,20 +100,24 @@ def main(argv=None) -> int:
                      f"and --skip-prompts {args.skip_prompts}")
     target, tok, _, _ = load_models(args.target, pack="auto")
     device = next(target.parameters()).device
-    heads = []
+    vocabs = {"head": ["head"], "full": ["full"], "both": ["head", "full"]}[args.draft_vocab]
+    heads = []  # (path, head, vocab) per head and vocabulary
     for path in args.heads:
-        try:
-            head = load_head(path, device=device).eval()
-            head.check_target(target.config)
-        except HeadError as e:
-            ap.error(f"{path}: {e}")
-        heads.append(head)
+        for vocab in vocabs:
+            try:
+                head = load_head(path, device=device).eval()
+                head.check_target(target.config)
+            except HeadError as e:
+                ap.error(f"{path}: {e}")
+            if vocab == "full" and head.config.draft_vocab_size is not None and not head.has_own_lm_head():
+                head.widen_vocab()
+            heads.append((path, head, vocab))
     options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k, tree=args.tree,
                    temperature=args.temperature)
     sampled = args.temperature > 0
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
-    configs = [(path, head, copy) for path, head in zip(args.heads, heads) for copy in copies]
-    labels = [path + (" +copy" if copy else "") for path, _, copy in configs]
+    configs = [(path, head, vocab, copy) for path, head, vocab in heads for copy in copies]
+    labels = [row_label(path, vocab, copy) for path, _, vocab, copy in configs]
     earlier = None
     if args.pair_with:
         earlier = json.loads(Path(args.pair_with).read_text())
@@ -120,13 +130,14 @@ def main(argv=None) -> int:
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
-        labels.insert(0, first_row["head"] + (" +copy" if first_row["copy"] else "") + " (earlier run)")
+        labels.insert(0, row_label(first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"])
+                      + " (earlier run)")
     rows, hashes = [], []  # per prompt: [(new, passes)] per config; the answer's hash
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
         if earlier is not None:
             row.append((first_row["new_tokens"][i], first_row["passes"][i]))
-        for label, (path, head, copy) in zip(labels[len(labels) - len(configs):], configs):
+        for label, (path, head, _, copy) in zip(labels[len(labels) - len(configs):], configs):
             answers = []
             r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy,
                                 seed=args.seed + i if sampled else None, **options)
@@ -164,16 +175,23 @@ def main(argv=None) -> int:
             lo, hi = ratio_interval(new, passes, base_new, base_passes)
             versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({lo:+.1%} .. {hi:+.1%})"
         print(f"| {label} | {tpp:.3f} | {versus} |")
-        config = (first_row["head"], first_row["copy"]) if earlier is not None and j == 0 else \
-            configs[j - (earlier is not None)][::2]
-        report.append({"head": config[0], "copy": config[1], "tokens_per_pass": tpp, "new_tokens": new,
-                       "passes": passes})
+        if earlier is not None and j == 0:
+            config = (first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"])
+        else:
+            path, _, vocab, copy = configs[j - (earlier is not None)]
+            config = (path, vocab, copy)
+        report.append({"head": config[0], "draft_vocab": config[1], "copy": config[2], "tokens_per_pass": tpp,
+                       "new_tokens": new, "passes": passes})
     if categories is not None:
         print(category_table(categories, rows, labels))
     if args.out:
         write_json_atomic(Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes,
                                            "heads": report})
     return 0
+
+
+def row_label(path: str, vocab: str, copy: bool) -> str:
+    return path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "")
 
 
 def category_table(categories, rows, labels) -> str:

@@ -57,13 +57,30 @@ def _load(args):
     t0 = time.perf_counter()
     model, tok, head, packed = load_models(args.target, head_path, device=args.device,
                                            dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
-                                           pack=args.pack, head_dtype=args.draft_dtype)
+                                           pack=args.pack, head_dtype=args.draft_dtype,
+                                           draft_vocab=_draft_vocab(args))
     if getattr(args, "budget", 0) is None:
         args.budget = default_budget(model)
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
           f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok, head
+
+
+def _draft_vocab(args) -> str:
+    """--draft-vocab as `load_models` takes it; plan's auto is settled once the head is loaded (`_engine_vocab`)."""
+    return "head" if args.draft_vocab == "auto" and getattr(args, "engine", None) else args.draft_vocab
+
+
+def _engine_vocab(args, head) -> None:
+    """plan --draft-vocab auto: draft over the vocabulary the --engine drafts the export over, so that plan measures
+    the ranks the engine will see: vLLM and EAGLE score an EAGLE-1/2 export's tokens over the full vocabulary (no
+    token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
+    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.config.draft_vocab_size is not None \
+            and not head.has_own_lm_head():
+        head.widen_vocab()
+        print(f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
+              "(--draft-vocab head to keep the head's own)", file=sys.stderr)
 
 
 def _kernels_note(model) -> str:
@@ -214,6 +231,10 @@ def _add_model_args(p) -> None:
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
                         "else the target's (outputs do not depend on it)")
+    p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
+                   help="the tokens the head drafts: its own draft vocabulary (head) or the target's whole "
+                        "vocabulary (full: more tokens draftable, a larger lm_head per drafting level); auto = "
+                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
                    help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
                         "memory); auto = measure stock vs packed here once per CPU model, threads and dtype (cached) "
@@ -310,6 +331,7 @@ def cmd_plan(args) -> int:
     model, tok, head = _load(args)
     if head is None:
         raise SystemExit("error: plan needs a draft head (--head DIR)")
+    _engine_vocab(args, head)
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]

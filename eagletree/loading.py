@@ -11,6 +11,7 @@ from . import target  # target.load_target is looked up per call, so a test can 
 from .draft_heads import load_head
 from .packing import pack_target
 
+DRAFT_VOCABS = ("auto", "head", "full")
 SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m"}
 
 
@@ -21,6 +22,24 @@ def draft_dtype(name: str, model):
         cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and target.cpu_has_bf16()
         return torch.bfloat16 if cpu_bf16 else model.dtype
     return getattr(torch, name)
+
+
+def draft_vocab_for(name: str, model) -> str:
+    """'head' (the head's own draft vocabulary) or 'full' (the target's whole vocabulary) for --draft-vocab `name`.
+
+    auto = full on a GPU, the head's own elsewhere: a drafting level reads the lm_head rows it scores, and on a
+    CPU that read is the cost (SmolLM2's 49,152 rows are 6x the shipped head's 8,192: docs/results.md), while a
+    GPU reads them in microseconds and the full vocabulary drafts the tokens a draft vocabulary leaves out.
+    """
+    _check_draft_vocab_name(name)
+    if name == "auto":
+        return "full" if model.device.type == "cuda" else "head"
+    return name
+
+
+def _check_draft_vocab_name(name: str) -> None:
+    if name not in DRAFT_VOCABS:
+        raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {name!r}")
 
 
 def head_to_load(target_name: str, head, required: bool = True):
@@ -40,13 +59,15 @@ def head_to_load(target_name: str, head, required: bool = True):
 
 
 def load_models(target_name: str, head_dir=None, *, device=None, dtype: str | None = None, pack: str = "off",
-                head_dtype: str | None = "auto"):
+                head_dtype: str | None = "auto", draft_vocab: str = "head"):
     """The target (`dtype` 'float32'/'bfloat16' or None for the device's default; Linears packed per `pack`, see
     `pack_target`), its tokenizer and the head in `head_dir` (None: no head) on the target's device, in the
-    precision `draft_dtype(head_dtype)` picks (None: the one it was saved in).
+    precision `draft_dtype(head_dtype)` picks (None: the one it was saved in), drafting over its own draft
+    vocabulary or the target's whole one as `draft_vocab_for(draft_vocab)` picks ('full': `DraftHead.widen_vocab`).
 
     Returns (model, tokenizer, head, how many Linears were packed).
     """
+    _check_draft_vocab_name(draft_vocab)  # before loading anything
     model, tok = target.load_target(target_name, dtype=None if dtype is None else getattr(torch, dtype),
                                     device=device)
     packed = pack_target(model, pack)
@@ -54,4 +75,7 @@ def load_models(target_name: str, head_dir=None, *, device=None, dtype: str | No
     if head_dir is not None:
         head = load_head(head_dir, target_config=model.config, device=model.device,
                          dtype=None if head_dtype is None else draft_dtype(head_dtype, model))
+        wider = draft_vocab_for(draft_vocab, model) == "full" and head.config.draft_vocab_size is not None
+        if wider and (draft_vocab == "full" or not head.has_own_lm_head()):  # auto keeps an own lm_head's vocabulary
+            head.widen_vocab()  # an explicit 'full' for such a head is refused there
     return model, tok, head, packed

@@ -251,6 +251,23 @@ def test_init_head_starts_from_the_saved_weights(tmp_path):
     assert torch.equal(tuned.d2t, first.d2t) and not torch.equal(tuned.fc.weight, first.fc.weight)
 
 
+def test_widen_vocab_fine_tunes_a_draft_vocabulary_head_over_the_full_vocabulary(tmp_path):
+    from eagletree.train.config import TrainConfig
+
+    first, _ = _train(_cfg(tmp_path / "a", draft_vocab=30))
+    head = str(tmp_path / "a" / "head")
+    same, _ = _train(_cfg(tmp_path / "b", init_head=head, widen_vocab=True, lr=0.0))
+    assert same.config.draft_vocab_size is None and torch.equal(same.d2t, torch.arange(97))
+    for (name, a), (_, b) in zip(first.state_dict().items(), same.state_dict().items()):
+        assert name == "d2t" or torch.equal(a, b), name  # the weights carry over; only the vocabulary widens
+    tuned, _ = _train(_cfg(tmp_path / "c", init_head=head, widen_vocab=True, steps=3))
+    assert tuned.config.draft_vocab_size is None and not torch.equal(tuned.fc.weight, first.fc.weight)
+    with pytest.raises(TrainingError, match="widen_vocab widens the draft vocabulary of init_head's head"):
+        TrainConfig.from_sources(None, ["widen_vocab=true"])
+    with pytest.raises(TrainingError, match="draft_vocab is 30: set draft_vocab=0"):
+        TrainConfig.from_sources(None, [f"init_head={head}", "widen_vocab=true", "draft_vocab=30"])
+
+
 def test_a_checkpoint_takes_precedence_over_init_head_on_resume(tmp_path):
     _train(_cfg(tmp_path / "a", draft_vocab=30))
     cfg = _cfg(tmp_path / "b", init_head=str(tmp_path / "a" / "head"), steps=4)

@@ -32,7 +32,7 @@ def main(args) -> int:
 
     head_dir = head_to_load(args.target, args.head or None, required=False)
     model, tok, head, packed = load_models(args.target, head_dir, device=args.device, dtype=args.dtype,
-                                           pack=args.pack, head_dtype=args.draft_dtype)
+                                           pack=args.pack, head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
     if packed:
         if not any(m.name == "packed" for m in methods):
             methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
@@ -47,6 +47,7 @@ def main(args) -> int:
                             "kernels_measured": None if getattr(model, "kernel_choice", None) is None
                             else model.kernel_choice.summary(),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
+                            "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,
                             "methods": [m.label for m in methods], "quick": args.quick})
     out = write_outputs(report, args.out)

@@ -110,6 +110,26 @@ class DraftHead(nn.Module):
         self.d2t = draft_tokens.to(self.d2t.device, torch.long).clone()
         self.config.draft_vocab_size = int(draft_tokens.numel())
 
+    def has_own_lm_head(self) -> bool:
+        """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the target's."""
+        return bool(getattr(self, "own_lm_head", False)) or hasattr(self, "draft_logits")
+
+    def widen_vocab(self) -> "DraftHead":
+        """Draft over the target's whole vocabulary instead of the head's draft vocabulary (in place; returns self).
+
+        A head that predicts features and reads the target's lm_head (EAGLE-1/2, Medusa without lm_heads of
+        its own) can score every target token, not only the V' it was trained on: tokens outside its draft
+        vocabulary become draftable, at V/V' the lm_head's cost per drafting level. A head with its own
+        lm_head over its draft vocabulary (EAGLE-3) has no rows for the other tokens and is refused.
+        """
+        if self.has_own_lm_head():
+            raise HeadError(f"a {self.head_type} head with its own lm_head over {self.config.draft_vocab_size} draft "
+                            "tokens cannot draft over the full vocabulary; use its own draft vocabulary")
+        self.d2t = torch.arange(self.config.target["vocab_size"], device=self.d2t.device)
+        self.config.draft_vocab_size = None
+        self.__dict__.pop("_lm_slice", None)  # a cached lm_head slice of the narrower vocabulary
+        return self
+
     def check_target(self, target_config) -> None:
         """Raise HeadError naming both values when the target is not the one this head was built for."""
         mine, theirs = self.config.target, target_identity(target_config)

@@ -32,6 +32,8 @@ class TrainConfig:
     dataset: str = "sharegpt"
     eval_dataset: str = ""  # held-out conversations and prompts for evaluation; "" = dataset's own held-out split
     init_head: str = ""  # start from this saved head's weights (fine-tuning, e.g. on distilled answers); "" = fresh
+    # with init_head: train it over the target's whole vocabulary (its draft vocabulary widened: DraftHead.widen_vocab)
+    widen_vocab: bool = False
     # a fresh EAGLE-1/2 head starts as a copy of the target's last decoder layer, its fc passing the feature through
     init_from_target: bool = False
     heldout_fraction: float = 0.04
@@ -135,6 +137,12 @@ class TrainConfig:
         if values.get("init_from_target") and values.get("init_head"):
             raise TrainingError(f"init_from_target and init_head {values['init_head']!r} both say where the head "
                                 "starts: set one")
+        if values.get("widen_vocab") and not values.get("init_head"):
+            raise TrainingError("widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
+                                "head drafts over the full vocabulary with draft_vocab=0)")
+        if values.get("widen_vocab") and values.get("draft_vocab"):
+            raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
+                                f"{values['draft_vocab']}: set draft_vocab=0")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)

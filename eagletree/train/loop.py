@@ -301,6 +301,11 @@ def _initial_head(cfg: TrainConfig, target_config):
     if head.config.head_type != cfg.head_type:
         raise TrainingError(f"init_head {cfg.init_head!r} holds a {head.config.head_type!r} head but the config asks "
                             f"for head_type {cfg.head_type!r}")
+    if cfg.widen_vocab:
+        try:
+            head.widen_vocab()
+        except HeadError as e:
+            raise TrainingError(f"init_head {cfg.init_head!r}: {e}") from e
     size = head.config.draft_vocab_size or 0
     if cfg.draft_vocab and cfg.draft_vocab != size:
         keep = f"set draft_vocab={size} or 0" if size else "set draft_vocab=0"
