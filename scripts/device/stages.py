@@ -140,12 +140,15 @@ def stage_smollm2(args) -> int:
 
     from eagletree.bench import machine_info, markdown_report, method_grid, run_bench
     from eagletree.draft_heads import load_head
+    from eagletree.loading import draft_vocab_for
     from eagletree.target import load_target
 
     dry = args.dry_run
     t0 = time.perf_counter()
     model, tok = load_target(gguf_file(args.work), device=device())  # bf16 on CUDA, fp32 on CPU
     head = load_head(SHIPPED_HEAD, target_config=model.config, device=model.device, dtype=model.dtype)
+    if draft_vocab_for("auto", model) == "full":  # as the CLI drafts there: the whole vocabulary on a GPU
+        head.widen_vocab()
     load_s = time.perf_counter() - t0
     budget = 8 if dry or model.device.type == "cpu" else 60
     if dry:  # `auto` measures its latency profile once; a rehearsal measures two small sizes, not the real ones
@@ -160,7 +163,8 @@ def stage_smollm2(args) -> int:
     report.update(command="scripts/device/stages.py smollm2", machine=machine_info(model), load_s=load_s, plots=[],
                   settings={"target": "smollm2-135m (the carried GGUF)", "head": str(SHIPPED_HEAD.relative_to(REPO)),
                             "prompts": f"mtbench:{len(prompts)}", "packed": False,
-                            "head_dtype": str(model.dtype).removeprefix("torch."), "budgets": [budget], "depth": 6,
+                            "head_dtype": str(model.dtype).removeprefix("torch."),
+                            "draft_vocab": head.config.draft_vocab_size or "full", "budgets": [budget], "depth": 6,
                             "top_k_draft": 10, "methods": [m.label for m in methods]})
     (args.out / "results.md").write_text(markdown_report(report))
     greedy = [r for r in report["results"] if not r["temperature"]]
