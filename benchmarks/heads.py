@@ -109,8 +109,16 @@ def main(argv=None) -> int:
                 head.check_target(target.config)
             except HeadError as e:
                 ap.error(f"{path}: {e}")
-            if vocab == "full" and head.config.draft_vocab_size is not None and not head.has_own_lm_head():
-                head.widen_vocab()
+            if vocab == "full":
+                if head.config.draft_vocab_size is None or head.has_own_lm_head():
+                    why = "drafts over the full vocabulary already" if head.config.draft_vocab_size is None else \
+                        f"scores tokens with its own lm_head ({head.config.draft_vocab_size} rows)"
+                    print(f"{path} {why}: no separate full-vocabulary row", file=sys.stderr)
+                    if len(vocabs) > 1:
+                        continue  # its 'head' row is the same configuration
+                    vocab = "head"
+                else:
+                    head.widen_vocab()
             heads.append((path, head, vocab))
     options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k, tree=args.tree,
                    temperature=args.temperature)

@@ -123,8 +123,10 @@ class DraftHead(nn.Module):
         lm_head over its draft vocabulary (EAGLE-3) has no rows for the other tokens and is refused.
         """
         if self.has_own_lm_head():
-            raise HeadError(f"a {self.head_type} head with its own lm_head over {self.config.draft_vocab_size} draft "
-                            "tokens cannot draft over the full vocabulary; use its own draft vocabulary")
+            size = self.config.draft_vocab_size or self.config.target["vocab_size"]
+            raise HeadError(f"a {self.head_type} head scores tokens with its own lm_head ({size} rows), so it cannot "
+                            "draft over the target's full vocabulary (--draft-vocab full, widen_vocab=true); "
+                            "keep its own (--draft-vocab head or auto)")
         self.d2t = torch.arange(self.config.target["vocab_size"], device=self.d2t.device)
         self.config.draft_vocab_size = None
         self.__dict__.pop("_lm_slice", None)  # a cached lm_head slice of the narrower vocabulary

@@ -140,6 +140,9 @@ class TrainConfig:
         if values.get("widen_vocab") and not values.get("init_head"):
             raise TrainingError("widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
                                 "head drafts over the full vocabulary with draft_vocab=0)")
+        if values.get("widen_vocab") and values.get("head_type", "eagle") == "eagle3":
+            raise TrainingError("widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
+                                "vocabulary, so it cannot be widened; drop widen_vocab")
         if values.get("widen_vocab") and values.get("draft_vocab"):
             raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
                                 f"{values['draft_vocab']}: set draft_vocab=0")
