@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             except HeadError as e:
                 ap.error(f"{path}: {e}")
             if vocab == "full":
-                if head.config.draft_vocab_size is None or head.has_own_lm_head():
+                if not head.can_widen_vocab():
                     why = "drafts over the full vocabulary already" if head.config.draft_vocab_size is None else \
                         f"scores tokens with its own lm_head ({head.config.draft_vocab_size} rows)"
                     print(f"{path} {why}: no separate full-vocabulary row", file=sys.stderr)

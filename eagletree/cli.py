@@ -76,8 +76,7 @@ def _engine_vocab(args, head) -> None:
     """plan --draft-vocab auto: draft over the vocabulary the --engine drafts the export over, so that plan measures
     the ranks the engine will see: vLLM and EAGLE score an EAGLE-1/2 export's tokens over the full vocabulary (no
     token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
-    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.config.draft_vocab_size is not None \
-            and not head.has_own_lm_head():
+    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.can_widen_vocab():
         head.widen_vocab()
         print(f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
               "(--draft-vocab head to keep the head's own)", file=sys.stderr)

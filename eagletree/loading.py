@@ -76,7 +76,8 @@ def load_models(target_name: str, head_dir=None, *, device=None, dtype: str | No
     if head_dir is not None:
         head = load_head(head_dir, target_config=model.config, device=model.device,
                          dtype=None if head_dtype is None else draft_dtype(head_dtype, model))
-        wider = draft_vocab_for(draft_vocab, model) == "full" and head.config.draft_vocab_size is not None
-        if wider and (draft_vocab == "full" or not head.has_own_lm_head()):  # auto keeps an own lm_head's vocabulary
-            head.widen_vocab()  # an explicit 'full' for such a head is refused there
+        if draft_vocab == "full" and head.config.draft_vocab_size is not None:
+            head.widen_vocab()  # refused, naming the flag, for a head with an lm_head of its own
+        elif draft_vocab_for(draft_vocab, model) == "full" and head.can_widen_vocab():
+            head.widen_vocab()  # auto keeps an own lm_head's vocabulary
     return model, tok, head, packed

@@ -114,6 +114,10 @@ class DraftHead(nn.Module):
         """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the target's."""
         return bool(getattr(self, "own_lm_head", False)) or hasattr(self, "draft_logits")
 
+    def can_widen_vocab(self) -> bool:
+        """Whether `widen_vocab` would add tokens: a draft vocabulary, scored with the target's lm_head."""
+        return self.config.draft_vocab_size is not None and not self.has_own_lm_head()
+
     def widen_vocab(self) -> "DraftHead":
         """Draft over the target's whole vocabulary instead of the head's draft vocabulary (in place; returns self).
 

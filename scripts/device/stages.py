@@ -147,7 +147,7 @@ def stage_smollm2(args) -> int:
     t0 = time.perf_counter()
     model, tok = load_target(gguf_file(args.work), device=device())  # bf16 on CUDA, fp32 on CPU
     head = load_head(SHIPPED_HEAD, target_config=model.config, device=model.device, dtype=model.dtype)
-    if draft_vocab_for("auto", model) == "full":  # as the CLI drafts there: the whole vocabulary on a GPU
+    if draft_vocab_for("auto", model) == "full" and head.can_widen_vocab():  # as the CLI drafts on a GPU
         head.widen_vocab()
     load_s = time.perf_counter() - t0
     budget = 8 if dry or model.device.type == "cpu" else 60
