@@ -28,7 +28,7 @@ from .errors import EagletreeError
 from .files import check_output_dir, write_json_atomic
 from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
-from .plan import Acceptance, load_profile, make_plan, split_prompts, summary
+from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
 from .train.data import HELDOUT_FRACTION, load_dataset, split, stats
 from .train.distill import TURNS, distill, ids_in
 from .train.evaluate import measure_copy_calibration
@@ -317,12 +317,15 @@ def cmd_import(args) -> int:
 
 def cmd_plan(args) -> int:
     """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
-    acceptance = None
+    acceptance = data = None
     if args.acceptance:
         try:
             data = json.loads(Path(args.acceptance).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read --acceptance {args.acceptance!r}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got "
+                             f"{type(data).__name__}")
         acceptance = Acceptance.from_dict(data.get("acceptance", data))
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)
@@ -331,6 +334,8 @@ def cmd_plan(args) -> int:
     if head is None:
         raise SystemExit("error: plan needs a draft head (--head DIR)")
     _engine_vocab(args, head)
+    if data is not None:
+        check_reused_acceptance(data, head, args.acceptance)
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
@@ -499,8 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="heldout:8", help="heldout:N, mtbench[:N] or a .jsonl file; the first "
                                                           "half measures the acceptance, the second checks the tree")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--acceptance", default=None, help="reuse the acceptance of an earlier plan's JSON (the "
-                                                      "first half of the prompts is then not decoded)")
+    p.add_argument("--acceptance", default=None, help="reuse the acceptance of an earlier plan's JSON, measured "
+                                                      "over the same draft vocabulary (the first half of the prompts "
+                                                      "is then not decoded)")
     p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
     p.set_defaults(func=cmd_plan)
 

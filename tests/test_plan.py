@@ -211,6 +211,17 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
     assert main(args[:-2] + ["-o", str(tmp_path / "again.json"), "--acceptance", str(tmp_path / "plan.json")]) == code
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["tree"] == result["tree"] and again["check"] == check
+    # the plan records the vocabulary its acceptance was measured over; reusing it over another one is refused
+    assert result["draft_vocab_size"] == 60
+    capsys.readouterr()
+    assert main(args[:-2] + ["-o", str(tmp_path / "wide.json"), "--acceptance", str(tmp_path / "plan.json"),
+                             "--draft-vocab", "full"]) == 2
+    err = capsys.readouterr().err
+    assert "measured drafting over 60 tokens, but the head drafts over 97 here; pass --draft-vocab head" in err
+    assert not (tmp_path / "wide.json").exists()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert main(args[:-2] + ["--acceptance", str(tmp_path / "list.json")]) == 2
+    assert "expected a plan's JSON object, got list" in capsys.readouterr().err
 
 
 @pytest.mark.real
