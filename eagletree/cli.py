@@ -233,7 +233,8 @@ def _add_model_args(p) -> None:
     p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
                    help="the tokens the head drafts: its own draft vocabulary (head) or the target's whole "
                         "vocabulary (full: more tokens draftable, a larger lm_head per drafting level); auto = "
-                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over")
+                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over; bench "
+                        "--profile-only: its random head drafts over as many tokens as --head's (head)")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
                    help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
                         "memory); auto = measure stock vs packed here once per CPU model, threads and dtype (cached) "

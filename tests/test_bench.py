@@ -210,6 +210,25 @@ def test_profile_only_on_cpu_with_a_config_file(tmp_path, capsys):
     assert [p["budget"] for p in data["projections"]] == [4, 8]
     assert data["projections"][0]["speedup"] == pytest.approx(1.5 / data["rows"][1]["step_over_t1"])
     assert "| N | verify ms | t(N)/t(1) |" in capsys.readouterr().out and (out / "profile.md").is_file()
+    assert data["draft_vocab"] == "full"  # auto without a head: no draft vocabulary to copy
+
+
+def test_profile_only_drafts_over_the_vocabulary_asked_for(tmp_path):
+    from eagletree.bench.profile import profile_draft_vocab, random_model
+
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"head_type": "eagle", "draft_vocab_size": 33}))
+    cpu, cuda, head = torch.device("cpu"), torch.device("cuda"), str(tmp_path / "head")
+    assert profile_draft_vocab("head", head, cpu, 97) == 33 and profile_draft_vocab("auto", head, cpu, 97) == 33
+    assert profile_draft_vocab("auto", head, cuda, 97) is None and profile_draft_vocab("full", head, cpu, 97) is None
+    assert profile_draft_vocab("auto", None, cpu, 97) is None
+    with pytest.raises(ValueError, match="--draft-vocab head: pass --head DIR"):
+        profile_draft_vocab("head", None, cpu, 97)
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"draft_vocab_size": 500}))
+    with pytest.raises(ValueError, match=r"draft_vocab_size 500 .* expected an integer in 1..97"):
+        profile_draft_vocab("head", head, cpu, 97)
+    _, narrow = random_model(tiny_config("llama"), "cpu", torch.float32, draft_vocab=33)
+    assert narrow.config.draft_vocab_size == 33
 
 
 def test_projection_from_measured_tokens_per_pass():

@@ -52,12 +52,36 @@ def random_target(config, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
 
-def random_model(config, device, dtype):
-    """The model and its matching EAGLE head with random weights, built directly on the device (no download)."""
+def random_model(config, device, dtype, draft_vocab: int | None = None):
+    """The model and its matching EAGLE head with random weights, built directly on the device (no download);
+    the head drafts over the target's whole vocabulary, or over `draft_vocab` tokens."""
     model = random_target(config, device, dtype)
     with torch.device(device):
-        head = EagleHead.for_target(config).to(device=device, dtype=dtype).eval()
+        tokens = None if draft_vocab is None else torch.arange(draft_vocab)
+        head = EagleHead.for_target(config, tokens).to(device=device, dtype=dtype).eval()
     return model, head
+
+
+def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size: int) -> int | None:
+    """How many tokens the profile's random head drafts over (None: the whole vocabulary), per --draft-vocab:
+    full; head = as many as the head in `head_dir` drafts over (its config.json's draft_vocab_size); auto = full
+    on a GPU, else the head's when a head is given."""
+    if choice == "auto":
+        choice = "head" if device.type != "cuda" and head_dir else "full"
+    if choice == "full":
+        return None
+    if not head_dir:
+        raise ValueError("--profile-only --draft-vocab head: pass --head DIR; the random head drafts over as many "
+                         "tokens as that head's draft vocabulary")
+    path = Path(head_dir) / "config.json"
+    try:
+        size = json.loads(path.read_text()).get("draft_vocab_size")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"--head {head_dir}: cannot read its draft vocabulary from {path}: {e}") from None
+    if size is not None and not (isinstance(size, int) and 1 <= size <= vocab_size):
+        raise ValueError(f"--head {head_dir}: draft_vocab_size {size!r} in {path}, expected an integer in "
+                         f"1..{vocab_size} (the --config's vocab_size)")
+    return size
 
 
 def sync(device) -> None:
@@ -163,8 +187,10 @@ def profile_report(rows, projections, info, command, goal_n=64) -> str:
     """The cost table, the goals, and the projected speedups, as markdown."""
     lines = [f"# eagletree bench --profile-only\n\n`{command}`\n",
              f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
-             f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}; median of {info['reps']} "
-             "round-robin reps.\n",
+             f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
+             + ("the full vocabulary" if info.get("draft_vocab", "full") == "full" else
+                f"{info['draft_vocab']:,} tokens")
+             + f"; median of {info['reps']} round-robin reps.\n",
              "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
              "accept, commit) | engine % of pass | step / t(1) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -199,10 +225,12 @@ def main_profile(args, command: str) -> int:
     results = Path(args.results) if args.results else out / "results.json"
     if tokens is None and results.is_file():
         tokens, source = measured_tokens_per_pass(results), str(results)
-    model, head = random_model(config, device, dtype)
+    draft_vocab = profile_draft_vocab(args.draft_vocab, args.head, device, config.vocab_size)
+    model, head = random_model(config, device, dtype, draft_vocab)
     rows = profile_costs(model, head, sizes, args.depth, args.top_k_draft, args.prefix, args.reps)
     projections = project(rows, tokens) if tokens is not None else []
     info = {"config": args.config, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "draft_vocab": draft_vocab or "full",
             "prefix": args.prefix, "depth": args.depth, "top_k": args.top_k_draft, "reps": args.reps,
             "tokens_source": source, "machine": machine_info(model)}
     text = profile_report(rows, projections, info, command)
