@@ -20,7 +20,7 @@ from ..files import write_json_atomic, write_text_atomic
 from ..tree_search import eagle2_search
 from ..verify.profile import measure_verify
 from .inputs import TREE_METHODS, parse_list
-from .report import machine_info
+from .report import machine_info, vocab_words
 
 # Sizes written down from the models' config.json, so the profile needs no download.
 BUILTIN_CONFIGS = {
@@ -188,9 +188,7 @@ def profile_report(rows, projections, info, command, goal_n=64) -> str:
     lines = [f"# eagletree bench --profile-only\n\n`{command}`\n",
              f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
              f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
-             + ("the full vocabulary" if info.get("draft_vocab", "full") == "full" else
-                f"{info['draft_vocab']:,} tokens")
-             + f"; median of {info['reps']} round-robin reps.\n",
+             f"{vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
              "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
              "accept, commit) | engine % of pass | step / t(1) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

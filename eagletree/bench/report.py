@@ -48,7 +48,8 @@ def markdown_table(report: dict, temperature: float) -> str:
     return "\n".join(lines)
 
 
-def _vocab(size) -> str:
+def vocab_words(size) -> str:
+    """A head's drafting vocabulary in a report: "full" or its number of tokens."""
     return "the full vocabulary" if size == "full" else f"its {size:,}-token draft vocabulary"
 
 
@@ -58,7 +59,7 @@ def markdown_report(report: dict) -> str:
     out = [f"# eagletree bench\n\n`{report['command']}`\n",
            f"Machine: {where}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
            f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}"
-           + (f", drafting over {_vocab(s['draft_vocab'])}" if s.get("draft_vocab") else "") + "; "
+           + (f", drafting over {vocab_words(s['draft_vocab'])}" if s.get("draft_vocab") else "") + "; "
            + ("target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels)"
               + (f" where measured faster here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
               + "; 'packed' is plain HF generate with the same kernels as the trees, so each row's speedup over it "
