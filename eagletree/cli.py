@@ -34,7 +34,7 @@ from .train.distill import TURNS, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
-from .tree_search.copy import COPY_CALIBRATION, bin_labels
+from .tree_search.copy import bin_labels, copy_calibration_names
 from .viz import render_html, viz_step
 
 __all__ = ["build_parser", "main"]
@@ -360,11 +360,12 @@ def cmd_calibrate_copy(args) -> int:
     model, tok, head = _load(args)
     calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
                                                    depth=args.depth, top_k_draft=10)
-    out = Path(args.out) if args.out else Path(head.source_dir) / COPY_CALIBRATION
+    out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
     calibration.save(out)
     first = calibration.rate()[:, 0].tolist()
     print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
-          f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass); first-token acceptance "
+          f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass, drafting over "
+          f"{head.drafted_vocab_size()} tokens); first-token acceptance "
           f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first))
     return 0
 
@@ -518,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=60)
     p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json")
+    p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json, or HEAD/copy_calibration.full-vocab"
+                                               ".json when the head drafts over the full vocabulary (--draft-vocab)")
     p.set_defaults(func=cmd_calibrate_copy)
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")

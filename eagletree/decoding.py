@@ -21,7 +21,7 @@ from .draft_heads import make_drafter, target_identity
 from .packing import kernels_tag, machine_key
 from .target import GQA_SDPA, cache_dir, new_cache
 from .tree_search import Calibrator, LatencyProfile
-from .tree_search.copy import COPY_CALIBRATION, CopyCalibration, NgramIndex, copy_only, copy_trie
+from .tree_search.copy import CopyCalibration, NgramIndex, copy_calibration_names, copy_only, copy_trie
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
 from .verify import DraftTree, prefill, verify_step
@@ -386,11 +386,12 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
 
 
 def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
-    """The copy calibration saved next to a head (`copy_calibration.json`), else an uninformed one (0.5 everywhere)."""
+    """The copy calibration saved next to a head for the vocabulary it drafts over now (`copy_calibration.json`, or
+    `copy_calibration.full-vocab.json` for a widened head), else the other one, else an uninformed one (0.5)."""
     folder = getattr(head, "source_dir", None)
-    path = Path(folder) / COPY_CALIBRATION if folder else None
-    if path is not None and path.is_file():
-        return CopyCalibration.load(path)  # its last column values the positions past its length
+    for name in copy_calibration_names(head.is_widened()) if folder else ():
+        if (Path(folder) / name).is_file():
+            return CopyCalibration.load(Path(folder) / name)  # its last column values the positions past its length
     return CopyCalibration(max_len=copy_len)
 
 

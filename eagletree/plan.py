@@ -268,20 +268,15 @@ def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int
             "within_tolerance": abs(error) <= CHECK_TOLERANCE}
 
 
-def drafted_vocab_size(head) -> int:
-    """How many tokens the head drafts over now: its draft vocabulary, or the target's whole one (widened)."""
-    return int(head.config.draft_vocab_size or head.config.target["vocab_size"])
-
-
 def check_reused_acceptance(data: dict, head, source: str) -> None:
     """Refuse an earlier plan's acceptance measured over another draft vocabulary than `head` drafts over now
     (its ranks are ranks among other tokens). A plan written before plans recorded it is taken as it is."""
     measured = data.get("draft_vocab_size")
-    if measured is not None and int(measured) != drafted_vocab_size(head):
+    if measured is not None and int(measured) != head.drafted_vocab_size():
         full = head.config.target["vocab_size"]
         match = "full" if int(measured) == full else "head"
         raise ValueError(f"--acceptance {source}: measured drafting over {measured} tokens, but the head drafts "
-                         f"over {drafted_vocab_size(head)} here; pass --draft-vocab {match} to reuse it, or measure "
+                         f"over {head.drafted_vocab_size()} here; pass --draft-vocab {match} to reuse it, or measure "
                          "anew without --acceptance")
 
 
@@ -296,7 +291,7 @@ def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prom
     eagle3 = head.fused_layers is not None  # the engines' EAGLE-3 reads fused target layers
     draft_vocab = head.config.draft_vocab_size is not None
     return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, draft_vocab),
-            "draft_vocab_size": drafted_vocab_size(head),
+            "draft_vocab_size": head.drafted_vocab_size(),
             "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
             "expected_tokens_per_pass": plan.expected_tokens, "decoded_tokens_per_pass": plan.decoded_tokens,
             "predicted_step_ms": plan.step_s * 1e3,

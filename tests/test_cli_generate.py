@@ -102,3 +102,39 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
     assert sum(map(sum, saved["tried"])) > 0 and CopyCalibration.load(out).max_len == 16
     assert cli_main(["calibrate-copy", "--target", "tiny", "--head", "none", "--prompts", str(prompts)]) == 2
     assert "pass a head folder" in capsys.readouterr().err
+
+
+def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path):
+    """A table measured drafting over the full vocabulary (a GPU's auto) never replaces the head's own one."""
+    from eagletree.decoding import head_copy_calibration
+    from eagletree.draft_heads import load_head
+    from eagletree.tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
+
+    model, _, _ = tiny_cli
+    head_dir = tmp_path / "vocab-head"
+    head = EagleHead.for_target(model.config)
+    head.set_draft_vocab(torch.arange(40))
+    head.save_pretrained(head_dir)
+    own = CopyCalibration(prior=torch.full((5, 16), 0.3), draft_vocab_size=40)
+    own.save(head_dir / COPY_CALIBRATION)
+    before = (head_dir / COPY_CALIBRATION).read_text()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps("one two three four one two three four one two") + "\n")
+    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--draft-vocab", "full",
+                     "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "8"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    vocab = model.config.vocab_size
+    assert line.startswith(f"wrote {head_dir / COPY_CALIBRATION_FULL_VOCAB}: ") and f"drafting over {vocab} tokens" in line
+    assert (head_dir / COPY_CALIBRATION).read_text() == before
+    assert CopyCalibration.load(head_dir / COPY_CALIBRATION_FULL_VOCAB).draft_vocab_size == vocab
+
+    # Each drafting reads its own table, and the other one when its own is missing.
+    narrow, wide = load_head(head_dir), load_head(head_dir).widen_vocab()
+    assert head_copy_calibration(narrow).draft_vocab_size == 40
+    assert head_copy_calibration(wide).draft_vocab_size == vocab
+    (head_dir / COPY_CALIBRATION_FULL_VOCAB).unlink()
+    assert head_copy_calibration(wide).draft_vocab_size == 40
+    (head_dir / COPY_CALIBRATION).unlink()
+    assert head_copy_calibration(wide).draft_vocab_size is None and head_copy_calibration(wide).rate()[0, 0] == 0.5
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be a token count >= 1 or None.*got 0"):
+        CopyCalibration(draft_vocab_size=0)

@@ -110,6 +110,14 @@ class DraftHead(nn.Module):
         self.d2t = draft_tokens.to(self.d2t.device, torch.long).clone()
         self.config.draft_vocab_size = int(draft_tokens.numel())
 
+    def drafted_vocab_size(self) -> int:
+        """How many tokens the head drafts over now: its draft vocabulary, or the target's whole one (widened)."""
+        return int(self.config.draft_vocab_size or self.config.target["vocab_size"])
+
+    def is_widened(self) -> bool:
+        """Whether `widen_vocab` made this head draft over more tokens than the draft vocabulary it was saved with."""
+        return bool(getattr(self, "widened", False))
+
     def has_own_lm_head(self) -> bool:
         """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the target's."""
         return bool(getattr(self, "own_lm_head", False)) or hasattr(self, "draft_logits")
@@ -133,6 +141,7 @@ class DraftHead(nn.Module):
                             "keep its own (--draft-vocab head or auto)")
         self.d2t = torch.arange(self.config.target["vocab_size"], device=self.d2t.device)
         self.config.draft_vocab_size = None
+        self.widened = True
         self.__dict__.pop("_lm_slice", None)  # a cached lm_head slice of the narrower vocabulary
         return self
 

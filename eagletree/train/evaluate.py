@@ -22,7 +22,7 @@ from ..files import write_json_atomic
 from ..packing import pack_target
 from ..prompts import by_category, mtbench_subset
 from ..tree_search import Calibrator, acceptance_pairs, calibration_report
-from ..tree_search.copy import COPY_CALIBRATION, CopyCalibration
+from ..tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 from .config import TrainConfig, TrainingError
 from .data import DataError, load_dataset, split
 from .distill import first_turns
@@ -127,7 +127,7 @@ def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=12
     Returns (CopyCalibration, tokens/pass result); save the calibration next to the head
     (`copy_calibration.json`) and decoding starts from it instead of an uninformed 0.5.
     """
-    calibration = CopyCalibration(max_len=copy_len)
+    calibration = CopyCalibration(max_len=copy_len, draft_vocab_size=head.drafted_vocab_size())
     result = tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens, copy=True, copy_len=copy_len,
                              copy_calibration=calibration, **options)
     return calibration, result
@@ -229,7 +229,7 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
         write_json_atomic(head_dir / "calibration.json", asdict(calibrator))
-        copy_calibration.save(head_dir / COPY_CALIBRATION)
+        copy_calibration.save(head_dir / COPY_CALIBRATION)  # the saved head drafts over the vocabulary measured
     write_json_atomic(Path(cfg.out_dir, "metrics.json"), metrics)
     return metrics
 
@@ -239,7 +239,7 @@ def ship(run_dir, dest) -> Path:
     src = Path(run_dir) / "head"
     head = load_head(src)
     head.save_pretrained(dest, dtype=torch.bfloat16)
-    for name in ("calibration.json", COPY_CALIBRATION):
+    for name in ("calibration.json", COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB):
         if (src / name).is_file():
             shutil.copy(src / name, Path(dest) / name)
     if (Path(run_dir) / "metrics.json").is_file():

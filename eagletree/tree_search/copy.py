@@ -30,6 +30,17 @@ import torch
 # 16+ bin, matches extended to 32 tokens, measured no better: docs/results.md.)
 MATCH_BINS = (1, 2, 3, 4, 8)
 COPY_CALIBRATION = "copy_calibration.json"
+# measured with a head drafting over the target's whole vocabulary instead of its own draft vocabulary
+# (`DraftHead.widen_vocab`, `--draft-vocab full`; a GPU's auto): kept apart, so that measuring one never
+# replaces the table the other drafting uses
+COPY_CALIBRATION_FULL_VOCAB = "copy_calibration.full-vocab.json"
+
+
+def copy_calibration_names(widened: bool) -> tuple[str, str]:
+    """(the table a head drafting over its own vocabulary (widened=False) or the target's whole one reads and
+    writes, the other one: the fallback when the first is missing)."""
+    names = (COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB)
+    return names[::-1] if widened else names
 
 
 def copy_only(info) -> bool:
@@ -119,7 +130,7 @@ class CopyCalibration:
     The last position's cell stands for every later one too, so spans may be longer than the table.
     """
 
-    def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0):
+    def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0, draft_vocab_size: int | None = None):
         if not strength > 0:
             raise ValueError(f"copy calibration strength must be > 0 (observations the prior is worth), got {strength!r}")
         self.max_len, self.strength = max_len, float(strength)
@@ -131,8 +142,15 @@ class CopyCalibration:
                              f"got {list(self.prior.shape)}")
         if not ((self.prior > 0) & (self.prior < 1)).all():
             raise ValueError("copy calibration prior values must lie in (0, 1)")
+        if draft_vocab_size is not None and (not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool)
+                                             or draft_vocab_size < 1):
+            raise ValueError(f"copy calibration draft_vocab_size must be a token count >= 1 or None (not recorded), "
+                             f"got {draft_vocab_size!r}")
         self.tried = torch.zeros(shape, dtype=torch.float64)
         self.accepted = torch.zeros(shape, dtype=torch.float64)
+        # how many tokens the head drafted over while this was measured (None: not recorded); with more, the head
+        # proposes more of the copied tokens itself, and the copies left alone are the ones it doubts
+        self.draft_vocab_size = draft_vocab_size
 
     def rate(self) -> torch.Tensor:
         """[bins, positions] smoothed acceptance rates."""
@@ -177,7 +195,8 @@ class CopyCalibration:
 
         rate = self.measured().clamp(0.01, 0.99)
         write_text_atomic(Path(path), json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
-                                                  "tried": self.tried.tolist(), "accepted": self.accepted.tolist()}))
+                                                  "tried": self.tried.tolist(), "accepted": self.accepted.tolist(),
+                                                  "draft_vocab_size": self.draft_vocab_size}))
 
     @classmethod
     def load(cls, path, strength: float = 8.0) -> "CopyCalibration":
@@ -189,7 +208,7 @@ class CopyCalibration:
         if list(bins) != list(MATCH_BINS):
             raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}; measure a new table with "
                              "`eagletree calibrate-copy`")
-        return cls(max_len=len(rate[0]), prior=rate, strength=strength)
+        return cls(max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size"))
 
 
 @dataclass
