@@ -1,224 +1,18 @@
-"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, bench.
+"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, calibrate-copy, bench.
 
-transformers is imported only by the commands that load a model or its config (through the modules they call,
-and in `cmd_import`), so `eagletree --help` and `eagletree data` start without it; matplotlib only by the bench's
-plots.
+This module only parses: each subcommand's work is `commands.cmd_<name>`, imported once the arguments parse, so
+`eagletree --help` and a mistyped flag answer at once, without loading torch (or transformers, or matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-import warnings
-from contextlib import nullcontext
-from pathlib import Path
 
-import torch
-
-from . import target
-from .bench import load_prompts, measure_drafting, run_hf
-from .bench import main as bench_main
-from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
-                       latency_profile)
-from .draft_heads import load_head
-from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
 from .errors import EagletreeError
-from .files import check_output_dir, write_json_atomic
-from .loading import head_to_load, load_models
-from .packing import is_packed, kernels_used, stock_kernels
-from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
-from .train.data import HELDOUT_FRACTION, load_dataset, split, stats
-from .train.distill import TURNS, distill, ids_in
-from .train.evaluate import measure_copy_calibration
-from .train.features import cache_features
-from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
-from .tree_search.copy import bin_labels, copy_calibration_names
-from .viz import render_html, viz_step
+from .train.data import HELDOUT_FRACTION, TURNS
 
 __all__ = ["build_parser", "main"]
-
-
-def cmd_data(args) -> int:
-    data = load_dataset(args.dataset)
-    if args.stats:
-        print(json.dumps(stats(data, args.heldout_fraction), indent=2))
-    return 0
-
-
-def _load(args):
-    """Target, tokenizer and head from --target/--head (the shipped head by default)."""
-    options = _options(args) if hasattr(args, "tree") else {}
-    options.pop("tree", None)
-    options.pop("copy", None)  # a choice argparse already checked
-    check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
-    head_path = head_to_load(args.target, args.head)
-    t0 = time.perf_counter()
-    model, tok, head, packed = load_models(args.target, head_path, device=args.device,
-                                           dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
-                                           pack=args.pack, head_dtype=args.draft_dtype,
-                                           draft_vocab=_draft_vocab(args))
-    if getattr(args, "budget", 0) is None:
-        args.budget = default_budget(model)
-    print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
-          f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
-          f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return model, tok, head
-
-
-def _draft_vocab(args) -> str:
-    """--draft-vocab as `load_models` takes it; plan's auto is settled once the head is loaded (`_engine_vocab`)."""
-    return "head" if args.draft_vocab == "auto" and getattr(args, "engine", None) else args.draft_vocab
-
-
-def _engine_vocab(args, head) -> None:
-    """plan --draft-vocab auto: draft over the vocabulary the --engine drafts the export over, so that plan measures
-    the ranks the engine will see: vLLM and EAGLE score an EAGLE-1/2 export's tokens over the full vocabulary (no
-    token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
-    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.can_widen_vocab():
-        head.widen_vocab()
-        print(f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
-              "(--draft-vocab head to keep the head's own)", file=sys.stderr)
-
-
-def _kernels_note(model) -> str:
-    """Where --pack auto measured the kernels: each tree size's choice with both timings."""
-    choice = getattr(model, "kernel_choice", None)
-    return "" if choice is None else f"; kernels measured here: {choice.summary()}"
-
-
-def _options(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed,
-                copy={"on": True, "off": False}.get(args.copy))
-
-
-def default_budget(model) -> int:
-    """Tree nodes per pass when --budget is not given: 60 on a GPU (verifying 60 nodes costs about one
-    token there), 8 on a CPU (trees of 16-32 nodes lost to 8 in every tree method on the dev machine's bench).
-    With the default --tree auto this is a ceiling: auto keeps the prefix that pays on this machine's measured
-    latency profile, down to the root alone (plain decoding) where no tree pays."""
-    return 60 if model.device.type == "cuda" else 8
-
-
-def _plain(model, tok, messages, args, stock: bool = False) -> dict:
-    """Plain HF decoding of the same prompt with the same sampling settings and stop tokens, timed: with the
-    kernels the speculative run used, or (`stock`) PyTorch's stock kernels, i.e. HF `generate` as users run it."""
-    with stock_kernels(model) if stock else nullcontext():
-        run = run_hf(model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k,
-                     top_p=args.top_p)
-    return {"new_tokens": len(run.token_ids), "seconds": run.seconds,
-            "tokens_per_s": len(run.token_ids) / run.seconds, "token_ids": run.token_ids}
-
-
-def compare_plain(result: dict, model, tok, messages, args) -> dict:
-    """Like-for-like speedups: vs plain decoding with the same kernels (`speedup`) and vs stock HF `generate`
-    (`speedup_vs_hf`; the same run when the target runs stock kernels), and the kernels' own gain."""
-    plain = _plain(model, tok, messages, args)
-    hf = _plain(model, tok, messages, args, stock=True) if is_packed(model) else plain
-    result.update(kernels=kernels_used(model), plain_tokens_per_s=round(plain["tokens_per_s"], 2),
-                  speedup=round(result["tokens_per_s"] / plain["tokens_per_s"], 3),
-                  hf_tokens_per_s=round(hf["tokens_per_s"], 2),
-                  speedup_vs_hf=round(result["tokens_per_s"] / hf["tokens_per_s"], 3),
-                  kernels_gain=round(plain["tokens_per_s"] / hf["tokens_per_s"], 3))
-    if not args.temperature:
-        result["identical_to_plain"] = plain["token_ids"] == result["token_ids"] == hf["token_ids"]
-    return result
-
-
-def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
-    stats = GenerationStats()
-    options = _options(args)
-    if head is None and options["copy"] is None:  # --head none is plain decoding unless --copy on asks for lookup
-        options["copy"] = False
-    steps = decode_steps(model, tok, head, messages, stats=stats, **options)
-    ids = []
-
-    def collect():
-        for tokens in steps:
-            ids.extend(tokens)
-            yield tokens
-
-    for piece in _stream_text(tok, collect()):
-        if stream_to is not None:
-            stream_to.write(piece)
-            stream_to.flush()
-    if stream_to is not None:
-        stream_to.write("\n")
-    d = stats.as_dict()
-    return {"text": decode_text(tok, ids), "token_ids": ids, "new_tokens": d["new_tokens"],
-            "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
-            "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
-            "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"],
-            "copied_tokens": d["copied_tokens"]}
-
-
-def check_utf8(text: str, what: str) -> str:
-    """`text` unchanged, or ValueError when it holds bytes that are not UTF-8 (Python keeps them as surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise ValueError(f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
-                         "give UTF-8 text") from None
-    return text
-
-
-def cmd_generate(args) -> int:
-    """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it)."""
-    check_utf8(args.prompt, "--prompt")
-    if not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give the text to answer")
-    model, tok, head = _load(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
-    result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
-        args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
-    result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
-    if args.compare_plain:
-        compare_plain(result, model, tok, messages, args)
-    if args.json:
-        result.pop("times")
-        result.pop("token_ids")
-        print(json.dumps(result))
-        return 0
-    line = (f"[{result['method']}: {result['new_tokens']} tokens in {result['seconds']:.2f}s = "
-            f"{result['tokens_per_s']} tokens/s, {result['tokens_per_pass']} tokens/pass "
-            f"(predicted {result['predicted_tokens_per_pass']})")
-    if args.compare_plain:
-        line += (f" | plain decoding, same kernels ({result['kernels']['kernels']}): {result['plain_tokens_per_s']} "
-                 f"tokens/s | speedup {result['speedup']}x | HF generate, stock kernels: {result['hf_tokens_per_s']} "
-                 f"tokens/s | speedup vs HF {result['speedup_vs_hf']}x")
-        if "identical_to_plain" in result:
-            line += f" | identical to plain: {result['identical_to_plain']}"
-    print(line + "]")
-    return 0
-
-
-def cmd_chat(args) -> int:
-    """Interactive chat: streams each answer and shows tokens/pass; the conversation is kept."""
-    model, tok, head = _load(args)
-    messages = []
-    print("eagletree chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
-    while True:
-        try:
-            text = check_utf8(input("you> "), "that line")
-        except EOFError:
-            break
-        except (ValueError, UnicodeDecodeError) as e:  # a bad line is not the end of the conversation
-            print(f"error: {e}" if isinstance(e, ValueError) else
-                  f"error: that line is not valid UTF-8 text ({e.reason} at byte {e.start}); type it again",
-                  file=sys.stderr)
-            continue
-        if not text.strip():
-            break
-        messages.append({"role": "user", "content": text})
-        sys.stdout.write("assistant> ")
-        result = _answer(model, tok, head, messages, args, stream_to=sys.stdout)
-        messages.append({"role": "assistant", "content": result["text"]})
-        print(f"[{result['tokens_per_pass']} tokens/pass, {result['tokens_per_s']} tokens/s]", file=sys.stderr)
-    return 0
 
 
 def _add_model_args(p) -> None:
@@ -264,150 +58,6 @@ def _add_decoding_args(p, tree: str = "auto") -> None:
                         "eagle2, optimal and auto trees, off for the fixed chain and sequoia shapes)")
 
 
-def cmd_viz(args) -> int:
-    """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
-    check_utf8(args.prompt, "--prompt")
-    if not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give the text to answer")
-    if args.step < 1:
-        raise SystemExit(f"error: --step must be >= 1 (1 = the first decoding step), got {args.step}")
-    model, tok, head = _load(args)
-    options = _options(args)
-    search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
-    data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step, **options, **search)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data), encoding="utf-8")
-    greedy = len(data["greedy"]["accepted"])
-    print(f"wrote {out}: step {args.step}, {args.tree} tree of {len(data['tokens'])} nodes, "
-          f"E[tokens/pass] {data['expected']:.3f} (under the target {data['target_expected']:.3f}), "
-          f"greedy verification emits {greedy} token{'s' if greedy > 1 else ''}")
-    return 0
-
-
-def cmd_export(args) -> int:
-    """Write a head in the layout EAGLE, vLLM or SGLang loads."""
-    check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
-    head = load_head(args.head)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = None
-    if args.format == "eagle3":  # the export carries the target's embedding
-        model, _ = target.load_target(args.target, device="cpu")
-    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=model)
-    print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
-    for note in engine_notes(head, args.format, None if model is None else model.config):
-        print(f"note: {note}")
-    return 0
-
-
-def cmd_import(args) -> int:
-    """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) and save it as an eagletree head."""
-    check_output_dir(Path(args.out), args.overwrite, sources=[args.eagle])
-    foreign = read_export_config(args.eagle)
-    if "LlamaForCausalLMEagle3" in foreign.get("architectures", []) or "draft_vocab_size" in foreign:
-        model, _ = target.load_target(args.target, device="cpu")
-        head = import_eagle3(args.eagle, model)
-    else:
-        from transformers import AutoConfig  # lazy: see the module's docstring
-
-        head = import_eagle(args.eagle, AutoConfig.from_pretrained(target.resolve_target(args.target)))
-    head.save_pretrained(args.out, keep_others=True)
-    print(f"imported {args.eagle} for {args.target} into {args.out}")
-    return 0
-
-
-def cmd_plan(args) -> int:
-    """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
-    acceptance = data = None
-    if args.acceptance:
-        try:
-            data = json.loads(Path(args.acceptance).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read --acceptance {args.acceptance!r}: {e}") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got "
-                             f"{type(data).__name__}")
-        acceptance = Acceptance.from_dict(data.get("acceptance", data))
-    profile = load_profile(args.profile) if args.profile else None
-    prompts = load_prompts(args.prompts)
-    measure, check = split_prompts(prompts)
-    model, tok, head = _load(args)
-    if head is None:
-        raise SystemExit("error: plan needs a draft head (--head DIR)")
-    _engine_vocab(args, head)
-    if data is not None:
-        check_reused_acceptance(data, head, args.acceptance)
-    if profile is None:
-        profile = latency_profile(model)  # the verify pass, measured on --device once and cached
-        profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
-    result = make_plan(model, tok, head, args.engine, profile, measure, check, args.export, acceptance=acceptance,
-                       max_nodes=args.max_nodes, max_depth=args.max_depth, top_k=args.top_k_draft,
-                       max_new_tokens=args.max_new_tokens)
-    result["prompts"] = args.prompts
-    write_json_atomic(args.out, result)
-    print(summary(result))
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if result["check"]["within_tolerance"] else 1
-
-
-def cmd_calibrate_copy(args) -> int:
-    """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
-    check_options(cli=True, max_new_tokens=args.max_new_tokens, budget=args.budget, depth=args.depth)
-    if args.head == "none":
-        raise ValueError("--head none: calibrate-copy measures the copied spans next to a head's candidates; "
-                         "pass a head folder")
-    prompts = load_prompts(args.prompts)
-    model, tok, head = _load(args)
-    calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
-                                                   depth=args.depth, top_k_draft=10)
-    out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
-    calibration.save(out)
-    first = calibration.rate()[:, 0].tolist()
-    print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
-          f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass, drafting over "
-          f"{head.drafted_vocab_size()} tokens); first-token acceptance "
-          f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first))
-    return 0
-
-
-def cmd_bench(args) -> int:
-    """Benchmark every method against plain and prompt-lookup decoding (or, with --profile-only, the device's costs)."""
-    return bench_main(args)
-
-
-def cmd_features(args) -> int:
-    """Cache the target's features for a training config (resumable)."""
-    if args.shard_size < 1:
-        raise ValueError(f"--shard-size must be >= 1 (conversations per shard), got {args.shard_size}")
-    cfg = TrainConfig.from_sources(args.config, args.overrides)
-    if not cfg.features_dir:
-        raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
-    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
-    model, tok = target.load_target(cfg.target, dtype=dtype, device=args.device)
-    manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
-    print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
-                      "complete": manifest["complete"],
-                      "tokens": sum(s["tokens"] for s in manifest["shards"])}))
-    return 0
-
-
-def cmd_distill(args) -> int:
-    """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
-    for other in args.skip_answered:
-        ids_in(other)  # a wrong path or file fails here, before the target is loaded
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
-    model, tok, _, _ = load_models(args.target, device=args.device, dtype=args.dtype, pack=args.pack)
-    counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, limit=args.limit, seed=args.seed,
-                     skip_answered=tuple(args.skip_answered), turns=args.turns,
-                     min_prompt_tokens=args.min_prompt_tokens)
-    print(json.dumps(counts))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagletree", description="Lossless speculative decoding with draft trees.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -416,31 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped) or a .json/.jsonl path")
     p.add_argument("--stats", action="store_true", help="print one JSON object of counts")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
-    p.set_defaults(func=cmd_data)
+    p.set_defaults(func="cmd_data")
 
     p = sub.add_parser("generate", help="answer a chat prompt with speculative decoding")
     _add_decoding_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--compare-plain", action="store_true", help="also time plain decoding of the same prompt")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func="cmd_generate")
 
     p = sub.add_parser("chat", help="interactive chat with speculative decoding")
     _add_decoding_args(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func="cmd_chat")
 
     p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
     _add_decoding_args(p, tree="eagle2")  # a picture of a tree: auto may verify the root alone
     p.add_argument("--prompt", required=True)
     p.add_argument("--step", type=int, default=1, help="show the K-th target pass of the generation (1 = the first)")
     p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")
-    p.set_defaults(func=cmd_viz)
+    p.set_defaults(func="cmd_viz")
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
     p.add_argument("--device", default=None)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
-    p.set_defaults(func=cmd_features)
+    p.set_defaults(func="cmd_features")
 
     p = sub.add_parser("distill", help="the target's own answers to the training prompts (self-distillation "
                                        "data; resumable JSONL)")
@@ -471,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
                         "native bf16 is about twice as fast and its answers are the same text in all but a few tokens")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="packed CPU kernels (as in generate)")
-    p.set_defaults(func=cmd_distill)
+    p.set_defaults(func="cmd_distill")
 
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
@@ -482,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "of its files")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--target", default="smollm2-135m", help="eagle3: the target whose embedding the export carries")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func="cmd_export")
 
     p = sub.add_parser("import", help="import an EAGLE-1/2 head trained elsewhere")
     p.add_argument("--eagle", required=True, help="folder with config.json and model.safetensors/pytorch_model.bin")
@@ -490,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="a new or empty folder (never the --eagle folder)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
                                                             "model.safetensors there, keep its other files")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func="cmd_import")
 
     p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
     _add_model_args(p)
@@ -510,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "over the same draft vocabulary (the first half of the prompts "
                                                       "is then not decoded)")
     p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func="cmd_plan")
 
     p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
     _add_model_args(p)
@@ -521,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json, or HEAD/copy_calibration.full-vocab"
                                                ".json when the head drafts over the full vocabulary (--draft-vocab)")
-    p.set_defaults(func=cmd_calibrate_copy)
+    p.set_defaults(func="cmd_calibrate_copy")
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)
@@ -554,14 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-pass", type=float, default=None,
                    help="--profile-only: project the speedup with this tokens/pass (default: OUT/results.json)")
     p.add_argument("--results", default=None, help="--profile-only: a bench results.json to take tokens/pass from")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func="cmd_bench")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from . import commands
+
     try:
-        return args.func(args)
+        return getattr(commands, args.func)(args)
     except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

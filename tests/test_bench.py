@@ -284,8 +284,14 @@ def test_head_to_load_names_the_shipped_head_or_asks_for_one():
         head_to_load("other", None)
 
 
-def test_the_cli_starts_without_matplotlib_or_transformers():
+def test_the_cli_parses_without_torch_matplotlib_or_transformers():
     code = ("import sys, eagletree.cli; "
-            "print([m for m in ('matplotlib', 'transformers') if m in sys.modules])")
+            "print([m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+    # a mistyped flag is answered by the parser, before any command module (and torch) loads
+    code = ("import sys, eagletree.cli\n"
+            "try:\n    eagletree.cli.main(['generate', '--prompt', 'hi', '--tree', 'bushy'])\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "2 False" and "invalid choice: 'bushy'" in run.stderr

@@ -51,7 +51,7 @@ def test_generate_streams_then_prints_stats(tiny_cli, capsys):
 def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsys, monkeypatch):
     _, _, args = tiny_cli
     seen = []
-    import eagletree.cli as cli
+    import eagletree.commands as cli
 
     real_answer = cli._answer
 

@@ -28,6 +28,7 @@ ROLE_ALIASES = {
     "model": "assistant",
 }
 HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
+TURNS = ("first", "later", "all")  # which user turns `distill` answers (`distill.user_turns`)
 
 
 class DataError(EagletreeError, ValueError):

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from ..decoding import encode_prompt, stop_token_ids
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
+from .data import TURNS
 
 
 class DistillError(EagletreeError, ValueError):
@@ -38,9 +39,6 @@ def first_turns(conversations) -> list[tuple[str, list[dict]]]:
     The same prompts as evaluation takes from held-out conversations (`evaluate.heldout_prompts`).
     """
     return user_turns(conversations, "first")
-
-
-TURNS = ("first", "later", "all")
 
 
 def user_turns(conversations, turns: str = "first") -> list[tuple[str, list[dict]]]:
