@@ -138,3 +138,8 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path):
     assert head_copy_calibration(wide).draft_vocab_size is None and head_copy_calibration(wide).rate()[0, 0] == 0.5
     with pytest.raises(ValueError, match=r"draft_vocab_size must be a token count >= 1 or None.*got 0"):
         CopyCalibration(draft_vocab_size=0)
+    bad = json.loads(before)
+    bad["draft_vocab_size"] = "8192"
+    (head_dir / COPY_CALIBRATION).write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"copy_calibration.json: copy calibration draft_vocab_size must be .*'8192'"):
+        head_copy_calibration(narrow)

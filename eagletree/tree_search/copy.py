@@ -208,7 +208,10 @@ class CopyCalibration:
         if list(bins) != list(MATCH_BINS):
             raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}; measure a new table with "
                              "`eagletree calibrate-copy`")
-        return cls(max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size"))
+        try:
+            return cls(max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size"))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 @dataclass
