@@ -1,7 +1,8 @@
 """Train an EAGLE draft head: `accelerate launch train.py --config configs/NAME.yaml [key=value ...]`.
 
 `python train.py ...` works too. `--resume` continues from the run folder's last checkpoint with
-the same model, optimizer, scheduler, data order and RNG state.
+the same model, optimizer, scheduler, data order and RNG state; Ctrl-C or SIGTERM stops after the step in
+progress with a checkpoint of it (exit status 130), so `--resume` loses nothing.
 """
 
 import argparse
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from eagletree.errors import EagletreeError
 from eagletree.train.evaluate import evaluate_run, evaluation_conversations
-from eagletree.train.loop import TrainConfig, train
+from eagletree.train.loop import TrainConfig, TrainingInterrupted, train
 
 
 def main(argv=None) -> int:
@@ -22,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", action="store_true", help="evaluate the head on held-out conversations at the end")
     ap.add_argument("--allow-changes", action="store_true", help="--resume with changed run-defining keys (lr, "
                                                                  "dataset, max_len, ...): continue with the new values")
+    ap.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run: its "
+                                                             "checkpoints, head, history and metrics are deleted")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + ([f"report_to={args.report_to}"] if args.report_to else [])
@@ -31,10 +34,13 @@ def main(argv=None) -> int:
         out_dir = Path(cfg.out_dir)
         existed = out_dir.exists()
         heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
-        head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes)
+        head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes, overwrite=args.overwrite)
         print(json.dumps(summary, default=float))
         if args.eval:
             print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
+    except TrainingInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
     except (EagletreeError, ValueError, OSError) as e:
         if out_dir is not None and not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()  # a failed run leaves no empty folder it made

@@ -361,3 +361,82 @@ def test_eagle_head_trains_with_the_training_time_test(tmp_path):
     assert sum(history[-5:]) < 0.8 * sum(history[:5])
     with pytest.raises(TrainingError, match="'ttt_steps' must be >= 0"):
         TrainConfig.from_sources(None, ["ttt_steps=-1"])
+
+
+def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
+    run(tiny_cfg(tmp_path, steps=6))
+    with pytest.raises(TrainingError, match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"):
+        run(tiny_cfg(tmp_path, steps=6, stop_after=2))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+    _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                       conversations=tiny_conversations(12), progress=False, overwrite=True)
+    assert summary["steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000002"]  # the old run's are gone
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(TrainingError, match=r"out_dir '.*afile' is a file; expected a folder for the run"):
+        run(tiny_cfg(tmp_path / "afile"))
+    for key, value, message in (("out_dir", "", "the run's folder"), ("heldout_fraction", "0", r"must be in \(0, 1\)")):
+        with pytest.raises(TrainingError, match=rf"'{key}'.*{message}"):
+            TrainConfig.from_sources(None, [f"{key}={value}"])
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothing(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from eagletree.draft_heads import EagleHead
+    from eagletree.train.loop import TrainingInterrupted
+
+    straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
+    real, calls = EagleHead.training_loss, {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # step 3's first micro-batch
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagleHead, "training_loss", interrupted)
+    with pytest.raises(TrainingInterrupted, match=r"interrupted by SIGINT after step 3 of 8: saved .*step-0000003; "
+                                                  r"run the same command with --resume"):
+        run(tiny_cfg(tmp_path / "b", save_every=100))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is gone
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step-0000003"]
+    monkeypatch.setattr(EagleHead, "training_loss", real)
+    resumed, summary = run(tiny_cfg(tmp_path / "b", save_every=100), resume=True)
+    assert summary["steps"] == 8
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-6, name
+
+
+def test_resume_sets_a_damaged_checkpoint_aside_and_keeps_the_head_defining_keys(tmp_path, capsys):
+    run(tiny_cfg(tmp_path, steps=8, stop_after=6, keep_checkpoints=2))
+    (tmp_path / "checkpoints" / "step-0000006" / "trainer.pt").write_bytes(b"cut")
+    run(tiny_cfg(tmp_path, steps=8, stop_after=7, keep_checkpoints=1, save_every=1), resume=True)
+    assert "set the damaged step-0000006 aside" in capsys.readouterr().err
+    # the resumed run's checkpoint is kept (it sorts before the damaged one, which pruning no longer sees)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["damaged-step-0000006", "step-0000007"]
+    with pytest.raises(TrainingError, match=r"fc_bias False -> True would change the head's shape or start"):
+        train(tiny_cfg(tmp_path, steps=8, fc_bias=True), resume=True, allow_changes=True,
+              model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(12),
+              progress=False)
+    capsys.readouterr()
+    run(tiny_cfg(tmp_path / "fresh"), resume=True)
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_training_data_that_was_cut_is_warned_about(tmp_path):
+    import json
+
+    from eagletree.train.data import DataWarning
+    from eagletree.train.loop import training_conversations
+
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
+             for i in range(60)]
+    text = json.dumps(convs)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: len(text) // 2])
+    with pytest.warns(DataWarning, match=r"cut.json is cut off"):
+        train_convs = training_conversations(TrainConfig(dataset=str(path)))
+    assert 0 < len(train_convs) < 60

@@ -45,7 +45,8 @@ def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, no
                     "counters": counters, "rng": rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     publish(tmp, final, keep_others=False)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    # the `keep` newest by step, the one just written always among them
+    for old in sorted(root.glob("step-*"), key=lambda p: (p == final, p.name))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -59,6 +60,12 @@ def latest_checkpoint(folder: Path) -> Path | None:
 # Keys that may differ on --resume without changing the run (where and how it is written, when it stops).
 NOT_RUN_DEFINING = ("out_dir", "stop_after", "save_every", "keep_checkpoints", "log_every", "eval_conversations",
                     "eval_dataset", "report_to", "device", "precision", "features_dir")
+
+
+# Keys that make the head what it is (its shape, vocabulary, where its weights start): a resume goes on with the
+# checkpoint's head, so these cannot change, not even with --allow-changes.
+HEAD_DEFINING = ("head_type", "medusa_heads", "fc_bias", "draft_vocab", "draft_vocab_sample", "init_head",
+                 "init_from_target", "widen_vocab")
 
 
 def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
@@ -82,16 +89,49 @@ def resume_point(folder: Path, target_config):
             if not isinstance(state, dict) or not {"optimizer", "scheduler", "step", "counters", "rng"} <= set(state):
                 raise ValueError("trainer.pt lacks the trainer state")
         except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-            damaged.append(f"{ckpt.name} ({' '.join(str(e).split())[:160]})")
-            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1]}); trying the one before it", file=sys.stderr)
+            damaged.append((ckpt, f"{ckpt.name} ({' '.join(str(e).split())[:160]})"))
+            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it", file=sys.stderr)
             continue
         head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
         if damaged:
             print(f"warning: resuming from {ckpt}, the newest intact checkpoint", file=sys.stderr)
+            for bad, _ in damaged:  # out of the way: the resumed run's checkpoints would sort before them and be pruned
+                aside = bad.with_name(f"damaged-{bad.name}")
+                shutil.rmtree(aside, ignore_errors=True)
+                bad.rename(aside)
+                print(f"warning: set the damaged {bad.name} aside as {aside}", file=sys.stderr)
         return ckpt, head, state, saved
     if damaged:
-        raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: {'; '.join(damaged)}")
+        raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: "
+                            f"{'; '.join(text for _, text in damaged)}")
     return None, None, None, None
+
+
+RUN_FILES = ("checkpoints", "head", "history.jsonl", "metrics.json")  # what a run writes in its out_dir
+
+
+def check_run_dir(folder: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an out_dir that is a file, and a fresh run into one that holds a run (unless `overwrite`, which then
+    removes that run's files): the new run's history and head would replace the old one's, and its checkpoints
+    would mix with the old ones. TrainingError naming the folder and the flags."""
+    if folder.exists() and not folder.is_dir():
+        raise TrainingError(f"out_dir {str(folder)!r} is a file; expected a folder for the run")
+    if resume or not folder.is_dir():
+        return
+    # a run that saved something: a checkpoint, its head or metrics (one killed before its first checkpoint left
+    # nothing a resume could use, so a rerun simply starts over)
+    if latest_checkpoint(folder) is None and not (folder / "head").exists() and not (folder / "metrics.json").exists():
+        return
+    held = [name for name in RUN_FILES if (folder / name).exists()]
+    if not overwrite:
+        last = latest_checkpoint(folder)
+        where = f"checkpoints up to {last.name}" if last is not None else ", ".join(held)
+        raise TrainingError(f"out_dir {str(folder)!r} holds a run ({where}); pass --resume to continue it, "
+                            "--overwrite to start over (its checkpoints, head, history and metrics are deleted), "
+                            "or another out_dir")
+    for name in held:  # (tolerant: under `accelerate launch` every process does this)
+        path = folder / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def apply_changes(optimizer, scheduler, cfg: TrainConfig) -> None:

@@ -121,9 +121,16 @@ class TrainConfig:
         for key, (low, inclusive) in ranges.items():
             if key in values and (values[key] < low if inclusive else values[key] <= low):
                 raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
-        for key in ("min_lr_ratio", "heldout_fraction"):
-            if key in values and not 0.0 <= values[key] <= 1.0:
-                raise TrainingError(f"config key {key!r} must be in [0, 1], got {values[key]}")
+        if "min_lr_ratio" in values and not 0.0 <= values["min_lr_ratio"] <= 1.0:
+            raise TrainingError(f"config key 'min_lr_ratio' must be in [0, 1], got {values['min_lr_ratio']}")
+        if "heldout_fraction" in values and not 0.0 < values["heldout_fraction"] < 1.0:
+            raise TrainingError(f"config key 'heldout_fraction' must be in (0, 1): the held-out conversations are never "
+                                f"trained on and evaluation needs some, got {values['heldout_fraction']}")
+        for key in ("out_dir", "dataset", "target"):
+            if key in values and not str(values[key]).strip():
+                raise TrainingError(f"config key {key!r} is empty; expected "
+                                    + {"out_dir": "the run's folder", "dataset": "'sharegpt' or a data file",
+                                       "target": "a target alias, HF model folder or .gguf file"}[key])
         if values.get("ttt_steps", 0) < 0:
             raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
                                 f"got {values['ttt_steps']}")

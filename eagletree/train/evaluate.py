@@ -165,7 +165,8 @@ def evaluation_conversations(cfg) -> list:
     source = cfg.eval_dataset or cfg.dataset
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            if source == "sharegpt":  # its known cut; a user's file's is warned about
+                warnings.simplefilter("ignore")
             _, heldout = split(load_dataset(source), cfg.heldout_fraction)
     except DataError as e:
         raise TrainingError(f"eval_dataset: {e}") from e
@@ -262,12 +263,16 @@ def main(argv=None) -> int:
     try:
         if args.mtbench < 0:
             raise TrainingError(f"--mtbench must be >= 0 (0 = no MT-bench), got {args.mtbench}")
+        for flag, value, least in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 2),
+                                   ("--depth", args.depth, 1)):
+            if value < least:
+                raise TrainingError(f"{flag} must be >= {least}, got {value}")
         cfg = TrainConfig.from_sources(args.config, args.overrides)
         head = load_head(Path(cfg.out_dir) / "head")
         metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
                                mtbench=args.mtbench)
         print(json.dumps(metrics, indent=2))
-    except EagletreeError as e:
+    except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.ship:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -21,7 +24,8 @@ from tqdm import tqdm
 
 from ..draft_heads import HeadError, build_draft_vocab, head_class, load_head
 from ..target import checked_device, load_target
-from .checkpoints import (append_history, apply_changes, changed_run_keys, keep_history, resume_point,
+from .checkpoints import (HEAD_DEFINING, append_history, apply_changes, changed_run_keys, check_run_dir, keep_history,
+                          resume_point,
                           save_checkpoint, set_rng_state)
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
 from .data import load_dataset, split
@@ -29,8 +33,8 @@ from .features import FeatureStore
 from .render import RenderError, render_item
 
 # Re-exported: train.py, the CLI and the scripts import these from here.
-__all__ = ["TrainConfig", "TrainingError", "Stream", "has_assistant_text", "on_cpu", "resolve_precision", "train",
-           "training_conversations", "zero_backward"]
+__all__ = ["TrainConfig", "TrainingError", "TrainingInterrupted", "Stream", "has_assistant_text", "on_cpu",
+           "resolve_precision", "train", "training_conversations", "zero_backward"]
 
 
 class Stream:
@@ -98,17 +102,48 @@ def _trackers(cfg: TrainConfig):
     return "wandb"
 
 
+class TrainingInterrupted(TrainingError):
+    """SIGINT or SIGTERM stopped a run after a step, with a checkpoint of that step (the message names it)."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Yield a list that SIGINT/SIGTERM append to instead of stopping the process at once (so the step in progress
+    ends and is saved); a second signal acts as usual. Only in the main thread, where signals are delivered."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    before = {}
+
+    def handler(signum, frame):
+        got.append(signum)
+        for sig, old in before.items():
+            signal.signal(sig, old)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        before[sig] = signal.signal(sig, handler)
+    try:
+        yield got
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)
+
+
 def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conversations=None, progress=True,
-          allow_changes: bool = False):
+          allow_changes: bool = False, overwrite: bool = False):
     """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests.
 
-    A resume refuses a config whose run-defining keys differ from the checkpoint's, unless `allow_changes`
-    (then the new values apply from the checkpoint's step on)."""
+    A fresh run refuses an out_dir that holds a run unless `overwrite` (`checkpoints.check_run_dir`). A resume
+    refuses a config whose run-defining keys differ from the checkpoint's, unless `allow_changes` (then the new
+    values apply from the checkpoint's step on); keys that set the head's shape or start never change. SIGINT and
+    SIGTERM stop the run after the step in progress with a checkpoint (`TrainingInterrupted`)."""
     out = Path(cfg.out_dir)  # made once the run's inputs are read, so a refused run leaves no empty folder
     if cfg.device:
         checked_device(cfg.device)  # a CUDA device on a machine without one is an error, not a CPU run
     if not cfg.features_dir and conversations is None:
         conversations = training_conversations(cfg)  # a bad dataset fails before the target is loaded
+    check_run_dir(out, resume, overwrite)
     log_with = _trackers(cfg)
     precision = resolve_precision(cfg.precision, on_cpu(cfg.device or None))
     bf16 = precision == "bf16"
@@ -141,12 +176,19 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     stream = Stream(train_convs, cfg.seed)
 
     ckpt, head, state, saved_cfg = resume_point(out, model.config) if resume else (None,) * 4
+    if resume and ckpt is None:
+        accelerator.print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0", file=sys.stderr)
     changes = changed_run_keys(saved_cfg, cfg) if ckpt is not None else {}
     if ckpt is not None:
         head = head.train()
         if head.config.head_type != cfg.head_type:  # no flag changes this
             raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
                                 f"head_type {cfg.head_type!r}")
+        fixed = {k: v for k, v in changes.items() if k in HEAD_DEFINING}
+        if fixed:  # the checkpoint's head already has its shape and start: no flag changes these either
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fixed.items())
+            raise TrainingError(f"--resume from {ckpt}: {listed} would change the head's shape or start, which the "
+                                "checkpoint fixes; keep the checkpoint's values, or start a new run in another out_dir")
         if changes and not allow_changes:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
@@ -205,75 +247,88 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     if accelerator.is_main_process:
         keep_history(history_path, step)  # a fresh run starts it empty; a resumed one redoes the steps after its checkpoint
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    while step < end:
-        stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
-        for micro in range(cfg.grad_accum):
-            index = (step * cfg.grad_accum + micro) * world + rank
-            if store is not None:
-                ids, loss_mask, feats = store[stream[index]]
-                ids, loss_mask, feats = ids.to(device), loss_mask.to(device), feats.to(device)
-            else:
-                try:
-                    r = render_item(tok, stream[index], cfg.max_len if cfg.long == "truncate" else None)
-                except RenderError:
-                    counters["skipped"] += 1
+    with _stop_on_signals() as signals:
+        while step < end:
+            stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
+            for micro in range(cfg.grad_accum):
+                index = (step * cfg.grad_accum + micro) * world + rank
+                if store is not None:
+                    ids, loss_mask, feats = store[stream[index]]
+                    ids, loss_mask, feats = ids.to(device), loss_mask.to(device), feats.to(device)
+                else:
+                    try:
+                        r = render_item(tok, stream[index], cfg.max_len if cfg.long == "truncate" else None)
+                    except RenderError:
+                        counters["skipped"] += 1
+                        zero_backward(accelerator, dummy_loss, micro, cfg)
+                        continue
+                    if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
+                        counters["dropped"] += 1
+                        zero_backward(accelerator, dummy_loss, micro, cfg)
+                        continue
+                    counters["truncated"] += int(r.truncated)
+                    ids, loss_mask = r.input_ids.to(device), r.loss_mask.to(device)
+                    with torch.no_grad():
+                        feats = core.target_features(model, ids)
+                # Noise seeded by the global micro-batch index: the same whatever the process count or resumes.
+                noise_gen.manual_seed(cfg.seed * 1_000_003 + index)
+                with amp():
+                    result = core.training_loss(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg,
+                                                noise_gen)
+                if result is None:
                     zero_backward(accelerator, dummy_loss, micro, cfg)
                     continue
-                if cfg.long == "drop" and r.input_ids.numel() > cfg.max_len:
-                    counters["dropped"] += 1
-                    zero_backward(accelerator, dummy_loss, micro, cfg)
-                    continue
-                counters["truncated"] += int(r.truncated)
-                ids, loss_mask = r.input_ids.to(device), r.loss_mask.to(device)
-                with torch.no_grad():
-                    feats = core.target_features(model, ids)
-            # Noise seeded by the global micro-batch index: the same whatever the process count or resumes.
-            noise_gen.manual_seed(cfg.seed * 1_000_003 + index)
-            with amp():
-                result = core.training_loss(head, (lm_weight, lm_bias), embed, feats.float(), ids, loss_mask, cfg,
-                                            noise_gen)
-            if result is None:
-                zero_backward(accelerator, dummy_loss, micro, cfg)
-                continue
-            loss, parts = result
-            if not torch.isfinite(loss):
-                raise TrainingError(f"loss is {float(loss.detach())} at step {step + 1} (micro-batch {micro}); stopped. "
-                                    f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
-            with _sync_context(accelerator, head, micro, cfg):
-                accelerator.backward(loss / cfg.grad_accum)
-            stats["loss"] += loss.item()
-            stats["l1"] += float(parts["l1"])
-            stats["ce"] += float(parts["ce"])
-            stats["acc"] += float(parts["acc"])
-            stats["n"] += 1
-            counters["tokens"] += parts["tokens"]
-        if accelerator.sync_gradients and cfg.clip:
-            accelerator.clip_grad_norm_(params, cfg.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        # Sum over processes, so the logged numbers are those of the global batch.
-        totals = torch.tensor([stats[k] for k in ("loss", "l1", "ce", "acc", "n")], dtype=torch.float64, device=device)
-        if world > 1:
-            totals = accelerator.reduce(totals, reduction="sum")
-        n = max(float(totals[4]), 1.0)
-        record = {k: float(v) / n for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
-            "lr": scheduler.get_last_lr()[0], "step": step}
-        history.append(record)
-        elapsed = time.perf_counter() - t0
-        record["tokens_per_s"] = (counters["tokens"] - tokens0) * world / max(elapsed, 1e-9)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if log_with and step % cfg.log_every == 0:
-            accelerator.log(record, step=step)
-        if step % cfg.save_every == 0 or step == end:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                # history first: a kill between the two leaves records past the checkpoint, which a resume drops
-                written = append_history(history_path, history, written)
-                last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
-                                            noise_gen, cfg, cfg.keep_checkpoints, precision)
+                loss, parts = result
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"loss is {float(loss.detach())} at step {step + 1} (micro-batch {micro}); stopped. "
+                                        f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
+                with _sync_context(accelerator, head, micro, cfg):
+                    accelerator.backward(loss / cfg.grad_accum)
+                stats["loss"] += loss.item()
+                stats["l1"] += float(parts["l1"])
+                stats["ce"] += float(parts["ce"])
+                stats["acc"] += float(parts["acc"])
+                stats["n"] += 1
+                counters["tokens"] += parts["tokens"]
+            if accelerator.sync_gradients and cfg.clip:
+                accelerator.clip_grad_norm_(params, cfg.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            # Sum over processes, so the logged numbers are those of the global batch (and every process learns
+            # of a signal any of them got, so that all stop after the same step).
+            totals = torch.tensor([stats[k] for k in ("loss", "l1", "ce", "acc", "n")] + [float(bool(signals))],
+                                  dtype=torch.float64, device=device)
+            if world > 1:
+                totals = accelerator.reduce(totals, reduction="sum")
+            stopping = bool(totals[5] > 0)
+            n = int(totals[4])  # sequences with assistant tokens in the global batch
+            # a step where none had any (all cut, dropped or without an answer) has no loss: null, not 0
+            record = {k: float(v) / n if n else None for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
+                "lr": scheduler.get_last_lr()[0], "step": step, "sequences": n}
+            history.append(record)
+            elapsed = time.perf_counter() - t0
+            record["tokens_per_s"] = (counters["tokens"] - tokens0) * world / max(elapsed, 1e-9)
+            bar.update(1)
+            if n:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.2f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
+            if log_with and step % cfg.log_every == 0:
+                accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
+            if step % cfg.save_every == 0 or step == end or stopping:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    # history first: a kill between the two leaves records past the checkpoint, which a resume drops
+                    written = append_history(history_path, history, written)
+                    last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
+                                                noise_gen, cfg, cfg.keep_checkpoints, precision)
+            if stopping:
+                bar.close()
+                name = signal.Signals(signals[0]).name if signals else "a signal to another process"
+                raise TrainingInterrupted(f"interrupted by {name} after step {step} of {cfg.steps}: saved "
+                                          f"{out / 'checkpoints' / f'step-{step:07d}'}; run the same command with "
+                                          "--resume to continue")
     bar.close()
     if counters["tokens"] == 0 and step > 0:
         raise TrainingError(f"dataset {cfg.dataset!r}: {step} steps saw no assistant token to train on "
@@ -285,7 +340,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         append_history(history_path, history, written)
     if log_with:
         accelerator.end_training()
-    summary = {"steps": step, **counters, "final": history[-1] if history else None}
+    summary = {"steps": step, **counters, "final": next((h for h in reversed(history) if h["loss"] is not None), None)}
     return head, summary
 
 
@@ -317,9 +372,11 @@ def _initial_head(cfg: TrainConfig, target_config):
 
 
 def training_conversations(cfg: TrainConfig):
-    """The training side of the held-out split, cut to max_conversations."""
+    """The training side of the held-out split, cut to max_conversations. What was recovered or skipped reading a
+    data file is warned about; the shipped ShareGPT file's known cut is not."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if cfg.dataset == "sharegpt":
+            warnings.simplefilter("ignore")
         train_convs, _ = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
     return train_convs[: cfg.max_conversations] if cfg.max_conversations else train_convs
 
