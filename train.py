@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from accelerate import PartialState
+
 from eagletree.errors import EagletreeError
 from eagletree.train.evaluate import evaluate_run, evaluation_conversations
 from eagletree.train.loop import TrainConfig, TrainingInterrupted, train
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
         heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
         head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes, overwrite=args.overwrite)
         print(json.dumps(summary, default=float))
-        if args.eval:
+        if args.eval and PartialState().is_main_process:  # one evaluation, not one per process
             print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
     except TrainingInterrupted as e:
         print(str(e), file=sys.stderr)
