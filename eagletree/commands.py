@@ -23,7 +23,7 @@ from .decoding import (GenerationStats, _stream_text, check_options, decode_step
                        latency_profile)
 from .draft_heads import load_head
 from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
-from .files import check_output_dir, write_json_atomic
+from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
 from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
 from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
@@ -47,6 +47,9 @@ def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
     options = _options(args) if hasattr(args, "tree") else {}
     options.pop("tree", None)
+    if getattr(args, "copy", None) == "on" and args.tree in ("chain", "sequoia"):
+        raise ValueError(f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} is a "
+                         "fixed shape")
     options.pop("copy", None)  # a choice argparse already checked
     check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
     head_path = head_to_load(args.target, args.head)
@@ -211,7 +214,13 @@ def cmd_chat(args) -> int:
             break
         messages.append({"role": "user", "content": text})
         sys.stdout.write("assistant> ")
-        result = _answer(model, tok, head, messages, args, stream_to=sys.stdout)
+        try:
+            result = _answer(model, tok, head, messages, args, stream_to=sys.stdout)
+        except ValueError as e:  # e.g. the conversation no longer fits the context: this message is not sent
+            messages.pop()
+            print(f"\nerror: {e}\n(that message was not sent; the conversation so far is kept: type a shorter "
+                  "one, or an empty line to quit)", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": result["text"]})
         print(f"[{result['tokens_per_pass']} tokens/pass, {result['tokens_per_s']} tokens/s]", file=sys.stderr)
     return 0
@@ -224,13 +233,14 @@ def cmd_viz(args) -> int:
         raise SystemExit("error: --prompt is empty; give the text to answer")
     if args.step < 1:
         raise SystemExit(f"error: --step must be >= 1 (1 = the first decoding step), got {args.step}")
+    check_output_file(args.output, "-o/--output")  # before the work
     model, tok, head = _load(args)
     options = _options(args)
     search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
     data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step, **options, **search)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data), encoding="utf-8")
+    write_text_atomic(out, render_html(data))
     greedy = len(data["greedy"]["accepted"])
     print(f"wrote {out}: step {args.step}, {args.tree} tree of {len(data['tokens'])} nodes, "
           f"E[tokens/pass] {data['expected']:.3f} (under the target {data['target_expected']:.3f}), "
@@ -281,6 +291,7 @@ def cmd_plan(args) -> int:
             raise ValueError(f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got "
                              f"{type(data).__name__}")
         acceptance = Acceptance.from_dict(data.get("acceptance", data))
+    check_output_file(args.out, "-o/--out")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)
     measure, check = split_prompts(prompts)
@@ -309,11 +320,21 @@ def cmd_calibrate_copy(args) -> int:
     if args.head == "none":
         raise ValueError("--head none: calibrate-copy measures the copied spans next to a head's candidates; "
                          "pass a head folder")
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 2), ("--budget", args.budget, 2)):
+        if value < least:  # fewer would try no copied span, and the table would be replaced by an uninformed one
+            raise ValueError(f"{flag} must be >= {least} for calibrate-copy (a copied span needs room to be tried), "
+                             f"got {value}")
+    if args.out:
+        check_output_file(args.out)
     prompts = load_prompts(args.prompts)
     model, tok, head = _load(args)
     calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
                                                    depth=args.depth, top_k_draft=10)
     out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
+    if not calibration.tried.sum():
+        raise ValueError(f"no copied span was tried on these {len(prompts)} prompts (their answers repeated nothing "
+                         f"of their context), so there is nothing to measure; {out} was left as it was. Use more or "
+                         "longer prompts (--prompts heldout:64, --max-new-tokens 128)")
     calibration.save(out)
     first = calibration.rate()[:, 0].tolist()
     print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
@@ -335,6 +356,7 @@ def cmd_features(args) -> int:
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
+    check_output_folder(cfg.features_dir, "features_dir")
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
     model, tok = target.load_target(cfg.target, dtype=dtype, device=args.device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
@@ -346,6 +368,7 @@ def cmd_features(args) -> int:
 
 def cmd_distill(args) -> int:
     """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
+    check_output_file(args.out)
     for other in args.skip_answered:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     with warnings.catch_warnings():

@@ -126,6 +126,27 @@ def check_output_dir(out: Path, overwrite: bool, sources=(), option: str = "--ou
                              "the files this command writes there (the others are kept)")
 
 
+def check_output_file(out, option: str = "--out") -> None:
+    """Raise WriteError unless `out` can be written as a file: not a folder, and its parent not a file. Commands
+    call it before their work, so a wrong path costs nothing."""
+    out = Path(out)
+    if out.is_dir():
+        raise WriteError(f"{option} {str(out)!r} is a folder; expected a file path")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise WriteError(f"{option} {str(out)!r}: {str(parent)!r} is a file, so nothing can be written under it")
+            break
+
+
+def check_output_folder(out, option: str = "--out") -> None:
+    """Raise WriteError unless `out` can be a folder that receives files: not a file, nor under one."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise WriteError(f"{option} {str(out)!r} is a file; expected a folder")
+    check_output_file(out / "x", option) if not out.exists() else None
+
+
 def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
     """Move the finished folder `tmp` to `final` at once, following the umask.
 

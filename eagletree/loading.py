@@ -50,6 +50,7 @@ def head_to_load(target_name: str, head, required: bool = True):
     """
     if head is not None:
         return None if str(head) == "none" else head
+    target.check_target_spec(target_name)  # a mistyped target is named as such, not as one without a shipped head
     shipped = SHIPPED_HEADS.get(target_name)
     if shipped is None or not shipped.is_dir():
         if required:

@@ -276,12 +276,17 @@ def test_timed_drafter_records_each_call_and_passes_its_answer_through():
     assert [level for level, _ in timed.calls] == [2, 3] and timed.seconds == sum(s for _, s in timed.calls) >= 0
 
 
-def test_head_to_load_names_the_shipped_head_or_asks_for_one():
+def test_head_to_load_names_the_shipped_head_or_asks_for_one(tmp_path):
+    from eagletree.target import TargetError
+
     assert head_to_load("smollm2-135m", None) == SHIPPED_HEADS["smollm2-135m"]
     assert head_to_load("smollm2-135m", "none") is None and head_to_load("other", "some/dir") == "some/dir"
-    assert head_to_load("other", None, required=False) is None
-    with pytest.raises(SystemExit, match="no head is shipped for target 'other'; pass --head DIR"):
-        head_to_load("other", None)
+    other = str(tmp_path)  # a model folder of the user's: no head is shipped for it
+    assert head_to_load(other, None, required=False) is None
+    with pytest.raises(SystemExit, match=f"no head is shipped for target '{other}'; pass --head DIR"):
+        head_to_load(other, None)
+    with pytest.raises(TargetError, match=r"target 'smollm2-135' is neither a known alias"):
+        head_to_load("smollm2-135", None)  # a typo is named as one, not as a target without a shipped head
 
 
 def test_the_cli_parses_without_torch_matplotlib_or_transformers():

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -66,6 +67,41 @@ def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsy
     assert capsys.readouterr().err.count("tokens/pass") == 2
 
 
+def test_chat_refuses_a_message_that_overflows_the_context_and_goes_on(tiny_cli, capsys, monkeypatch):
+    model, _, args = tiny_cli
+    import eagletree.commands as cli
+
+    seen, real_answer = [], cli._answer
+
+    def spy(model, tok, head, messages, a, stream_to=None):
+        seen.append(len(messages))
+        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+
+    monkeypatch.setattr(cli, "_answer", spy)
+    long = "word " * (4 * model.config.max_position_embeddings)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hello\n{long}\nagain\n\n"))
+    assert cli_main(["chat", *args, "--max-new-tokens", "4"]) == 0
+    assert seen == [1, 3, 3]  # the long message was refused and dropped: "again" follows the first answer
+    err = capsys.readouterr().err
+    assert "exceeds the model's context" in err and "that message was not sent" in err and err.count("tokens/pass") == 2
+
+
+def test_output_paths_and_fixed_shapes_are_refused_before_any_work(tiny_cli, capsys, tmp_path):
+    _, _, args = tiny_cli
+    (tmp_path / "a.txt").write_text("x")
+    for argv, message in (
+            (["bench", *args, "--quick", "-o", str(tmp_path / "a.txt")], "-o/--out '.*a.txt' is a file; expected a folder"),
+            (["viz", *args, "--prompt", "hi", "-o", str(tmp_path)], "-o/--output '.*' is a folder; expected a file"),
+            (["viz", *args, "--prompt", "hi", "-o", str(tmp_path / "a.txt" / "t.html")], "'.*a.txt' is a file"),
+            (["generate", *args, "--prompt", "hi", "--tree", "chain", "--copy", "on"],
+             "--copy on needs a searched tree .*--tree chain is a fixed shape"),
+            (["calibrate-copy", *args, "--max-new-tokens", "1"], "--max-new-tokens must be >= 2 for calibrate-copy")):
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(message, err), (argv, err)
+        assert "loaded" not in err  # refused before the target was loaded
+
+
 def test_a_list_of_prompts_gives_one_result_each():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
@@ -104,7 +140,7 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
     assert "pass a head folder" in capsys.readouterr().err
 
 
-def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path):
+def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, monkeypatch):
     """A table measured drafting over the full vocabulary (a GPU's auto) never replaces the head's own one."""
     from eagletree.decoding import head_copy_calibration
     from eagletree.draft_heads import load_head
@@ -127,6 +163,14 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path):
     assert line.startswith(f"wrote {head_dir / COPY_CALIBRATION_FULL_VOCAB}: ") and f"drafting over {vocab} tokens" in line
     assert (head_dir / COPY_CALIBRATION).read_text() == before
     assert CopyCalibration.load(head_dir / COPY_CALIBRATION_FULL_VOCAB).draft_vocab_size == vocab
+    # a run that tried no copied span leaves the table as it was
+    import eagletree.commands as commands
+
+    monkeypatch.setattr(commands, "measure_copy_calibration",
+                        lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0}))
+    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts)]) == 2
+    assert "no copied span was tried on these 1 prompts" in capsys.readouterr().err
+    assert (head_dir / COPY_CALIBRATION).read_text() == before
 
     # Each drafting reads its own table, and the other one when its own is missing.
     narrow, wide = load_head(head_dir), load_head(head_dir).widen_vocab()

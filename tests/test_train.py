@@ -187,6 +187,9 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
     manifest = cache_features(cfg, model, tok, convs, shard_size=4, progress=False)
     assert calls["n"] == -98  # shards 1 and 2
     assert manifest["complete"] and [s["index"] for s in manifest["shards"]] == [0, 1, 2]
+    # another shard size would cut the conversations differently: some would be cached twice
+    with pytest.raises(FeatureError, match=r"cached with --shard-size 4; continue it with --shard-size 4 \(got 3\)"):
+        cache_features(cfg, model, tok, convs, shard_size=3, progress=False)
     monkeypatch.undo()
 
     offline, _ = train(cfg, model_and_tokenizer=(model, tok), progress=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 
+from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
 from .inputs import FULL, QUICK, Method, load_prompts, method_grid, parse_list
@@ -16,14 +17,15 @@ from .runners import run_bench
 def main(args) -> int:
     """`eagletree bench` (arguments from the CLI parser)."""
     command = "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "eagletree bench"
+    check_output_folder(args.out, "-o/--out")  # before minutes of measuring
     if args.profile_only:
         return main_profile(args, command)
     preset = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     budgets = parse_list(pick("budgets"), int, "budgets")
     temperatures = parse_list(pick("temperatures"), float, "temperatures")
-    if any(t < 0 for t in temperatures):
-        raise ValueError(f"--temperatures must be >= 0, got {temperatures}")
+    if any(not t >= 0 or t == float("inf") for t in temperatures):  # (NaN fails every comparison)
+        raise ValueError(f"--temperatures must be finite numbers >= 0, got {temperatures}")
     methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)
     max_new_tokens = pick("max_new_tokens")
     if max_new_tokens < 1:

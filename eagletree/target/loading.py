@@ -61,10 +61,18 @@ def resolve_target(spec: str | os.PathLike) -> Path:
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return gguf_to_folder(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise TargetError(f"target folder {str(path)!r} has no config.json; is it a Hugging Face model folder?")
-        return path
+    check_target_spec(spec)
+    if not (path / "config.json").is_file():
+        raise TargetError(f"target folder {str(path)!r} has no config.json; is it a Hugging Face model folder?")
+    return path
+
+
+def check_target_spec(spec: str | os.PathLike) -> None:
+    """TargetError unless `spec` names a target at all (a known alias, a .gguf file or a folder); loads nothing."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if text in ALIASES or (path.is_file() and path.suffix == ".gguf") or path.is_dir():
+        return
     raise TargetError(
         f"target {text!r} is neither a known alias ({sorted(ALIASES)}), nor an existing model folder, "
         f"nor a .gguf file (tried the path {str(path.resolve())!r})"

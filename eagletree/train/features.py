@@ -57,10 +57,20 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     folder = Path(cfg.features_dir)
     folder.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, model.config)
-    manifest = load_manifest(folder) or {"identity": identity, "shards": [], "complete": False}
+    manifest = load_manifest(folder) or {"identity": identity, "shards": [], "complete": False,
+                                         "shard_size": shard_size}
     if manifest["identity"] != identity:
         raise FeatureError(f"{folder} holds features for {manifest['identity']}, not for {identity}; "
                            "use another features_dir")
+    # shards are numbered by position: another size would cut the conversations differently, and the shards
+    # written before would hold some of them twice (a cache from before the key recorded none: its first shard's
+    # size, when a later one shows that the first is full)
+    cached = manifest.get("shard_size") or (len(manifest["shards"][0]["conversations"])
+                                            if len(manifest["shards"]) > 1 else None)
+    if cached is not None and cached != shard_size:
+        raise FeatureError(f"{folder} was cached with --shard-size {cached}; continue it with --shard-size {cached} "
+                           f"(got {shard_size}), or use another features_dir")
+    manifest["shard_size"] = shard_size
     rendered, skipped = [], 0
     for conv in conversations:
         try:
