@@ -397,14 +397,15 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
     def interrupted(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:  # step 3's first micro-batch
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(EagleHead, "training_loss", interrupted)
-    with pytest.raises(TrainingInterrupted, match=r"interrupted by SIGINT after step 3 of 8: saved .*step-0000003; "
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted, match=r"interrupted by SIGTERM after step 3 of 8: saved .*step-0000003; "
                                                   r"run the same command with --resume"):
         run(tiny_cfg(tmp_path / "b", save_every=100))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is gone
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # the run's are gone
     assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step-0000003"]
     monkeypatch.setattr(EagleHead, "training_loss", real)
     resumed, summary = run(tiny_cfg(tmp_path / "b", save_every=100), resume=True)

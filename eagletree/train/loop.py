@@ -122,7 +122,8 @@ def _stop_on_signals():
             signal.signal(sig, old)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        before[sig] = signal.signal(sig, handler)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # one the process was started to ignore (nohup) stays so
+            before[sig] = signal.signal(sig, handler)
     try:
         yield got
     finally:
