@@ -136,6 +136,13 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert "needs --config" in capsys.readouterr().err
     assert cli_main(["bench", "--profile-only", "--config", "llama-9000"]) == 2
     assert "'llama-9000' is neither a built-in config (llama-3.1-8b)" in capsys.readouterr().err
+    for flags, message in ((["--depth", "0"], "--depth must be >= 1, got 0"),  # (looped forever)
+                           (["--prefix", "-1"], "--prefix must be >= 1, got -1"),
+                           (["--reps", "0"], "--reps must be >= 1, got 0"),
+                           (["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
+                           (["--results", "no/such.json"], "--results 'no/such.json' does not exist")):
+        assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
 
 
 def test_cli_runs_end_to_end_on_a_jsonl_file(tiny_setup, tmp_path, monkeypatch, capsys):
@@ -229,6 +236,14 @@ def test_profile_only_drafts_over_the_vocabulary_asked_for(tmp_path):
         profile_draft_vocab("head", head, cpu, 97)
     _, narrow = random_model(tiny_config("llama"), "cpu", torch.float32, draft_vocab=33)
     assert narrow.config.draft_vocab_size == 33
+
+
+def test_a_results_file_that_is_not_a_bench_result_is_named(tmp_path):
+    from eagletree.bench.profile import measured_tokens_per_pass
+
+    (tmp_path / "plan.json").write_text('{"engine": "vllm"}')
+    with pytest.raises(ValueError, match=r"plan.json: not a bench results.json .*KeyError: 'results'"):
+        measured_tokens_per_pass(tmp_path / "plan.json")
 
 
 def test_projection_from_measured_tokens_per_pass():

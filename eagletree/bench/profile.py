@@ -178,9 +178,13 @@ def project(rows, tokens_per_pass) -> list[dict]:
 
 def measured_tokens_per_pass(path) -> dict:
     """Greedy tokens/pass per (method, budget, depth) from a bench results.json."""
-    report = json.loads(Path(path).read_text())
-    return {(r["method"], r["budget"], r["depth"]): r["tokens_per_pass"] for r in report["results"]
-            if not r["temperature"] and r["method"] in TREE_METHODS}
+    try:
+        report = json.loads(Path(path).read_text())
+        return {(r["method"], r["budget"], r["depth"]): r["tokens_per_pass"] for r in report["results"]
+                if not r["temperature"] and r["method"] in TREE_METHODS}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a bench results.json (expected the JSON `eagletree bench` writes, with "
+                         f"results rows): {type(e).__name__}: {e}") from None
 
 
 def profile_report(rows, projections, info, command, goal_n=64) -> str:
@@ -215,6 +219,15 @@ def main_profile(args, command: str) -> int:
         raise ValueError("--profile-only needs --config: a built-in name "
                          f"({', '.join(BUILTIN_CONFIGS)}) or a path to an HF config.json")
     sizes = parse_list(args.sizes, int, "sizes")
+    for flag, value in (("--depth", args.depth), ("--top-k-draft", args.top_k_draft), ("--prefix", args.prefix),
+                        ("--reps", args.reps)):
+        if value < 1:
+            raise ValueError(f"--profile-only: {flag} must be >= 1, got {value}")
+    if args.tokens_per_pass is not None and not 1.0 <= args.tokens_per_pass < float("inf"):
+        raise ValueError(f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "
+                         f"got {args.tokens_per_pass}")
+    if args.results and not Path(args.results).is_file():
+        raise ValueError(f"--results {args.results!r} does not exist; expected a bench results.json")
     config = build_config(args.config)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or "bfloat16")
