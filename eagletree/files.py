@@ -132,11 +132,7 @@ def check_output_file(out, option: str = "--out") -> None:
     out = Path(out)
     if out.is_dir():
         raise WriteError(f"{option} {str(out)!r} is a folder; expected a file path")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise WriteError(f"{option} {str(out)!r}: {str(parent)!r} is a file, so nothing can be written under it")
-            break
+    _check_not_under_a_file(out, option)
 
 
 def check_output_folder(out, option: str = "--out") -> None:
@@ -144,7 +140,14 @@ def check_output_folder(out, option: str = "--out") -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise WriteError(f"{option} {str(out)!r} is a file; expected a folder")
-    check_output_file(out / "x", option) if not out.exists() else None
+    _check_not_under_a_file(out, option)
+
+
+def _check_not_under_a_file(out: Path, option: str) -> None:
+    """WriteError when the nearest existing folder above `out` is a file (nothing can be made under it)."""
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise WriteError(f"{option} {str(out)!r}: {str(parent)!r} is a file, so nothing can be written under it")
 
 
 def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
