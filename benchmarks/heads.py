@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/heads.py eagletree/heads/smollm2-135m --prompts mtbench:40 --copy both
 
 --prompts N takes held-out ShareGPT prompts (below); mtbench[:N] MT-bench first turns (with a table per
-category) and humaneval[:N] HumanEval problems. --copy off|on|both: decode with the head alone, with copied
+category) and humaneval[:N] or humaneval:A-B HumanEval problems. --copy off|on|both: decode with the head alone, with copied
 spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
 --draft-vocab head|full|both: each head drafts over its own draft vocabulary, over the target's whole
 vocabulary, or both ("full vocab" rows).
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="head folders; the first is the baseline")
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--prompts", default="60", help="N held-out ShareGPT prompts, mtbench[:N] or humaneval[:N]")
+    ap.add_argument("--prompts", default="60",
+                    help="N held-out ShareGPT prompts, mtbench[:N], humaneval[:N] or humaneval:A-B")
     ap.add_argument("--copy", default="off", choices=["off", "on", "both"],
                     help="copied spans in the tree: off (the head alone), on, or both (each head twice)")
     ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts")

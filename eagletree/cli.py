@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
     _add_model_args(p)
-    p.add_argument("--prompts", default="heldout:30", help="heldout:N, mtbench[:N], humaneval[:N] or a .jsonl file "
-                                                          "(default heldout:30: held-out ShareGPT, not MT-bench)")
+    p.add_argument("--prompts", default="heldout:30",
+                   help="heldout:N, mtbench[:N], humaneval[:N], humaneval:A-B or a .jsonl file "
+                        "(default heldout:30: held-out ShareGPT, not MT-bench)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=60)
     p.add_argument("--depth", type=int, default=6)
@@ -177,9 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
-    p.add_argument("--prompts", default=None, help="mtbench[:N] (MT-bench first turns), humaneval[:N], heldout:N "
-                                                   "(held-out ShareGPT first user turns; default heldout:8, --quick "
-                                                   "heldout:2) or a .jsonl file of prompts/messages")
+    p.add_argument("--prompts", default=None,
+                   help="mtbench[:N] (MT-bench first turns), humaneval[:N], humaneval:A-B (problems A to B), heldout:N "
+                        "(held-out ShareGPT first user turns; default heldout:8, --quick heldout:2) or a .jsonl file "
+                        "of prompts/messages")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
     p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
                    help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "

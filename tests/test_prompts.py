@@ -38,8 +38,13 @@ def test_humaneval_prompts_ask_to_complete_each_function():
     first = prompts[0][0]["content"]
     assert first.startswith("Complete the following Python function.") and "def has_close_elements(" in first
     assert humaneval_prompts(2, offset=1) == prompts[1:3] == bench.load_prompts("humaneval:3")[1:]
-    with pytest.raises(ValueError, match="'humaneval:x': expected humaneval or humaneval:N"):
-        bench.load_prompts("humaneval:x")
+    assert bench.load_prompts("humaneval:2-3") == prompts[1:3]
+    assert bench.load_prompts("humaneval:164-164") == prompts[163:]
+    for spec in ("humaneval:x", "humaneval:0", "humaneval:3-2", "humaneval:0-2", "humaneval:1-", "humaneval:-4"):
+        with pytest.raises(ValueError, match=f"'{spec}': expected humaneval, humaneval:N .N >= 1. or humaneval:A-B"):
+            bench.load_prompts(spec)
+    with pytest.raises(ValueError, match="HumanEval has 164 problems; problems 160 to 170 asked for"):
+        bench.load_prompts("humaneval:160-170")
 
 
 def test_tokens_per_pass_by_category_is_total_tokens_over_total_passes():

@@ -97,16 +97,31 @@ def spec_count(spec: str, name: str) -> int | None:
     return int(n) if n else None
 
 
+def humaneval_range(spec: str) -> tuple[int | None, int]:
+    """(count, offset) of `humaneval`, `humaneval:N` (the first N problems) or `humaneval:A-B` (problems A to B,
+    counted from 1, so `humaneval:21-40` is HumanEval/20 .. HumanEval/39); ValueError naming the spec."""
+    rest = spec.removeprefix("humaneval").removeprefix(":")
+    first, dash, last = rest.partition("-")
+    if not rest:
+        return None, 0
+    if not dash and rest.isdigit() and int(rest) >= 1:
+        return int(rest), 0
+    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError(f"--prompts {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B "
+                         f"(problems A to B, 1 <= A <= B)")
+    return int(last) - int(first) + 1, int(first) - 1
+
+
 def load_prompts(spec: str) -> list[list[dict]]:
     """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `humaneval[:N]` (the first N
-    HumanEval problems), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
+    HumanEval problems; `humaneval:A-B` problems A to B), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
 
     A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
     """
     if spec == "mtbench" or spec.startswith("mtbench:"):
         return [q.messages() for q in mtbench_subset(spec_count(spec, "mtbench"))]
     if spec == "humaneval" or spec.startswith("humaneval:"):
-        return humaneval_prompts(spec_count(spec, "humaneval"))
+        return humaneval_prompts(*humaneval_range(spec))
     if spec.startswith("heldout:"):
         n = spec.removeprefix("heldout:")
         if not n.isdigit() or int(n) < 1:
