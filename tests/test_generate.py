@@ -4,6 +4,7 @@ import torch
 import eagletree
 from eagletree.draft_heads import EagleHead
 from eagletree.decoding import GenerationStats, decode_steps, generate
+from eagletree.tree_search.searchers import make_searcher
 
 from helpers import chi_square_p, tiny_model, tiny_tokenizer
 
@@ -27,6 +28,16 @@ def test_greedy_generation_equals_plain_decoding_tiny(tree, draft_vocab):
         result = generate(model, tok, head, ids, max_new_tokens=40, tree=tree, budget=12, depth=4, top_k_draft=3)
         assert result.token_ids == plain(model, ids, 40)
         assert result.stats.passes >= 1 and result.stats.new_tokens == 40
+
+
+def test_chain_fits_the_budget():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    ids = torch.tensor([3, 4, 5])
+    for budget, nodes in ((1, 1), (3, 3), (60, 5)):  # nodes with the root: min(budget, depth + 1)
+        assert len(make_searcher("chain", budget=budget, depth=4).shape.parents) == nodes
+        result = generate(model, tok, head, ids, max_new_tokens=30, tree="chain", budget=budget, depth=4)
+        assert result.token_ids == plain(model, ids, 30)
 
 
 def test_edge_cases():

@@ -236,8 +236,8 @@ def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, 
         return Eagle2Searcher(budget, top_k, device, token_map)
     if kind == "optimal":
         return OptimalSearcher(budget, top_k, device, token_map)
-    if kind == "chain":
-        return StaticSearcher(chain_shape(depth), device, token_map)
+    if kind == "chain":  # the budget counts the root, so a chain drafts at most budget - 1 tokens
+        return StaticSearcher(chain_shape(min(depth, budget - 1)), device, token_map)
     if kind == "sequoia":
         shape = choices_shape(paths) if paths is not None else sequoia_tree(
             accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, depth)
