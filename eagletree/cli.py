@@ -15,6 +15,21 @@ from .train.data import HELDOUT_FRACTION, TURNS
 __all__ = ["build_parser", "main"]
 
 
+def at_least(low: int):
+    """An argparse type for an integer >= `low`, so a bad value is refused before anything loads, naming the flag
+    ("argument --max-nodes: must be an integer >= 2, got 1")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _add_model_args(p) -> None:
     """--target, --head, --device, --draft-dtype: what `_load` reads."""
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
@@ -82,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
     _add_decoding_args(p, tree="eagle2")  # a picture of a tree: auto may verify the root alone
     p.add_argument("--prompt", required=True)
-    p.add_argument("--step", type=int, default=1, help="show the K-th target pass of the generation (1 = the first)")
+    p.add_argument("--step", type=at_least(1), default=1,
+                   help="show the K-th target pass of the generation (1 = the first)")
     p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")
     p.set_defaults(func="cmd_viz")
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
-    p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
+    p.add_argument("--shard-size", type=at_least(1), default=64, help="conversations per shard")
     p.add_argument("--device", default=None)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func="cmd_features")
@@ -100,22 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
                    help="the training config's heldout_fraction (held-out prompts are never answered)")
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")
-    p.add_argument("--limit", type=int, default=0, help="answer the first N conversations' prompts (0 = all; "
+    p.add_argument("--limit", type=at_least(0), default=0, help="answer the first N conversations' prompts (0 = all; "
                                                             "those --skip-answered leaves out count toward N)")
-    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=320)
     p.add_argument("--skip-answered", action="append", default=[], metavar="JSONL",
                    help="leave out prompts this other distill file answers (e.g. one made with another "
                         "--max-new-tokens); repeatable")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped (counted)")
-    p.add_argument("--min-prompt-tokens", type=int, default=0,
+    p.add_argument("--max-prompt-tokens", type=at_least(1), default=256, help="longer prompts are skipped (counted)")
+    p.add_argument("--min-prompt-tokens", type=at_least(0), default=0,
                    help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
                         "file with a lower --max-prompt-tokens left out")
     p.add_argument("--turns", default="first", choices=list(TURNS),
                    help="which user turns to answer: the first, the later ones (after the conversation so far, "
                         "earlier answers as the dataset has them; record ids end in @turn<k>), or all")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what T=0 decoding meets)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
@@ -150,12 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "on --device")
     p.add_argument("--export", default="EXPORT_DIR", help="the folder the head was exported to (named in the "
                                                           "engine's settings)")
-    p.add_argument("--max-nodes", type=int, default=64, help="the most tree nodes per pass, root included")
-    p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--top-k-draft", type=int, default=10, help="ranks measured per depth")
+    p.add_argument("--max-nodes", type=at_least(2), default=64, help="the most tree nodes per pass, root included")
+    p.add_argument("--max-depth", type=at_least(1), default=8)
+    p.add_argument("--top-k-draft", type=at_least(1), default=10, help="ranks measured per depth")
     p.add_argument("--prompts", default="heldout:8", help="heldout:N, mtbench[:N] or a .jsonl file; the first "
                                                           "half measures the acceptance, the second checks the tree")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=48)
     p.add_argument("--acceptance", default=None, help="reuse the acceptance of an earlier plan's JSON, measured "
                                                       "over the same draft vocabulary (the first half of the prompts "
                                                       "is then not decoded)")
@@ -182,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mtbench[:N] (MT-bench first turns), humaneval[:N], humaneval:A-B (problems A to B), heldout:N "
                         "(held-out ShareGPT first user turns; default heldout:8, --quick heldout:2) or a .jsonl file "
                         "of prompts/messages")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 24)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="default 64 (--quick 24)")
     p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
                    help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
                         "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
@@ -191,18 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=None,
                    help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)")
     p.add_argument("--temperatures", default=None, help="default 0,1")
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--top-k-draft", type=int, default=10)
-    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of HF prompt lookup")
-    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (plain and every method)")
+    p.add_argument("--depth", type=at_least(1), default=6)
+    p.add_argument("--top-k-draft", type=at_least(1), default=10)
+    p.add_argument("--lookup-tokens", type=at_least(1), default=10, help="prompt_lookup_num_tokens of HF prompt lookup")
+    p.add_argument("--seed", type=at_least(0), default=0,
+                   help="prompt i samples with seed + i (plain and every method)")
     p.add_argument("--quick", action="store_true", help="a run of about 2 minutes on 2 CPU cores")
     p.add_argument("-o", "--out", default="out/bench", help="folder for results.json, results.md and the plots")
     p.add_argument("--profile-only", action="store_true",
                    help="measure verify latency, drafting and engine overhead on random weights from --config")
     p.add_argument("--config", default=None, help="--profile-only: llama-3.1-8b or a path to an HF config.json")
     p.add_argument("--sizes", default="1,2,4,8,16,32,60,64,128,256", help="--profile-only: tree sizes N")
-    p.add_argument("--reps", type=int, default=10, help="--profile-only: round-robin repetitions")
-    p.add_argument("--prefix", type=int, default=256, help="--profile-only: committed tokens before the tree")
+    p.add_argument("--reps", type=at_least(1), default=10, help="--profile-only: round-robin repetitions")
+    p.add_argument("--prefix", type=at_least(1), default=256, help="--profile-only: committed tokens before the tree")
     p.add_argument("--tokens-per-pass", type=float, default=None,
                    help="--profile-only: project the speedup with this tokens/pass (default: OUT/results.json)")
     p.add_argument("--results", default=None, help="--profile-only: a bench results.json to take tokens/pass from")

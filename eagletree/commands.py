@@ -231,8 +231,6 @@ def cmd_viz(args) -> int:
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise SystemExit("error: --prompt is empty; give the text to answer")
-    if args.step < 1:
-        raise SystemExit(f"error: --step must be >= 1 (1 = the first decoding step), got {args.step}")
     check_output_file(args.output, "-o/--output")  # before the work
     model, tok, head = _load(args)
     options = _options(args)
@@ -351,8 +349,6 @@ def cmd_bench(args) -> int:
 
 def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
-    if args.shard_size < 1:
-        raise ValueError(f"--shard-size must be >= 1 (conversations per shard), got {args.shard_size}")
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")

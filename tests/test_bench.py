@@ -136,13 +136,33 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert "needs --config" in capsys.readouterr().err
     assert cli_main(["bench", "--profile-only", "--config", "llama-9000"]) == 2
     assert "'llama-9000' is neither a built-in config (llama-3.1-8b)" in capsys.readouterr().err
-    for flags, message in ((["--depth", "0"], "--depth must be >= 1, got 0"),  # (looped forever)
-                           (["--prefix", "-1"], "--prefix must be >= 1, got -1"),
-                           (["--reps", "0"], "--reps must be >= 1, got 0"),
-                           (["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
+    for flags, message in ((["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
                            (["--results", "no/such.json"], "--results 'no/such.json' does not exist")):
         assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("bench", ["--profile-only", "--depth", "0"], "--depth: must be an integer >= 1, got '0'"),
+    ("bench", ["--profile-only", "--prefix", "-1"], "--prefix: must be an integer >= 1, got '-1'"),
+    ("bench", ["--reps", "0"], "--reps: must be an integer >= 1, got '0'"),
+    ("bench", ["--lookup-tokens", "0"], "--lookup-tokens: must be an integer >= 1, got '0'"),
+    ("bench", ["--seed", "-1"], "--seed: must be an integer >= 0, got '-1'"),
+    ("bench", ["--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1, got '0'"),
+    ("plan", ["--engine", "vllm", "--max-nodes", "1"], "--max-nodes: must be an integer >= 2, got '1'"),
+    ("plan", ["--engine", "vllm", "--max-depth", "0"], "--max-depth: must be an integer >= 1, got '0'"),
+    ("plan", ["--engine", "vllm", "--top-k-draft", "0"], "--top-k-draft: must be an integer >= 1, got '0'"),
+    ("distill", ["--out", "x.jsonl", "--limit", "-1"], "--limit: must be an integer >= 0, got '-1'"),
+    ("distill", ["--out", "x.jsonl", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
+    ("distill", ["--out", "x.jsonl", "--max-new-tokens", "2.5"],
+     "--max-new-tokens: must be an integer >= 1, got '2.5'"),
+    ("features", ["--config", "c.yaml", "--shard-size", "0"], "--shard-size: must be an integer >= 1, got '0'"),
+    ("viz", ["--prompt", "hi", "--step", "0"], "--step: must be an integer >= 1, got '0'"),
+])
+def test_counts_out_of_range_are_refused_before_loading(command, flags, message, capsys):
+    with pytest.raises(SystemExit) as e:  # (--depth 0 looped forever; the others failed after loading)
+        cli_main([command, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_cli_runs_end_to_end_on_a_jsonl_file(tiny_setup, tmp_path, monkeypatch, capsys):

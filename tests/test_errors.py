@@ -379,11 +379,6 @@ def test_a_held_out_split_without_assistant_text_is_an_error_naming_the_dataset(
         evaluation_conversations(cfg)
 
 
-def test_features_shard_size_is_checked(capsys):
-    assert main(["features", "--config", "configs/smollm2-135m-eagle.yaml", "--shard-size", "0"]) == 2
-    assert "--shard-size must be >= 1 (conversations per shard), got 0" in capsys.readouterr().err
-
-
 def test_the_evaluation_command_checks_its_counts(capsys):
     from eagletree.train.evaluate import main as evaluate_main
 

@@ -28,8 +28,6 @@ def main(args) -> int:
         raise ValueError(f"--temperatures must be finite numbers >= 0, got {temperatures}")
     methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)
     max_new_tokens = pick("max_new_tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = load_prompts(pick("prompts"))
 
     head_dir = head_to_load(args.target, args.head or None, required=False)

@@ -219,10 +219,6 @@ def main_profile(args, command: str) -> int:
         raise ValueError("--profile-only needs --config: a built-in name "
                          f"({', '.join(BUILTIN_CONFIGS)}) or a path to an HF config.json")
     sizes = parse_list(args.sizes, int, "sizes")
-    for flag, value in (("--depth", args.depth), ("--top-k-draft", args.top_k_draft), ("--prefix", args.prefix),
-                        ("--reps", args.reps)):
-        if value < 1:
-            raise ValueError(f"--profile-only: {flag} must be >= 1, got {value}")
     if args.tokens_per_pass is not None and not 1.0 <= args.tokens_per_pass < float("inf"):
         raise ValueError(f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "
                          f"got {args.tokens_per_pass}")
