@@ -123,6 +123,16 @@ def test_prompt_specs_and_jsonl(tmp_path):
     path.write_text('"hello"\n{"text": 3}\n')
     with pytest.raises(ValueError, match="line 2: expected a string"):
         bench.load_prompts(str(path))
+    for messages, message in (([{"role": "user"}], 'line 1: each message must be {"role": system|user|assistant, '
+                                                    '"content": str}, got {"role": "user"}'),
+                              ([{"role": "user", "content": 3}], "got {\"role\": \"user\", \"content\": 3}"),
+                              ([{"role": "bot", "content": "hi"}], "got {\"role\": \"bot\""),
+                              ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                               "line 1: the messages must end with the user's turn to answer, not the assistant's")):
+        path.write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(ValueError) as e:  # (a jinja traceback after loading the target, before)
+            bench.load_prompts(str(path))
+        assert message in str(e.value)
 
 
 def test_cli_errors_name_the_bad_value(capsys):

@@ -89,6 +89,9 @@ def sharegpt_heldout() -> list:
     return heldout
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 def spec_count(spec: str, name: str) -> int | None:
     """N in the prompt spec `name:N` (None for plain `name`: all of them), or ValueError naming the spec."""
     n = spec.removeprefix(name).removeprefix(":")
@@ -149,7 +152,14 @@ def load_prompts(spec: str) -> list[list[dict]]:
             item = item.get("messages", item.get("prompt"))
         if isinstance(item, str) and item.strip():
             prompts.append([{"role": "user", "content": item}])
-        elif isinstance(item, list) and item and all(isinstance(m, dict) and "role" in m for m in item):
+        elif isinstance(item, list) and item:
+            for m in item:
+                if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
+                    raise ValueError(f"{spec} line {i}: each message must be {{\"role\": {'|'.join(CHAT_ROLES)}, "
+                                     f"\"content\": str}}, got {json.dumps(m)[:80]}")
+            if item[-1]["role"] != "user":
+                raise ValueError(f"{spec} line {i}: the messages must end with the user's turn to answer, "
+                                 f"not the {item[-1]['role']}'s")
             prompts.append(item)
         else:
             raise ValueError(f"{spec} line {i}: expected a string, {{\"prompt\": str}} or {{\"messages\": [...]}}")
