@@ -229,6 +229,7 @@ def writing(path: Path):
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        follow_umask(tmp)  # safetensors' save_file makes its files 0600
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

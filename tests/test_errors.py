@@ -102,9 +102,11 @@ def test_written_folders_follow_the_umask(saved_head, tmp_path):
 
 
 def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
-    """Latency profiles, kernel choices, plans and copy calibrations go through files.writing: a failed write
+    """Latency profiles, kernel choices, plans, copy calibrations and feature shards go through files.writing: a failed write
     leaves the old file and no temporary one; a new file is not private to its owner (mkstemp's 0600)."""
     import json
+
+    from safetensors.torch import save_file
 
     from eagletree.files import write_json_atomic, writing
     from eagletree.tree_search import LatencyProfile
@@ -121,6 +123,10 @@ def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
             raise KeyboardInterrupt
         assert json.loads(path.read_text())["verify_s"] == [0.01, 0.02]
         assert sorted(p.name for p in path.parent.iterdir()) == ["profile.json"]
+        shard = tmp_path / "features" / "shard-00000.safetensors"  # how feature shards are written
+        with writing(shard) as tmp:
+            save_file({"x": torch.zeros(2)}, str(tmp))  # (safetensors makes its files 0600)
+        assert stat.S_IMODE(shard.stat().st_mode) == 0o644
     finally:
         os.umask(old)
 
