@@ -102,8 +102,9 @@ def test_written_folders_follow_the_umask(saved_head, tmp_path):
 
 
 def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
-    """Latency profiles, kernel choices, plans, copy calibrations and feature shards go through files.writing: a failed write
-    leaves the old file and no temporary one; a new file is not private to its owner (mkstemp's 0600)."""
+    """Latency profiles, kernel choices, plans, copy calibrations and feature shards go through files.writing: a
+    failed write leaves the old file and no temporary one; a new file is not private to its owner (mkstemp's or
+    safetensors' 0600)."""
     import json
 
     from safetensors.torch import save_file
