@@ -30,7 +30,7 @@ from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, 
 from .train.data import load_dataset, split, stats
 from .train.distill import distill, ids_in
 from .train.evaluate import measure_copy_calibration
-from .train.features import cache_features
+from .train.features import cache_features, check_features_dir
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
 from .tree_search.copy import bin_labels, copy_calibration_names
 from .viz import render_html, viz_step
@@ -353,6 +353,7 @@ def cmd_features(args) -> int:
     if not cfg.features_dir:
         raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
     check_output_folder(cfg.features_dir, "features_dir")
+    check_features_dir(cfg.features_dir)  # before loading the target
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
     model, tok = target.load_target(cfg.target, dtype=dtype, device=args.device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)

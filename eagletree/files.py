@@ -84,6 +84,11 @@ def remove_stale_partials(parent: Path) -> list[Path]:
     return removed
 
 
+def is_partial(path: Path) -> bool:
+    """Whether `path` is a writer's temporary file or folder (see partial_path)."""
+    return bool(_PARTIAL.match(Path(path).name))
+
+
 def partial_path(final: Path) -> Path:
     """A fresh name next to `final` for building it: .NAME.partial-HOST-PID-RANDOM."""
     final = Path(final)
@@ -168,7 +173,7 @@ def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
             raise WriteError(f"{str(final)!r} is a file; expected a folder")
         if keep_others:
             for entry in final.iterdir():
-                if not (tmp / entry.name).exists() and not _PARTIAL.match(entry.name):
+                if not (tmp / entry.name).exists() and not is_partial(entry):
                     _link_copy(entry, tmp / entry.name)
         if not any(final.iterdir()):
             os.replace(tmp, final)  # rename onto an empty folder

@@ -386,6 +386,14 @@ def test_a_held_out_split_without_assistant_text_is_an_error_naming_the_dataset(
         evaluation_conversations(cfg)
 
 
+def test_features_refuses_a_folder_of_other_files_before_loading(tmp_path, monkeypatch, capsys):
+    (tmp_path / "todo.txt").write_text("mine")
+    monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    assert main(["features", "--config", "configs/smollm2-135m-eagle.yaml", f"features_dir={tmp_path}"]) == 2
+    assert "holds other files (todo.txt) and no manifest.json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
+
+
 def test_the_evaluation_command_checks_its_counts(capsys):
     from eagletree.train.evaluate import main as evaluate_main
 

@@ -200,6 +200,11 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
 
     with pytest.raises(FeatureError, match="holds features for"):
         cache_features(tiny_cfg(tmp_path / "x", features_dir=str(tmp_path / "feats"), max_len=20), model, tok, convs)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")  # a mistyped features_dir: nothing is written there
+    with pytest.raises(FeatureError, match="'.*notes' holds other files \\(todo.txt\\) and no manifest.json"):
+        cache_features(tiny_cfg(tmp_path / "x", features_dir=str(tmp_path / "notes")), model, tok, convs)
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
 
 
 def _tiny_run_inputs(tmp_path):

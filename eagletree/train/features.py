@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
-from ..files import write_json_atomic, writing
+from ..files import is_partial, write_json_atomic, writing
 from .render import RenderError, render
 
 MANIFEST = "manifest.json"
@@ -47,6 +47,19 @@ def load_manifest(folder: Path) -> dict | None:
         raise FeatureError(f"{path} is damaged ({e}); delete the folder to start over") from e
 
 
+def check_features_dir(folder) -> None:
+    """Raise FeatureError unless `folder` is absent, empty or a feature cache (a mistyped features_dir would mix
+    the cache into another folder's files)."""
+    folder = Path(folder)
+    if not folder.is_dir() or (folder / MANIFEST).is_file():
+        return
+    others = sorted(p.name for p in folder.iterdir() if not (p.name.startswith("shard-") or is_partial(p)))
+    if others:
+        raise FeatureError(f"features_dir {str(folder)!r} holds other files ({', '.join(others[:3])}"
+                           f"{', ...' if len(others) > 3 else ''}) and no {MANIFEST}; expected a new or empty "
+                           f"folder, or an earlier feature cache")
+
+
 def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,
                    log=None) -> dict:
     """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
@@ -57,6 +70,7 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     folder = Path(cfg.features_dir)
     folder.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, model.config)
+    check_features_dir(folder)
     manifest = load_manifest(folder) or {"identity": identity, "shards": [], "complete": False,
                                          "shard_size": shard_size}
     if manifest["identity"] != identity:
