@@ -91,7 +91,7 @@ def is_partial(path: Path) -> bool:
 
 def partial_path(final: Path) -> Path:
     """A fresh name next to `final` for building it: .NAME.partial-HOST-PID-RANDOM."""
-    final = Path(final)
+    final = Path(os.path.abspath(final))  # "." and "..": the folder's own name
     return final.with_name(f".{final.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
@@ -99,7 +99,7 @@ def partial_path(final: Path) -> Path:
 def building(final: Path):
     """Yield a new empty folder next to `final` (stale partial folders there are removed first); it is removed
     if the block fails or is interrupted, else left for the caller to publish (see publish)."""
-    final = Path(final)
+    final = Path(os.path.abspath(final))
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(final.parent)
     tmp = partial_path(final)
@@ -163,7 +163,7 @@ def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
     never missing or half-written: the two folders are swapped atomically where the kernel can (Linux
     renameat2), else by two renames in a row.
     """
-    tmp, final = Path(tmp), Path(final)
+    tmp, final = Path(tmp), Path(os.path.abspath(final))
     try:
         follow_umask(tmp)
         if not final.exists():

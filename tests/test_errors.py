@@ -28,6 +28,20 @@ def _export(head_dir, out, *extra):
     return main(["export", "--head", str(head_dir), "--format", "eagle", "--out", str(out), "--dtype", "fp32", *extra])
 
 
+def test_export_into_the_current_or_parent_folder(saved_head, tmp_path, monkeypatch):
+    _, head_dir = saved_head
+    here = tmp_path / "work" / "here"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    assert _export(head_dir, ".") == 0  # ("." has no name to build a temporary folder next to)
+    assert sorted(p.name for p in here.iterdir()) == ["config.json", "model.safetensors", "token_map.pt"]
+    (here / "sub").mkdir()
+    monkeypatch.chdir(here / "sub")
+    assert _export(head_dir, "..", "--overwrite") == 0
+    assert sorted(p.name for p in here.iterdir()) == ["config.json", "model.safetensors", "sub", "token_map.pt"]
+    assert [p.name for p in here.parent.iterdir()] == ["here"]  # no temporary folder left
+
+
 def test_export_refuses_a_non_empty_out_and_overwrite_keeps_other_files(saved_head, tmp_path, capsys):
     model, head_dir = saved_head
     out = tmp_path / "x"
