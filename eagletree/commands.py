@@ -168,7 +168,7 @@ def cmd_generate(args) -> int:
     """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it)."""
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give the text to answer")
+        raise ValueError("--prompt is empty; give the text to answer")
     model, tok, head = _load(args)
     messages = [{"role": "user", "content": args.prompt}]
     result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
@@ -230,7 +230,7 @@ def cmd_viz(args) -> int:
     """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
-        raise SystemExit("error: --prompt is empty; give the text to answer")
+        raise ValueError("--prompt is empty; give the text to answer")
     check_output_file(args.output, "-o/--output")  # before the work
     model, tok, head = _load(args)
     options = _options(args)
@@ -295,7 +295,7 @@ def cmd_plan(args) -> int:
     measure, check = split_prompts(prompts)
     model, tok, head = _load(args)
     if head is None:
-        raise SystemExit("error: plan needs a draft head (--head DIR)")
+        raise ValueError("plan needs a draft head (--head DIR)")
     _engine_vocab(args, head)
     if data is not None:
         check_reused_acceptance(data, head, args.acceptance)
@@ -351,7 +351,7 @@ def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
-        raise SystemExit("error: the config has no features_dir; pass features_dir=PATH")
+        raise ValueError("the config has no features_dir; pass features_dir=PATH")
     check_output_folder(cfg.features_dir, "features_dir")
     check_features_dir(cfg.features_dir)  # before loading the target
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32

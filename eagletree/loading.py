@@ -54,7 +54,7 @@ def head_to_load(target_name: str, head, required: bool = True):
     shipped = SHIPPED_HEADS.get(target_name)
     if shipped is None or not shipped.is_dir():
         if required:
-            raise SystemExit(f"error: no head is shipped for target {target_name!r}; pass --head DIR "
+            raise ValueError(f"no head is shipped for target {target_name!r}; pass --head DIR "
                              "(train one with train.py) or --head none for plain decoding")
         return None
     return shipped

@@ -312,6 +312,10 @@ def summary(result: dict) -> str:
              f"({_x(result['decoded_tokens_per_pass'])} decoding the measured answers), "
              f"{result['predicted_tokens_per_s']:.1f} tokens/s under the profile (plain decoding "
              f"{result['predicted_plain_tokens_per_s']:.1f})"]
+    slower = 1 - result["predicted_tokens_per_s"] / result["predicted_plain_tokens_per_s"]
+    if slower > 0:
+        lines.append(f"warning: under this profile even the best tree is predicted {slower:.0%} slower than plain "
+                     f"decoding: on this device leave speculative decoding off for this head")
     if check is not None:
         verdict = "within" if check["within_tolerance"] else "NOT within"
         lines.append(f"check: eagletree generate with this tree on {check['prompts']} other prompts: measured "

@@ -328,7 +328,7 @@ def test_head_to_load_names_the_shipped_head_or_asks_for_one(tmp_path):
     assert head_to_load("smollm2-135m", "none") is None and head_to_load("other", "some/dir") == "some/dir"
     other = str(tmp_path)  # a model folder of the user's: no head is shipped for it
     assert head_to_load(other, None, required=False) is None
-    with pytest.raises(SystemExit, match=f"no head is shipped for target '{other}'; pass --head DIR"):
+    with pytest.raises(ValueError, match=f"no head is shipped for target '{other}'; pass --head DIR"):
         head_to_load(other, None)
     with pytest.raises(TargetError, match=r"target 'smollm2-135' is neither a known alias"):
         head_to_load("smollm2-135", None)  # a typo is named as one, not as a target without a shipped head

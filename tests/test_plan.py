@@ -132,6 +132,22 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
     assert chain.expected_tokens == pytest.approx(1 + 0.60 + 0.40 + 0.25)
 
 
+def test_the_summary_warns_when_the_best_tree_loses_to_plain_decoding():
+    from eagletree.plan import summary
+
+    def result(rate, plain):
+        return {"engine": "sglang", "config": {}, "tree": {"nodes": 2, "depth": 1, "width": 1, "paths": [[0]]},
+                "expected_tokens_per_pass": 1.6, "decoded_tokens_per_pass": None, "predicted_tokens_per_s": rate,
+                "predicted_plain_tokens_per_s": plain, "check": None}
+
+    steep = LatencyProfile([1, 2, 64], [0.010, 0.030, 0.700], draft_s_per_level=0.0)  # a drafted node costs 3x
+    plan = best_plan(ACCEPT, steep, "sglang", 12, 3)
+    assert plan.tokens_per_s < plan.plain_tokens_per_s
+    text = summary(result(plan.tokens_per_s, plan.plain_tokens_per_s))
+    assert "warning: under this profile even the best tree is predicted 47% slower than plain decoding" in text
+    assert "warning" not in summary(result(120.0, 100.0))
+
+
 def test_decoding_the_measured_answers_with_a_tree():
     acceptance = Acceptance({}, 5, [[0.0]], [5], 2, 1, rank_paths=[[[0, 0], [1], [], [0], [0, 1]]])
     # position 0: (0,) and (0, 0) in the tree -> 3 tokens; position 3: (0,) -> 2 tokens (the answer ends there)

@@ -87,7 +87,7 @@ def test_step_data_of_random_trees():
     assert abs(lengths.mean() - d["target_expected"]) < 4 * lengths.std() / 3000**0.5 + 1e-9
 
 
-def test_errors(tiny):
+def test_errors(tiny, capsys):
     model, tok, head = tiny
     with pytest.raises(ValueError, match=r"step must be an integer >= 1 .* got 0"):
         viz_step(model, tok, head, PROMPT, step=0)
@@ -99,8 +99,8 @@ def test_errors(tiny):
         viz_step(model, tok, head, PROMPT, tree="bushy")
     with pytest.raises(ValueError, match="prompt is empty"):
         viz_step(model, tok, head, torch.tensor([], dtype=torch.long))
-    with pytest.raises(SystemExit, match="--prompt is empty"):
-        main(["viz", "--prompt", "  "])
+    assert main(["viz", "--prompt", "  "]) == 2
+    assert "error: --prompt is empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["viz", "--prompt", "hi", "--tree", "bushy"])
 
