@@ -288,7 +288,11 @@ def cmd_plan(args) -> int:
         if not isinstance(data, dict):
             raise ValueError(f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got "
                              f"{type(data).__name__}")
-        acceptance = Acceptance.from_dict(data.get("acceptance", data))
+        try:
+            acceptance = Acceptance.from_dict(data.get("acceptance", data))
+        except ValueError as e:
+            raise ValueError(f"--acceptance {args.acceptance!r} is not a plan's JSON (nor an acceptance table): "
+                             f"{e}") from None
     check_output_file(args.out, "-o/--out")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)

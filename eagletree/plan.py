@@ -235,7 +235,7 @@ def load_profile(path):
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
-    if "rows" not in data:
+    if not isinstance(data, dict) or "rows" not in data:
         return LatencyProfile.load(path)
     rows = data["rows"]
     try:

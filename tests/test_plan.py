@@ -196,6 +196,13 @@ def test_a_bench_profile_file_is_read(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"rows": [{"n": 1}]}))
     with pytest.raises(ValueError, match="bench profile rows need"):
         load_profile(tmp_path / "bad.json")
+    for data, message in (({"engine": "sglang", "tree": {}}, "is not a latency profile: expected a JSON object of "
+                                                               "sizes, verify_s, .* got keys engine, tree"),  # a plan
+                          ([1, 2], "is not a latency profile: .* got list"),
+                          ({"sizes": [8, 1], "verify_s": [0.02, 0.01]}, "profile.json': profile sizes must be")):
+        (tmp_path / "profile.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=message):
+            load_profile(tmp_path / "profile.json")
 
 
 def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monkeypatch, capsys):
@@ -235,6 +242,8 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
     err = capsys.readouterr().err
     assert "measured drafting over 60 tokens, but the head drafts over 97 here; pass --draft-vocab head" in err
     assert not (tmp_path / "wide.json").exists()
+    assert main(args[:-2] + ["--acceptance", str(tmp_path / "profile.json")]) == 2  # the wrong file
+    assert "profile.json' is not a plan's JSON (nor an acceptance table)" in capsys.readouterr().err
     (tmp_path / "list.json").write_text("[1, 2]")
     assert main(args[:-2] + ["--acceptance", str(tmp_path / "list.json")]) == 2
     assert "expected a plan's JSON object, got list" in capsys.readouterr().err

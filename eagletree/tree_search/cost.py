@@ -8,7 +8,7 @@ on a CPU); drafting costs per depth level. The profile is measured on the runnin
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -71,9 +71,17 @@ class LatencyProfile:
     def load(cls, path) -> "LatencyProfile":
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**data)
-        except (OSError, json.JSONDecodeError, TypeError) as e:
+        except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
+        known = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not {"sizes", "verify_s"} <= data.keys() or data.keys() - known:
+            found = f"keys {', '.join(sorted(data)[:6])}" if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{str(path)!r} is not a latency profile: expected a JSON object of "
+                             f"{', '.join(f.name for f in fields(cls))} (sizes and verify_s required), got {found}")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"latency profile {str(path)!r}: {e}") from None
 
 
 def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max_budget: int | None = None):
