@@ -194,8 +194,16 @@ def head_calibrator(head):
     path = Path(folder) / CALIBRATION if folder else None
     if path is None or not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    return Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "method" not in data:
+            raise ValueError(f"expected a JSON object with a method, got {json.dumps(data)[:60]}")
+        calibrator = Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
+        calibrator.check()
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
+                         f"probabilities, or write it again with `python -m eagletree.train.evaluate`") from None
+    return calibrator
 
 
 def _context_limit(target) -> int | None:

@@ -414,3 +414,25 @@ def test_the_evaluation_command_checks_its_counts(capsys):
     for flag, value, least in (("--prompts", "0", 1), ("--max-new-tokens", "1", 2), ("--depth", "-1", 1)):
         assert evaluate_main(["--config", "configs/smollm2-135m-eagle.yaml", flag, value]) == 2
         assert f"{flag} must be >= {least}, got {value}" in capsys.readouterr().err
+
+
+def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
+    from eagletree.decoding import head_calibrator
+
+    head_dir = tmp_path / "head"
+    EagleHead.for_target(tiny_model("llama").config).save_pretrained(head_dir)
+    head = EagleHead.from_pretrained(head_dir)
+    assert head_calibrator(head) is None  # none saved: the raw probabilities
+    (head_dir / "calibration.json").write_text(json.dumps({"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2, 0.6]}))
+    assert head_calibrator(head).ys == [0.2, 0.6]
+    for text, reason in (('{"method": "isotonic", "xs": [0.1', "Expecting"),  # cut off
+                         ('{"x": 1}', "expected a JSON object with a method"),
+                         ('{"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2]}', "equally many knots"),
+                         ('{"method": "isotonic", "xs": [0.5, 0.1], "ys": [0.2, 0.3]}', "xs ascending"),
+                         ('{"method": "temperature", "scale": null}', "finite scale and bias"),
+                         ('{"method": "platt"}', "'platt' is not one of")):
+        (head_dir / "calibration.json").write_text(text)
+        with pytest.raises(ValueError) as e:
+            head_calibrator(head)
+        assert f"{head_dir / 'calibration.json'} is not a valid calibration (" in str(e.value), text
+        assert reason in str(e.value), text

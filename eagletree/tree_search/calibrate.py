@@ -40,6 +40,18 @@ class Calibrator:
         if self.method not in METHODS:
             raise ValueError(f"calibration method {self.method!r} is not one of {METHODS}")
 
+    def check(self) -> None:
+        """Raise ValueError unless the fitted numbers make a calibration (as `fit` writes them)."""
+        if self.method == "isotonic":
+            xs, ys = self.xs, self.ys
+            if not (isinstance(xs, list) and isinstance(ys, list) and xs and len(xs) == len(ys)):
+                raise ValueError(f"isotonic needs equally many knots xs and ys (> 0), got {xs!r} and {ys!r}")
+            if not all(isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in xs + ys) or xs != sorted(xs):
+                raise ValueError("isotonic knots must be numbers in [0, 1], xs ascending")
+        elif self.method == "temperature":
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.scale, self.bias)):
+                raise ValueError(f"temperature needs finite scale and bias, got {self.scale!r} and {self.bias!r}")
+
     @classmethod
     def fit(cls, probs, accepted, method: str = "isotonic") -> "Calibrator":
         q = np.asarray(probs, dtype=np.float64)
