@@ -44,6 +44,15 @@ def test_config_errors(tmp_path):
     path.write_text("init_head: runs/old/head\n")
     cfg = TrainConfig.from_sources(path, ["init_head=", "out_dir=2024"])
     assert (cfg.init_head, cfg.out_dir) == ("", "2024")
+    # a key the head type never reads is refused, not silently ignored; its default value is harmless
+    with pytest.raises(TrainingError, match=r"noise=0.1, ttt_steps=3: have no effect on 'medusa' heads \(it ignores "
+                                            r"noise, ttt_steps, ttt_decay, l1_weight, ce_weight, fc_bias\); remove them"):
+        TrainConfig.from_sources(None, ["head_type=medusa", "noise=0.1", "ttt_steps=3"])
+    with pytest.raises(TrainingError, match=r"^l1_weight=0.5: has no effect on 'eagle3' heads"):
+        TrainConfig.from_sources(None, ["head_type=eagle3", "l1_weight=0.5"])
+    with pytest.raises(TrainingError, match=r"^medusa_heads=3: has no effect on 'eagle' heads"):
+        TrainConfig.from_sources(None, ["medusa_heads=3"])
+    assert TrainConfig.from_sources(None, ["head_type=medusa", "noise=0.2", "medusa_heads=3"]).medusa_heads == 3
 
 
 def tiny_cfg(tmp_path, **kw):

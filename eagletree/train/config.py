@@ -153,9 +153,22 @@ class TrainConfig:
         if values.get("widen_vocab") and values.get("draft_vocab"):
             raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
                                 f"{values['draft_vocab']}: set draft_vocab=0")
+        head_type = values.get("head_type", "eagle")
+        ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(cls(), k)]
+        if ignored:
+            raise TrainingError(f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
+                                f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
+                                f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
+                                f"{'it' if len(ignored) == 1 else 'them'} from the config")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)
+
+
+# the config keys a head type's model and objective never read (the EAGLE-1/2 objective reads them all but one)
+IGNORED_BY = {"eagle": ("medusa_heads",),
+              "eagle3": ("l1_weight", "ce_weight", "fc_bias", "medusa_heads"),
+              "medusa": ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias")}
 
 
 def lr_lambda(cfg: TrainConfig):
