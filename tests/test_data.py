@@ -76,6 +76,15 @@ def test_damaged_arrays_are_errors_not_truncations(tmp_path, text, message):
         read_json_file(path)
 
 
+@pytest.mark.parametrize("name", ["d.json", "d.jsonl"])
+def test_a_pretty_printed_object_is_named_as_one_not_as_bad_json(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}, indent=1) + "\n")
+    with pytest.raises(DataError, match=f"{name} is one JSON object spread over 8 lines, not records: expected a "
+                                        "JSON array of records"):  # (was "line 1 is not valid JSON")
+        read_json_file(path)
+
+
 def test_bom_line_separators_and_bad_utf8(tmp_path):
     record = {"id": "a", "messages": [{"role": "user", "content": "x\u2028y\u0085z"}]}
     path = tmp_path / "d.jsonl"

@@ -235,6 +235,13 @@ def _read_jsonl(text: str, path: Path, n_bytes: int) -> Dataset:
             if n == len(lines) and not text.endswith("\n"):
                 truncated = True  # last line cut off without its newline
                 break
+            try:
+                whole = json.loads(text)
+            except json.JSONDecodeError:
+                whole = None
+            if isinstance(whole, dict):
+                raise DataError(f"{path} is one JSON object spread over {len(lines)} lines, not records: expected a "
+                                f"JSON array of records (.json) or one record per line (.jsonl)") from None
             raise DataError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
     conversations, empty = _collect(records, path.name, lambda i: f"{path}: line {numbers[i]}")
     data = Dataset(conversations, str(path), truncated=truncated, file_bytes=n_bytes, skipped_empty=empty)
