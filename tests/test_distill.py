@@ -300,7 +300,8 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     from eagletree.train.evaluate import evaluate_run
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    monkeypatch.setattr(target, "load_target", lambda *a, **k: (model, tok))
+    devices = []
+    monkeypatch.setattr(target, "load_target", lambda *a, **k: devices.append(k.get("device")) or (model, tok))
     convs = tiny_conversations(40)
     heldout = [c for c in convs if is_heldout(c.id, 0.3)]
     assert len(heldout) > 4
@@ -318,6 +319,7 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
                heldout_fraction=0.3, eval_conversations=2)
     metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4, mtbench=2)
     assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
+    assert devices[-1] == cfg.device == "cpu"  # the run's device (it loaded the default device before)
     # MT-bench first turns (2 questions: one writing, one coding), per category, head alone and with copies.
     for row in ("eagle2_60", "eagle2_60_copy"):
         table = metrics["mtbench"][row]

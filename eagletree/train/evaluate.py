@@ -207,7 +207,9 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
     """
     heldout = evaluation_conversations(cfg) if heldout is None else heldout
-    target, tok = targets.load_target(cfg.target)  # (through the module: a stand-in model can replace it)
+    # on the run's device, at generate's default precision there (fp32 on CPU, bf16 on CUDA), as users decode;
+    # through the module, so a stand-in model can replace it
+    target, tok = targets.load_target(cfg.target, device=cfg.device or None)
     pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
     head = head.to(next(target.parameters()).device).eval()
