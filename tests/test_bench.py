@@ -146,6 +146,13 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert "needs --config" in capsys.readouterr().err
     assert cli_main(["bench", "--profile-only", "--config", "llama-9000"]) == 2
     assert "'llama-9000' is neither a built-in config (llama-3.1-8b)" in capsys.readouterr().err
+    # a flag the mode does not read is refused, not ignored
+    assert cli_main(["bench", "--sizes", "1,2", "--reps", "3"]) == 2
+    assert "--sizes, --reps: not read by a run without --profile-only; drop them or add --profile-only" in \
+        capsys.readouterr().err
+    assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", "--budgets", "8", "--prompts", "mtbench"]) == 2
+    assert "--prompts, --budgets: not read by --profile-only (random weights from --config); drop them" in \
+        capsys.readouterr().err
     for flags, message in ((["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
                            (["--results", "no/such.json"], "--results 'no/such.json' does not exist")):
         assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", *flags]) == 2, flags

@@ -14,9 +14,29 @@ from .report import machine_info, write_outputs
 from .runners import run_bench
 
 
+# flags that only one of the two modes reads: given to the other, they are refused rather than ignored
+PROFILE_ONLY_FLAGS = ("config", "sizes", "reps", "prefix", "tokens_per_pass", "results")
+RUN_ONLY_FLAGS = ("target", "pack", "draft_dtype", "prompts", "max_new_tokens", "methods", "budgets", "temperatures",
+                  "lookup_tokens", "seed", "quick")
+
+
+def check_mode_flags(args) -> None:
+    """ValueError naming the flags that the chosen mode (a run, or --profile-only) would ignore."""
+    from ..cli import build_parser
+
+    defaults = build_parser().parse_args(["bench"])
+    unread = RUN_ONLY_FLAGS if args.profile_only else PROFILE_ONLY_FLAGS
+    given = [f"--{name.replace('_', '-')}" for name in unread if getattr(args, name) != getattr(defaults, name)]
+    if given:
+        mode = "--profile-only (random weights from --config)" if args.profile_only else "a run without --profile-only"
+        raise ValueError(f"{', '.join(given)}: not read by {mode}; drop {'it' if len(given) == 1 else 'them'}"
+                         + ("" if args.profile_only else " or add --profile-only"))
+
+
 def main(args) -> int:
     """`eagletree bench` (arguments from the CLI parser)."""
     command = "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "eagletree bench"
+    check_mode_flags(args)
     check_output_folder(args.out, "-o/--out")  # before minutes of measuring
     if args.profile_only:
         return main_profile(args, command)
