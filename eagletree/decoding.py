@@ -288,7 +288,8 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
     while emitted < max_new_tokens:
         left = max_new_tokens - emitted
         t, seq.draft_s = time.perf_counter(), 0.0
-        step_depth = min(depth, left - 1)  # drafting deeper than the tokens still wanted is wasted work
+        # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted work
+        step_depth = min(depth, left - 1, searcher.budget - 1 if searcher is not None else depth)
         # 1. Draft: the head, when it drafts this step, and copied spans of earlier text, also looked up
         #    after the head's best nodes' paths. A span longer than the budget could never be verified whole.
         drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()

@@ -30,7 +30,7 @@ def test_greedy_generation_equals_plain_decoding_tiny(tree, draft_vocab):
         assert result.stats.passes >= 1 and result.stats.new_tokens == 40
 
 
-def test_chain_fits_the_budget():
+def test_chain_and_depth_fit_the_budget():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     ids = torch.tensor([3, 4, 5])
@@ -38,6 +38,11 @@ def test_chain_fits_the_budget():
         assert len(make_searcher("chain", budget=budget, depth=4).shape.parents) == nodes
         result = generate(model, tok, head, ids, max_new_tokens=30, tree="chain", budget=budget, depth=4)
         assert result.token_ids == plain(model, ids, 30)
+    # no tree of the budget's nodes is deeper than budget - 1: a huge depth is cut there (Sequoia's shape search
+    # ran for minutes at depth 100 and never ended at 10,000)
+    assert make_searcher("sequoia", budget=8, depth=10_000).shape.depth <= 7
+    result = generate(model, tok, head, ids, max_new_tokens=12, tree="eagle2", budget=4, depth=10_000)
+    assert result.token_ids == plain(model, ids, 12)
 
 
 def test_edge_cases():

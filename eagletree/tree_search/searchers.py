@@ -239,8 +239,8 @@ def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, 
     if kind == "chain":  # the budget counts the root, so a chain drafts at most budget - 1 tokens
         return StaticSearcher(chain_shape(min(depth, budget - 1)), device, token_map)
     if kind == "sequoia":
-        shape = choices_shape(paths) if paths is not None else sequoia_tree(
-            accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, depth)
+        shape = choices_shape(paths) if paths is not None else sequoia_tree(  # no deeper than budget - 1
+            accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, max(min(depth, budget - 1), 1))
         return StaticSearcher(shape, device, token_map)
     if kind == "auto":
         if profile is None:
