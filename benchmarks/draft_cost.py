@@ -38,7 +38,10 @@ def main(argv=None):
                     help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)")
     args = ap.parse_args(argv)
 
-    head_dir = head_to_load(args.target, args.head)
+    try:
+        head_dir = head_to_load(args.target, args.head)
+    except ValueError as e:  # no head shipped for that target, or a mistyped target
+        ap.error(str(e))
     if head_dir is None:
         ap.error("--head none: this measures a head's drafting; pass a head folder")
     model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,

@@ -227,8 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def given_options(argv) -> set[str]:
+    """The dests of the options typed on the command line (also when typed with their default value)."""
+    parser = build_parser()
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        for action in sub._actions:
+            action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command", "func"}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.given = given_options(argv)  # bench refuses the flags its mode does not read
     from . import commands
 
     try:

@@ -291,8 +291,8 @@ def cmd_plan(args) -> int:
         try:
             acceptance = Acceptance.from_dict(data.get("acceptance", data))
         except ValueError as e:
-            raise ValueError(f"--acceptance {args.acceptance!r} is not a plan's JSON (nor an acceptance table): "
-                             f"{e}") from None
+            raise ValueError(f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes "
+                             f"it)") from None
     check_output_file(args.out, "-o/--out")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)

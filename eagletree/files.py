@@ -123,6 +123,10 @@ def check_output_dir(out: Path, overwrite: bool, sources=(), option: str = "--ou
                              "write the output to another folder")
     if out.exists() and not out.is_dir():
         raise WriteError(f"{option} {str(out)!r} is a file; expected a folder (absent, empty, or with --overwrite)")
+    here, res = Path.cwd().resolve(), out.resolve()
+    if res == here or res in here.parents:  # the folder is replaced as a whole: the shell would sit in the old one
+        raise WriteError(f"{option} {str(out)!r} is the current folder or holds it; the output folder is replaced as "
+                         "a whole, so name another folder (or change to another folder first)")
     if out.is_dir() and not overwrite:
         entries = sorted(p.name for p in out.iterdir())
         if entries:

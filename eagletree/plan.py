@@ -314,7 +314,7 @@ def summary(result: dict) -> str:
              f"{result['predicted_plain_tokens_per_s']:.1f})"]
     slower = 1 - result["predicted_tokens_per_s"] / result["predicted_plain_tokens_per_s"]
     if slower > 0:
-        lines.append(f"warning: under this profile even the best tree is predicted {slower:.0%} slower than plain "
+        lines.append(f"warning: under this profile even the best tree is predicted {slower:.1%} slower than plain "
                      f"decoding: on this device leave speculative decoding off for this head")
     if check is not None:
         verdict = "within" if check["within_tolerance"] else "NOT within"

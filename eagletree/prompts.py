@@ -87,7 +87,7 @@ def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]
     if n is not None and n < 1:
         raise ValueError(f"the number of HumanEval problems must be >= 1, got {n}")
     chosen = problems[offset: None if n is None else offset + n]
-    if offset >= len(problems) or (n is not None and len(chosen) < n):
+    if offset >= len(problems) or (offset > 0 and n is not None and len(chosen) < n):  # (the first N: all at most)
         raise ValueError(f"HumanEval has {len(problems)} problems; problems {offset + 1} to "
                          f"{offset + (n or 1)} asked for")
     return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]

@@ -153,6 +153,8 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", "--budgets", "8", "--prompts", "mtbench"]) == 2
     assert "--prompts, --budgets: not read by --profile-only (random weights from --config); drop them" in \
         capsys.readouterr().err
+    assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", "--seed", "0"]) == 2  # typed: its default
+    assert "--seed: not read by --profile-only" in capsys.readouterr().err
     for flags, message in ((["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
                            (["--results", "no/such.json"], "--results 'no/such.json' does not exist")):
         assert cli_main(["bench", "--profile-only", "--config", "llama-3.1-8b", *flags]) == 2, flags

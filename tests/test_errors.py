@@ -28,18 +28,16 @@ def _export(head_dir, out, *extra):
     return main(["export", "--head", str(head_dir), "--format", "eagle", "--out", str(out), "--dtype", "fp32", *extra])
 
 
-def test_export_into_the_current_or_parent_folder(saved_head, tmp_path, monkeypatch):
+def test_export_into_the_current_or_a_parent_folder_is_refused(saved_head, tmp_path, monkeypatch, capsys):
     _, head_dir = saved_head
     here = tmp_path / "work" / "here"
     here.mkdir(parents=True)
     monkeypatch.chdir(here)
-    assert _export(head_dir, ".") == 0  # ("." has no name to build a temporary folder next to)
-    assert sorted(p.name for p in here.iterdir()) == ["config.json", "model.safetensors", "token_map.pt"]
-    (here / "sub").mkdir()
-    monkeypatch.chdir(here / "sub")
-    assert _export(head_dir, "..", "--overwrite") == 0
-    assert sorted(p.name for p in here.iterdir()) == ["config.json", "model.safetensors", "sub", "token_map.pt"]
-    assert [p.name for p in here.parent.iterdir()] == ["here"]  # no temporary folder left
+    for out, extra in ((".", ()), ("..", ("--overwrite",)), (str(here), ())):  # (".": 'has an empty name' before)
+        assert _export(head_dir, out, *extra) == 2
+        assert "is the current folder or holds it; the output folder is replaced as a whole" in capsys.readouterr().err
+    assert list(here.iterdir()) == [] and [p.name for p in here.parent.iterdir()] == ["here"]
+    assert _export(head_dir, "out") == 0 and (here / "out" / "config.json").is_file()  # a folder below is fine
 
 
 def test_export_refuses_a_non_empty_out_and_overwrite_keeps_other_files(saved_head, tmp_path, capsys):
@@ -430,6 +428,7 @@ def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
                          ('{"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2]}', "equally many knots"),
                          ('{"method": "isotonic", "xs": [0.5, 0.1], "ys": [0.2, 0.3]}', "xs ascending"),
                          ('{"method": "temperature", "scale": null}', "finite scale and bias"),
+                         ('{"method": "isotonic", "xs": [false, true], "ys": [0.2, 0.3]}', "numbers in [0, 1]"),
                          ('{"method": "platt"}', "'platt' is not one of")):
         (head_dir / "calibration.json").write_text(text)
         with pytest.raises(ValueError) as e:

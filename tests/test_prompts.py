@@ -40,6 +40,7 @@ def test_humaneval_prompts_ask_to_complete_each_function():
     assert humaneval_prompts(2, offset=1) == prompts[1:3] == bench.load_prompts("humaneval:3")[1:]
     assert bench.load_prompts("humaneval:2-3") == prompts[1:3]
     assert bench.load_prompts("humaneval:164-164") == prompts[163:]
+    assert bench.load_prompts("humaneval:200") == prompts  # as mtbench:200 gives all 80 questions
     for spec in ("humaneval:x", "humaneval:0", "humaneval:3-2", "humaneval:0-2", "humaneval:1-", "humaneval:-4"):
         with pytest.raises(ValueError, match=f"'{spec}': expected humaneval, humaneval:N .N >= 1. or humaneval:A-B"):
             bench.load_prompts(spec)

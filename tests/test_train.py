@@ -53,6 +53,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(TrainingError, match=r"^medusa_heads=3: has no effect on 'eagle' heads"):
         TrainConfig.from_sources(None, ["medusa_heads=3"])
     assert TrainConfig.from_sources(None, ["head_type=medusa", "noise=0.2", "medusa_heads=3"]).medusa_heads == 3
+    assert TrainConfig.from_sources(None, ["head_type=medusa", "noise=0"]).noise == 0.0
 
 
 def tiny_cfg(tmp_path, **kw):

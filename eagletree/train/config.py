@@ -154,7 +154,8 @@ class TrainConfig:
             raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
                                 f"{values['draft_vocab']}: set draft_vocab=0")
         head_type = values.get("head_type", "eagle")
-        ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(cls(), k)]
+        ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(cls(), k)
+                   and not (k == "noise" and values[k] == 0)]  # no noise: what such a head does anyway
         if ignored:
             raise TrainingError(f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
                                 f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "

@@ -28,6 +28,10 @@ def acceptance_pairs(tree: DraftTree, accepted: list[int]) -> tuple[list[float],
     return probs, hits
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class Calibrator:
     method: str = "identity"
@@ -46,10 +50,10 @@ class Calibrator:
             xs, ys = self.xs, self.ys
             if not (isinstance(xs, list) and isinstance(ys, list) and xs and len(xs) == len(ys)):
                 raise ValueError(f"isotonic needs equally many knots xs and ys (> 0), got {xs!r} and {ys!r}")
-            if not all(isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in xs + ys) or xs != sorted(xs):
+            if not all(_number(v) and 0.0 <= v <= 1.0 for v in xs + ys) or xs != sorted(xs):
                 raise ValueError("isotonic knots must be numbers in [0, 1], xs ascending")
         elif self.method == "temperature":
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.scale, self.bias)):
+            if not all(_number(v) and math.isfinite(v) for v in (self.scale, self.bias)):
                 raise ValueError(f"temperature needs finite scale and bias, got {self.scale!r} and {self.bias!r}")
 
     @classmethod
