@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_calibration_names, copy_only, copy_trie
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
+from .tree_search.static import choices_shape
 from .verify import DraftTree, prefill, verify_step
 from .verify.profile import measure_verify
 # name: (kind, smallest, largest, may be None); a float range's lower end is exclusive where marked
@@ -103,10 +105,27 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def is_token_ids(prompt) -> bool:
+    """Whether `prompt` is one prompt of token ids: a list or tuple of integers."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(_is_int(t) for t in prompt)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
-    """Chat messages (through the chat template), a plain string, or token ids -> 1-D ids."""
+    """Chat messages (through the chat template), a plain string, or token ids (a 1-D or [1, n] integer tensor, a
+    list of ints) -> 1-D ids."""
     if isinstance(prompt, torch.Tensor):
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise TypeError(f"a prompt tensor holds token ids: expected an integer dtype, got {prompt.dtype}")
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"a prompt tensor is one sequence of token ids, shape [n] or [1, n], got "
+                             f"{list(prompt.shape)}; decode a batch as a list of prompts")
         ids = prompt.flatten().long()
+    elif is_token_ids(prompt):
+        ids = torch.tensor([int(t) for t in prompt], dtype=torch.long)
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"][0]
@@ -119,15 +138,52 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     return ids
 
 
+def check_token_ids(target, ids: torch.Tensor) -> None:
+    """ValueError unless every id is a row of the target's embedding."""
+    vocab = target.get_input_embeddings().num_embeddings
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got "
+                         f"{low if low < 0 else high}")
+
+
 def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
+    """The target's end-of-sequence ids and the tokenizer's, plus `stop`: token ids, or strings that are one token
+    each (a token as the tokenizer writes it, e.g. "<|im_end|>", or text that encodes to one token, e.g. "\\n")."""
     ids = set()
     eos = target.generation_config.eos_token_id
     ids.update([eos] if isinstance(eos, int) else (eos or []))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    for s in stop or []:
-        ids.update([s] if isinstance(s, int) else tokenizer.convert_tokens_to_ids([s]))
+    if stop is None:
+        return sorted(ids)
+    if isinstance(stop, (str, int)) or not isinstance(stop, (list, tuple, set)):
+        raise TypeError(f"stop must be a list of token ids or token strings, got {stop!r}")
+    vocab = target.get_input_embeddings().num_embeddings
+    for s in stop:
+        if _is_int(s):
+            if not 0 <= int(s) < vocab:
+                raise ValueError(f"stop token id {s} is outside the target's vocabulary [0, {vocab})")
+            ids.add(int(s))
+        elif isinstance(s, str) and s:
+            ids.add(_one_token(tokenizer, s))
+        else:
+            raise TypeError(f"stop entries must be token ids or non-empty token strings, got {s!r}")
     return sorted(ids)
+
+
+def _one_token(tokenizer, text: str) -> int:
+    """The id of the token `text` (as the vocabulary writes it, or as text that encodes to exactly one token)."""
+    if tokenizer is None:
+        raise ValueError(f"stop {text!r}: a stop string needs the tokenizer; pass token ids instead")
+    token = tokenizer.convert_tokens_to_ids(text)
+    if token is not None and (token != tokenizer.unk_token_id or text == tokenizer.unk_token):
+        return int(token)
+    encoded = tokenizer(text, add_special_tokens=False).input_ids
+    if len(encoded) != 1:
+        raise ValueError(f"stop {text!r} is {len(encoded)} tokens ({encoded}), not one; stop takes single tokens "
+                         f"(a stop on longer text needs a check on the decoded text)")
+    return int(encoded[0])
 
 
 # A cached profile whose one-token pass is this many times slower than a fresh probe was measured
@@ -341,30 +397,53 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, budget=budget,
                   depth=depth, top_k_draft=top_k_draft, seed=seed)
     copy = resolve_copy(copy, tree, copy_spans, copy_len)
+    if tree_paths is not None:
+        if tree != "sequoia":
+            raise ValueError(f"tree_paths gives the fixed shape of tree='sequoia', got tree={tree!r}")
+        nodes = len(choices_shape(tree_paths).parents)  # (checks the paths)
+        if nodes > budget:
+            raise ValueError(f"tree_paths make a tree of {nodes} nodes with the root, more than budget={budget}")
     stats = stats if stats is not None else GenerationStats()
     ids = encode_prompt(tokenizer, prompt)
+    check_token_ids(target, ids)
     limit = _context_limit(target)
     if limit is not None and ids.numel() + max_new_tokens > limit:
         if not truncate_prompt or max_new_tokens >= limit:
             raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                              f"context of {limit} tokens; shorten it or pass truncate_prompt=True")
         ids = ids[-(limit - max_new_tokens):]
-    if max_new_tokens == 0:
-        return
     if head is not None:
         head.check_target(target.config)
         head_dtype = next(head.parameters()).dtype
         if not head_dtype.is_floating_point:
             raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
+        if tree_paths is not None and max(max(p) for p in tree_paths) >= head.drafted_vocab_size():
+            raise ValueError(f"tree_paths rank {max(max(p) for p in tree_paths)} is past the head's draft vocabulary "
+                             f"of {head.drafted_vocab_size()} tokens")
+    stops = stop_token_ids(target, tokenizer, stop)
+    if max_new_tokens == 0:
+        return iter(())
+    profile = deepcopy(profile)  # the auto searcher updates its drafting cost: never the caller's
+    if tree == "auto" and head is not None and calibrator is None:
+        calibrator = head_calibrator(head)  # (files: read at the call, so a damaged one is reported there)
+    if copy and copy_calibration is None:
+        copy_calibration = head_copy_calibration(head, copy_len)
+    # the checks above run at the call; the work below when the steps are read
+    return _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft,
+                   stops, seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
+                   copy_calibration, tree_paths)
+
+
+def _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft, stops,
+            seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
+            copy_calibration, tree_paths):
+    """decode_steps' generator, once its arguments are checked."""
     device = next(target.parameters()).device
     ids = ids.to(device)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     drafts = head is not None or copy
     if tree == "auto" and drafts:
         profile = profile if profile is not None else latency_profile(target)
-        calibrator = calibrator if calibrator is not None else head_calibrator(head)
-    if copy:
-        copy_calibration = copy_calibration if copy_calibration is not None else head_copy_calibration(head, copy_len)
 
     searcher = make_searcher(tree, budget, depth, top_k_draft, device, None, accept_by_rank, tree_paths, profile,
                              calibrator) if drafts else None
@@ -374,8 +453,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     if searcher is not None and seq.drafter is not None:
         searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
     for step in speculative_steps(target, seq, searcher, int(ids[-1]), max_new_tokens, depth,
-                                  (temperature, top_k, top_p, generator), stop_token_ids(target, tokenizer, stop),
-                                  copy_spans, copy_len, inspect_step):
+                                  (temperature, top_k, top_p, generator), stops, copy_spans, copy_len, inspect_step):
         stats.record(step)
         stats.seconds = time.perf_counter() - t0
         yield step.tokens
@@ -414,9 +492,11 @@ def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, 
 
     options: max_new_tokens, temperature, top_k, top_p, tree ("eagle2" | "optimal" | "chain" | "sequoia" | "auto"),
     budget, depth, top_k_draft, stop (extra stop tokens), seed, truncate_prompt.
-    A list of prompts (strings or message lists) returns a list of results, decoded one after another.
+    A prompt is chat messages, a string or token ids (a list of ints, or an integer tensor of shape [n] or [1, n]).
+    A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded one after another.
     """
-    if isinstance(prompt_or_messages, list) and prompt_or_messages and not isinstance(prompt_or_messages[0], dict):
+    if isinstance(prompt_or_messages, list) and prompt_or_messages and not isinstance(prompt_or_messages[0], dict) \
+            and not is_token_ids(prompt_or_messages):
         if stream:
             raise ValueError("stream=True takes one prompt at a time")
         return [generate(target, tokenizer, head, p, **options) for p in prompt_or_messages]

@@ -60,6 +60,47 @@ def test_edge_cases():
         generate(model, tok, head, torch.tensor([3]), tree="bushy")
 
 
+def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
+    from eagletree.tree_search import LatencyProfile
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    ids = [3, 4, 5, 6]
+    want = plain(model, torch.tensor(ids), 5)
+    assert generate(model, tok, head, ids, max_new_tokens=5).token_ids == want  # (a list of ints was 4 prompts)
+    assert generate(model, tok, head, torch.tensor([ids]), max_new_tokens=5).token_ids == want
+    assert [r.token_ids for r in generate(model, tok, head, [ids, ids[:2]], max_new_tokens=5)] == \
+        [want, plain(model, torch.tensor(ids[:2]), 5)]
+    for options, error, message in (
+            (dict(prompt=torch.tensor([ids, ids])), ValueError, r"shape \[n\] or \[1, n\], got \[2, 4\]"),  # (was merged)
+            (dict(prompt=torch.tensor([3.0, 4.7])), TypeError, "expected an integer dtype, got torch.float32"),
+            (dict(prompt=[3, 400]), ValueError, r"must lie in \[0, 97\) \(the target's vocabulary\), got 400"),
+            (dict(stop=5), TypeError, "stop must be a list of token ids or token strings, got 5"),
+            (dict(stop=[-1]), ValueError, r"stop token id -1 is outside the target's vocabulary \[0, 97\)"),
+            (dict(stop=[3.0]), TypeError, "stop entries must be token ids or non-empty token strings, got 3.0"),
+            (dict(tree="eagle2", tree_paths=[(0,)]), ValueError, "tree_paths gives the fixed shape of tree='sequoia'"),
+            (dict(tree="sequoia", tree_paths=[(0,), (1,), (0, 0)], budget=3), ValueError,
+             "tree_paths make a tree of 4 nodes with the root, more than budget=3"),
+            (dict(tree="sequoia", tree_paths=[0, 1]), ValueError, "tree paths must be rank paths"),
+            (dict(tree="sequoia", tree_paths=[(200,)]), ValueError, "rank 200 is past the head's draft vocabulary"),
+            (dict(budget=0, stream=True), ValueError, "budget must be >= 1, got 0")):  # at the call, not at next()
+        prompt = options.pop("prompt", ids)
+        with pytest.raises(error, match=message):
+            generate(model, tok, head, prompt, max_new_tokens=3, **options)
+    # a stop string is one token: as the vocabulary writes it, or text that encodes to one token
+    from eagletree.decoding import stop_token_ids
+
+    token = tok.convert_ids_to_tokens(7)
+    assert 7 in stop_token_ids(model, tok, [token]) and 9 in stop_token_ids(model, tok, [9])
+    long_text = tok.decode([5, 6, 7])
+    with pytest.raises(ValueError, match="is 3 tokens"):  # (it became the unknown token's id 0 and never fired)
+        stop_token_ids(model, tok, [long_text])
+    # the caller's latency profile is not changed by the auto searcher's cost updates
+    profile = LatencyProfile([1, 8], [0.010, 0.012], draft_s_per_level=0.0005)
+    generate(model, tok, head, ids, max_new_tokens=6, tree="auto", profile=profile)
+    assert profile.draft_s_per_level == 0.0005
+
+
 def test_head_for_another_target_is_refused():
     from eagletree.draft_heads import HeadError
 

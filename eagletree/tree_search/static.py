@@ -40,6 +40,9 @@ def choices_shape(choices: Sequence[Sequence[int]]) -> Shape:
     """Medusa-style choice list: each entry is the rank path from the root, e.g. (0, 1) = 2nd child of the 1st."""
     index = {(): 0}
     parents, ranks = [-1], [-1]
+    if not all(isinstance(c, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in c)
+               for c in choices):
+        raise ValueError(f"tree paths must be rank paths such as [(0,), (1,), (0, 0)], got {list(choices)[:4]}")
     for path in sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c)):
         if not path or any(r < 0 for r in path):
             raise ValueError(f"choice {path} must be a non-empty tuple of ranks >= 0")
