@@ -273,6 +273,8 @@ def cmd_import(args) -> int:
 
         head = import_eagle(args.eagle, AutoConfig.from_pretrained(target.resolve_target(args.target)))
     head.save_pretrained(args.out, keep_others=True)
+    for name in ("calibration.json", *copy_calibration_names(False)):  # measured for the head replaced there
+        (Path(args.out) / name).unlink(missing_ok=True)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
     return 0
 

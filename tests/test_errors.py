@@ -86,8 +86,8 @@ def test_import_keeps_a_heads_other_files_and_names_bad_inputs(saved_head, tmp_p
     imp = ["import", "--eagle", str(tmp_path / "ex"), "--target", str(target), "--out", str(existing)]
     assert main(imp) == 2 and "pass --overwrite" in capsys.readouterr().err
     assert main(imp + ["--overwrite"]) == 0
-    assert sorted(p.name for p in existing.iterdir()) == ["calibration.json", "config.json", "metrics.json",
-                                                          "model.safetensors"]
+    # the other files stay, but not the replaced head's calibration: decoding would apply it to the new head
+    assert sorted(p.name for p in existing.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
     load_head(existing, target_config=model.config)
     # an eagletree head is not an EAGLE export; a broken config.json is named
     assert main(["import", "--eagle", str(head_dir), "--target", str(target), "--out", str(tmp_path / "o")]) == 2

@@ -138,8 +138,18 @@ def test_rope_base_dtype_and_ties_are_written_for_every_reader(tmp_path, fmt):
 def test_rope_scaling_is_written_for_eagle_when_the_target_scales():
     from eagletree.draft_heads.export import rope_fields
 
-    fields = rope_fields({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
+    from eagletree.draft_heads import HeadError
+
+    linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
+    fields = rope_fields(linear)  # transformers 5 readers (vLLM, SGLang)
     assert fields == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "rope_type": "linear", "factor": 2.0}}
+    # EAGLE's EConfig takes exactly {type, factor} ("must be a dictionary with two fields")
+    assert rope_fields(linear, "eagle") == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    llama3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+    with pytest.raises(HeadError, match="only linearly or dynamically .* the target's is 'llama3': export with "
+                                        "--format vllm or sglang"):
+        rope_fields(llama3, "eagle")
 
 
 def test_eagle3_export_carries_the_real_embedding_and_each_engines_layer_ids(tmp_path):
@@ -201,6 +211,64 @@ def test_eagle3_round_trip_drafts_identically(tmp_path):
     back = import_eagle3(exported(head, tmp_path, "eagle3", target=model)[2], model)
     feats, nxt = torch.randn(5, 3 * 64), torch.randint(97, (5,))
     assert torch.equal(TreeDrafter(back, model).extend(feats, nxt), TreeDrafter(head, model).extend(feats, nxt))
+
+
+def test_full_vocabulary_eagle3_export_has_no_token_maps_and_comes_back_full(tmp_path):
+    model = llama(layers=4)
+    head = Eagle3Head.for_target(model).eval()  # the training default: the whole vocabulary
+    config, weights, out = exported(head, tmp_path, "eagle3", target=model)
+    assert "d2t" not in weights and "t2d" not in weights  # vLLM has no such parameter then (its loader refused it)
+    assert config["draft_vocab_size"] == 97
+    back = import_eagle3(out, model)
+    assert back.config.draft_vocab_size is None  # (was 97: a "draft vocabulary" of every token)
+    # an overwrite of an earlier EAGLE-1/2 export there leaves no token map of that other head
+    old = export_head(eagle_head(model), tmp_path / "old", "sglang", dtype=torch.float32)
+    assert (old / TOKEN_MAP).is_file()
+    export_head(head, old, "eagle3", dtype=torch.float32, target=model, overwrite=True)
+    assert not (old / TOKEN_MAP).is_file()
+    # SGLang's form of the layer ids alone (outputs of decoder layers, as eagletree counts them)
+    layered = Eagle3Head.for_target(model, torch.arange(3, 97, 3), fused_layers=[0, 1, 2]).eval()
+    _, _, out = exported(layered, tmp_path / "sg", "eagle3", target=model)
+    config = json.loads((out / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert import_eagle3(out, model).fused_layers == [0, 1, 2]  # (fell back to the default layers)
+
+
+def test_sglang_zero_bias_comes_back_as_no_bias(tmp_path):
+    model = llama()
+    torch.manual_seed(1)
+    head = EagleHead.for_target(model.config, torch.arange(5, 97, 2), fc_bias=False).eval()
+    _, weights, out = exported(head, tmp_path, "sglang")
+    assert weights["fc.bias"].abs().max() == 0  # SGLang's layout always has one
+    assert import_eagle(out, model.config).config.fc_bias is False
+
+
+def test_an_export_for_another_target_or_with_damaged_files_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    from eagletree.draft_heads import HeadError
+
+    model = llama()
+    _, _, out = exported(eagle_head(model), tmp_path, "vllm")
+    other = AutoConfig.for_model(**{**model.config.to_dict(), "rope_parameters": {"rope_type": "default",
+                                                                                 "rope_theta": 10000.0}})
+    deeper = AutoConfig.for_model(**{**model.config.to_dict(), "num_hidden_layers": 3})
+    with pytest.raises(HeadError, match="exported for a target with fingerprint"):  # (imported silently before)
+        import_eagle(out, deeper)
+    config = json.loads((out / "config.json").read_text())
+    del config["eagletree"]  # an export made elsewhere: its layer fields are compared
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadError, match="has rope_theta = 100000.0, but this target has rope_theta = 10000.0"):
+        import_eagle(out, other)
+    (out / TOKEN_MAP).write_bytes(b"garbage")  # (a pickle traceback before)
+    with pytest.raises(HeadError, match="token_map.pt' is not a token map"):
+        import_eagle(out, model.config)
+    (out / TOKEN_MAP).unlink()
+    (out / "model.safetensors").unlink()
+    (out / "pytorch_model.bin").write_bytes(b"garbage")
+    with pytest.raises(HeadError, match="are truncated or corrupted"):
+        import_eagle(out, model.config)
 
 
 def test_a_bad_token_map_is_refused(tmp_path):

@@ -34,6 +34,7 @@ are); EAGLE's code always fuses the inputs of layers 2, L/2 and L-3.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -41,9 +42,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..files import building, check_output_dir, publish
-from .base import HeadError
+from .base import HeadError, target_identity
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
+from .layers import layer_config_dict
 from .vocab import check_draft_vocab, t2d_mask
 
 FORMATS = ("eagle", "vllm", "sglang", "eagle3")
@@ -61,9 +63,10 @@ def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch
         elif key.startswith("hidden_norm."):
             key = "midlayer." + key
         state[key] = value.detach().cpu()
-    d2t = head.d2t.detach().cpu().long()
-    state["d2t"] = d2t - torch.arange(d2t.numel())
-    state["t2d"] = t2d_mask(d2t, head.config.target["vocab_size"])
+    if head.config.draft_vocab_size is not None:  # (vLLM has no d2t parameter for a full-vocabulary head)
+        d2t = head.d2t.detach().cpu().long()
+        state["d2t"] = d2t - torch.arange(d2t.numel())
+        state["t2d"] = t2d_mask(d2t, head.config.target["vocab_size"])
     if embedding is not None:
         expected = (head.config.target["vocab_size"], head.config.hidden_size)
         if tuple(embedding.shape) != expected:
@@ -126,16 +129,22 @@ def eagle_code_fused_inputs(num_layers: int) -> list[int]:
     return [i for i in range(num_layers) if i in (2, num_layers // 2, num_layers - 3)]
 
 
-def rope_fields(layer_config: dict) -> dict:
+def rope_fields(layer_config: dict, fmt: str = "vllm") -> dict:
     """Top-level `rope_theta` and `rope_scaling` from transformers-5 `rope_parameters` (older readers take only
-    these)."""
+    these). EAGLE's own code (format "eagle") takes `rope_scaling` as exactly {type, factor}, linear or dynamic."""
     params = dict(layer_config.get("rope_parameters") or {})
     theta = params.pop("rope_theta", layer_config.get("rope_theta"))
     if theta is None:
         raise HeadError("the head's layer config has no rope_theta (in rope_parameters or at the top level)")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    scaling = None if rope_type == "default" else {**params, "type": rope_type, "rope_type": rope_type}
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+    if rope_type == "default":
+        return {"rope_theta": float(theta), "rope_scaling": None}
+    if fmt == "eagle":
+        if rope_type not in ("linear", "dynamic") or "factor" not in params:
+            raise HeadError(f"EAGLE's code scales RoPE only linearly or dynamically (rope_scaling {{type, factor}}); "
+                            f"the target's is {rope_type!r}: export with --format vllm or sglang")
+        return {"rope_theta": float(theta), "rope_scaling": {"type": rope_type, "factor": params["factor"]}}
+    return {"rope_theta": float(theta), "rope_scaling": {**params, "type": rope_type, "rope_type": rope_type}}
 
 
 def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
@@ -143,7 +152,7 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
     config = {k: v for k, v in head.config.layer_config.items() if k not in _NOT_EXPORTED}
     dtype_name = str(dtype).removeprefix("torch.")
     common = {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False,
-              "dtype": dtype_name, "torch_dtype": dtype_name, **rope_fields(config),
+              "dtype": dtype_name, "torch_dtype": dtype_name, **rope_fields(config, fmt),
               "eagletree": {"format": fmt, "target": head.config.target}}
     if fmt == "eagle3":
         config.update(common)
@@ -203,7 +212,10 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
         (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
         if fmt != "eagle3":  # always written, so an overwrite never keeps another head's map
             torch.save(head.d2t.detach().cpu().long().tolist(), tmp / TOKEN_MAP)  # SGLang: torch.tensor(list)
-    return publish(tmp, out, keep_others=True)
+    published = publish(tmp, out, keep_others=True)
+    if fmt == "eagle3":  # an earlier EAGLE-1/2 export's token map there would describe another head
+        (published / TOKEN_MAP).unlink(missing_ok=True)
+    return published
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -212,7 +224,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
             return load_file(str(folder / "model.safetensors"))
         if (folder / "pytorch_model.bin").is_file():
             return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise HeadError(f"weights in {str(folder)!r} are truncated or corrupted ({e})") from e
     raise HeadError(f"{str(folder)!r} holds no model.safetensors or pytorch_model.bin")
 
@@ -235,16 +247,40 @@ def read_export_config(folder) -> dict:
     return config
 
 
+def check_export_target(config: dict, target_config, folder) -> None:
+    """HeadError unless the export in `folder` was made for this target: its recorded target (eagletree's exports)
+    and the layer fields an engine runs it with (heads, key/value heads, head size, RoPE base, norm epsilon)."""
+    recorded = (config.get("eagletree") or {}).get("target") if isinstance(config.get("eagletree"), dict) else None
+    ours = target_identity(target_config)
+    if isinstance(recorded, dict):
+        for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
+            if key in recorded and recorded[key] != ours[key]:
+                raise HeadError(f"{str(folder)!r} was exported for a target with {key} = {recorded[key]!r}, but this "
+                                f"target has {key} = {ours[key]!r}")
+    theirs = dict(config, rope_theta=rope_fields(config)["rope_theta"] if (
+        config.get("rope_parameters") or config.get("rope_theta") is not None) else None)
+    mine = {"hidden_size": target_config.hidden_size,
+            "num_attention_heads": getattr(target_config, "num_attention_heads", None),
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None),
+            "head_dim": getattr(target_config, "head_dim", None),
+            "rms_norm_eps": getattr(target_config, "rms_norm_eps", None),
+            "rope_theta": rope_fields(layer_config_dict(target_config))["rope_theta"]}
+    for key, value in mine.items():
+        if theirs.get(key) is not None and value is not None and theirs[key] != value:
+            raise HeadError(f"the head in {str(folder)!r} has {key} = {theirs[key]!r}, but this target has "
+                            f"{key} = {value!r}: it was made for another target")
+
+
 def import_eagle(folder, target_config) -> EagleHead:
     """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) for `target_config`."""
     folder = Path(folder)
     config = read_export_config(folder)
-    if config.get("hidden_size") != target_config.hidden_size:
-        raise HeadError(f"EAGLE head has hidden_size = {config.get('hidden_size')}, "
-                        f"but this target has hidden_size = {target_config.hidden_size}")
+    check_export_target(config, target_config, folder)
     weights = _read_weights(folder)
     # layer 0's input_layernorm and a copied embedding are not used by EAGLE-1/2 heads
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm."))}
+    if "fc.bias" in weights and not weights["fc.bias"].abs().max() > 0:
+        del weights["fc.bias"]  # SGLang's layout always has one: all zeros is no bias
     head = EagleHead.for_target(target_config, draft_tokens=_token_map(folder, target_config.vocab_size),
                                 fc_bias="fc.bias" in weights)
     state = {("layer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in weights.items()}
@@ -258,7 +294,7 @@ def _token_map(folder: Path, vocab_size: int) -> torch.Tensor | None:
         return None
     try:
         ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True)).long().flatten()
-    except (OSError, RuntimeError, ValueError, EOFError) as e:
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise HeadError(f"{str(path)!r} is not a token map (a list or tensor of target ids): {e}") from e
     try:
         check_draft_vocab(ids, vocab_size)
@@ -273,8 +309,12 @@ def _load_checked(head, state, folder, kind: str):
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     bad = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
     if missing or unexpected or bad:
-        raise HeadError(f"{str(folder)!r} is not {kind} for this target: missing {sorted(missing)}, "
-                        f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad)}")
+        def some(keys) -> str:
+            keys = sorted(keys)
+            return str(keys[:6])[:-1] + (f", ... {len(keys) - 6} more]" if len(keys) > 6 else "]")
+
+        raise HeadError(f"{str(folder)!r} is not {kind} for this target: missing {some(missing)}, "
+                        f"unexpected {some(unexpected)}, wrong shape {some(bad)}")
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return head.eval()
 
@@ -283,16 +323,21 @@ def import_eagle3(folder, target_model) -> Eagle3Head:
     """Read an EAGLE-3 head (EAGLE / vLLM / SGLang layout) for `target_model`."""
     folder = Path(folder)
     config = read_export_config(folder)
+    check_export_target(config, target_model.config, folder)
     weights = _read_weights(folder)
+    vocab = target_model.config.vocab_size
+    d2t = None  # no d2t, or the identity: drafting over the whole vocabulary
     if "d2t" in weights:
         d2t = weights["d2t"].long() + torch.arange(weights["d2t"].numel())
-    else:
-        d2t = torch.arange(target_model.config.vocab_size)
+        d2t = None if d2t.numel() == vocab and torch.equal(d2t, torch.arange(vocab)) else d2t
     layers = config.get("eagle_aux_hidden_state_layer_ids")  # inputs of these layers = outputs of i - 1
     if layers is not None:
         if any(i < 1 for i in layers):
             raise HeadError(f"eagle_aux_hidden_state_layer_ids {layers} must be >= 1 (inputs of decoder layers)")
         layers = [i - 1 for i in layers]
+    elif isinstance(config.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in \
+            config["eagle_config"]:
+        layers = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])  # SGLang's: outputs already
     head = Eagle3Head.for_target(target_model, d2t, fused_layers=layers)
     state = {}
     for key, value in weights.items():
