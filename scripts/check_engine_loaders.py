@@ -6,7 +6,8 @@
 DIR holds the engines' wheels (`pip download --no-deps vllm sglang`); neither engine is installed: the
 Python source of the modules below is read out of the wheels and executed, and the GPU, distributed and
 kernel modules they import are replaced by the stand-ins listed in the output. For each head (default:
-the shipped EAGLE-1/2 head and a random EAGLE-3 head of the same target) the script writes eagletree's
+the shipped EAGLE-1/2 head and two random EAGLE-3 heads of the same target, over a draft vocabulary and
+over the whole one) the script writes eagletree's
 exports, then for each engine:
 - reads config.json with transformers' AutoConfig (both engines do) and, for vLLM, the engine's own
   EAGLEConfig (transformers_utils/configs/eagle.py), which renames the architecture; picks the model class
@@ -873,7 +874,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sglang-wheel", type=Path, default=None)
     parser.add_argument("--head", action="append", default=None,
                         help="an eagletree head folder (EAGLE-1/2 or EAGLE-3); repeatable. Default: the shipped head "
-                             "and a random EAGLE-3 head")
+                             "and two random EAGLE-3 heads")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--self-test", action="store_true", help="also check broken exports are reported")
     args = parser.parse_args(argv)
@@ -892,7 +893,8 @@ def main(argv=None) -> int:
     else:
         torch.manual_seed(0)
         heads = [load_head(SHIPPED_HEADS[args.target], target_config=target.config),
-                 Eagle3Head.for_target(target, torch.arange(0, target.config.vocab_size, 7)).eval()]
+                 Eagle3Head.for_target(target, torch.arange(0, target.config.vocab_size, 7)).eval(),
+                 Eagle3Head.for_target(target).eval()]  # the whole vocabulary: the training default
     if args.self_test and {h.config.head_type == "eagle3" for h in heads} != {True, False}:
         raise SystemExit("error: --self-test breaks an EAGLE-1/2 and an EAGLE-3 export: pass one head of each kind "
                          "with --head, or none")
