@@ -414,9 +414,13 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         ids = ids[-(limit - max_new_tokens):]
     if head is not None:
         head.check_target(target.config)
-        head_dtype = next(head.parameters()).dtype
+        head_dtype, head_device = next(head.parameters()).dtype, next(head.parameters()).device
         if not head_dtype.is_floating_point:
             raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
+        target_device = next(target.parameters()).device
+        if head_device != target_device:
+            raise ValueError(f"the head is on {head_device} but the target on {target_device}; move the head there "
+                             f"(head.to({str(target_device)!r}))")
         if tree_paths is not None and max(max(p) for p in tree_paths) >= head.drafted_vocab_size():
             raise ValueError(f"tree_paths rank {max(max(p) for p in tree_paths)} is past the head's draft vocabulary "
                              f"of {head.drafted_vocab_size()} tokens")

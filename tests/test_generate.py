@@ -87,6 +87,8 @@ def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
         prompt = options.pop("prompt", ids)
         with pytest.raises(error, match=message):
             generate(model, tok, head, prompt, max_new_tokens=3, **options)
+    with pytest.raises(ValueError, match="the head is on meta but the target on cpu; move the head there"):
+        generate(model, tok, EagleHead.for_target(model.config).to("meta"), ids, max_new_tokens=3)
     # a stop string is one token: as the vocabulary writes it, or text that encodes to one token
     from eagletree.decoding import stop_token_ids
 
