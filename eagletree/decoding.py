@@ -186,6 +186,19 @@ def _one_token(tokenizer, text: str) -> int:
     return int(encoded[0])
 
 
+def hf_generation_config(max_new_tokens: int, temperature: float, eos_token_id, top_k=None, top_p=None, **extra):
+    """A transformers GenerationConfig for plain decoding as eagletree decodes: every logits-shaping value set
+    (`generate` fills the unset ones from the model's own generation_config, where a repetition_penalty or a
+    top_k would make "plain decoding" another decoder than the one compared against)."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=sample,
+                            temperature=temperature if sample else 1.0, top_k=(top_k or 0) if sample else 50,
+                            top_p=(top_p or 1.0) if sample else 1.0, typical_p=1.0, min_p=None,
+                            repetition_penalty=1.0, no_repeat_ngram_size=0, **extra)
+
+
 # A cached profile whose one-token pass is this many times slower than a fresh probe was measured
 # while something else loaded the machine; it would keep `auto` from drafting where trees pay.
 STALE_PROFILE = 2.0

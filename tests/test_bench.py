@@ -354,3 +354,20 @@ def test_the_cli_parses_without_torch_matplotlib_or_transformers():
             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "2 False" and "invalid choice: 'bushy'" in run.stderr
+
+
+def test_plain_decoding_ignores_the_models_own_generation_settings(tiny_setup):
+    """HF generate fills unset settings from the model's generation_config; plain decoding is compared with
+    eagletree's decoding, which applies none of them (a repetition penalty there made every row 'not identical')."""
+    from eagletree.decoding import generate
+
+    model, tok, head = tiny_setup
+    messages = [{"role": "user", "content": "abab abab abab"}]
+    want = generate(model, tok, head, messages, max_new_tokens=16).token_ids
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.top_k = 5
+    try:
+        assert bench.runners.run_hf(model, tok, messages, 16, 0.0, 0).token_ids == want
+        assert bench.runners.run_hf(model, tok, messages, 16, 0.0, 0, lookup_tokens=4).token_ids == want
+    finally:
+        model.generation_config.repetition_penalty, model.generation_config.top_k = 1.0, 50

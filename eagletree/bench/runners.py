@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..decoding import GenerationStats, decode_steps, encode_prompt, stop_token_ids
+from ..decoding import GenerationStats, decode_steps, encode_prompt, hf_generation_config, stop_token_ids
 from ..packing import stock_kernels
 from ..tree_search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
@@ -61,16 +61,15 @@ def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_token
     """HF `model.generate`: plain decoding, or prompt-lookup decoding with `lookup_tokens` candidates."""
     inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                      return_dict=True).to(model.device)
-    sampling = dict(do_sample=False) if not temperature else dict(do_sample=True, temperature=temperature,
-                                                                    top_k=top_k or 0, top_p=top_p or 1.0)
     clock = _StepClock()
     if seed is not None:
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
         # The same stop tokens as eagletree, so both stop at the same place.
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=lookup_tokens,
-                             eos_token_id=stop_token_ids(model, tok), streamer=clock, **sampling)
+        config = hf_generation_config(max_new_tokens, temperature, stop_token_ids(model, tok), top_k, top_p,
+                                      prompt_lookup_num_tokens=lookup_tokens)
+        out = model.generate(**inputs, generation_config=config, streamer=clock)
     seconds = time.perf_counter() - t0
     steps = clock.steps[1:]
     return Run(out[0, inputs["input_ids"].shape[1]:].tolist(), seconds, steps[0][0] - t0 if steps else seconds,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decoding import encode_prompt, stop_token_ids
+from ..decoding import encode_prompt, hf_generation_config, stop_token_ids
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
 from .data import TURNS
@@ -161,8 +161,6 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     Greedy means the argmax of the model's own logits, as in speculative decoding: the model's
     generation_config (repetition penalty and the like) is not applied.
     """
-    from transformers import GenerationConfig  # (transformers loads slowly: only when answers are generated)
-
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tok)
     if not stops:
@@ -176,10 +174,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
     # Every logits-shaping value set explicitly: generate() fills the unset ones from the model's generation_config.
-    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops,
-                              do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-                              top_k=0 if temperature > 0 else 50, top_p=1.0, typical_p=1.0,
-                              repetition_penalty=1.0, no_repeat_ngram_size=0)
+    config = hf_generation_config(max_new_tokens, temperature, stops, pad_token_id=pad)
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config)
     results = []
