@@ -181,8 +181,9 @@ def main(argv=None) -> int:
         if j == 0:
             versus = "—"
         else:
-            lo, hi = ratio_interval(new, passes, base_new, base_passes)
-            versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({lo:+.1%} .. {hi:+.1%})"
+            interval = ratio_interval(new, passes, base_new, base_passes)
+            spread = "one prompt: no interval" if interval is None else f"{interval[0]:+.1%} .. {interval[1]:+.1%}"
+            versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({spread})"
         print(f"| {label} | {tpp:.3f} | {versus} |")
         if earlier is not None and j == 0:
             config = (first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"])

@@ -317,6 +317,8 @@ def test_paired_bootstrap_interval_holds_the_pooled_difference():
     lo, hi = bench.ratio_interval(better, passes, new, passes)
     pooled = (sum(better) / sum(passes)) / (sum(new) / sum(passes)) - 1
     assert 0 < lo <= pooled <= hi
+    assert bench.ratio_interval([10], [5], [9], [5]) is None  # one prompt: nothing to resample (was (x, x))
+    assert bench.ratio_interval([10, 0], [5, 0], [9, 3], [5, 2]) is None  # a prompt without passes
 
 
 def test_timed_drafter_records_each_call_and_passes_its_answer_through():
@@ -371,3 +373,24 @@ def test_plain_decoding_ignores_the_models_own_generation_settings(tiny_setup):
         assert bench.runners.run_hf(model, tok, messages, 16, 0.0, 0, lookup_tokens=4).token_ids == want
     finally:
         model.generation_config.repetition_penalty, model.generation_config.top_k = 1.0, 50
+
+
+def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_before_loading(tiny_setup, tmp_path,
+                                                                                        monkeypatch, capsys):
+    model, tok, _ = tiny_setup
+    loads = []
+    monkeypatch.setattr("eagletree.target.load_target",
+                        lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok))
+    (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n')
+    args = ["bench", "--target", "tiny", "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "6",
+            "--pack", "off"]
+    # lookup alone has no budget axis: the plots crashed after the run, before results.json was written
+    assert cli_main(args + ["--head", "none", "--methods", "lookup", "--temperatures", "0", "-o",
+                            str(tmp_path / "a")]) == 0
+    data = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert [r["label"] for r in data["results"]] == ["plain", "lookup"] and "speedup.png" not in data["plots"]
+    loads.clear()
+    assert cli_main(args + ["--head", "none", "--methods", "eagle2", "-o", str(tmp_path / "b")]) == 2
+    assert "tree methods need a draft head" in capsys.readouterr().err and not loads  # (after loading, before)
+    assert cli_main(args + ["--methods", "lookup", "--temperatures", "0,0", "-o", str(tmp_path / "c")]) == 2
+    assert "--temperatures lists a temperature twice: [0.0, 0.0]" in capsys.readouterr().err and not loads

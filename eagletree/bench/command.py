@@ -8,7 +8,7 @@ import sys
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
-from .inputs import FULL, QUICK, Method, load_prompts, method_grid, parse_list
+from .inputs import FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .profile import main_profile
 from .report import machine_info, write_outputs
 from .runners import run_bench
@@ -49,11 +49,15 @@ def main(args) -> int:
     temperatures = parse_list(pick("temperatures"), float, "temperatures")
     if any(not t >= 0 or t == float("inf") for t in temperatures):  # (NaN fails every comparison)
         raise ValueError(f"--temperatures must be finite numbers >= 0, got {temperatures}")
+    if len(set(temperatures)) < len(temperatures):
+        raise ValueError(f"--temperatures lists a temperature twice: {temperatures}")
     methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)
     max_new_tokens = pick("max_new_tokens")
     prompts = load_prompts(pick("prompts"))
 
     head_dir = head_to_load(args.target, args.head or None, required=False)
+    if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
+        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
     model, tok, head, packed = load_models(args.target, head_dir, device=args.device, dtype=args.dtype,
                                            pack=args.pack, head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
     if packed:

@@ -55,9 +55,10 @@ def vocab_words(size) -> str:
 
 def markdown_report(report: dict) -> str:
     m, s = report["machine"], report["settings"]
-    where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if "gpu" in m else "")
+    machine = f"{m['cpu']}, {m['cores']} cores, {m.get('torch_threads', '?')} torch threads" + (
+        f", {m['gpu']}" if "gpu" in m else "")
     out = [f"# eagletree bench\n\n`{report['command']}`\n",
-           f"Machine: {where}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
+           f"Machine: {machine}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
            f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}"
            + (f", drafting over {vocab_words(s['draft_vocab'])}" if s.get("draft_vocab") else "") + "; "
            + ("target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels)"
@@ -83,6 +84,18 @@ def markdown_report(report: dict) -> str:
     return "\n".join(out)
 
 
+def where(report) -> str:
+    """The target and machine a figure's numbers come from."""
+    m = report["machine"]
+    device = m.get("gpu") or f"{m['cpu']}, {m.get('torch_threads', '?')} threads"
+    return f"{report['settings']['target']}, {m['dtype']}, {device}"
+
+
+def like_for_like(r) -> dict:
+    """A row's speedup over plain decoding with the same kernels (vs the packed row on a packed target)."""
+    return r.get("speedup_same_kernels") or r["speedup"]
+
+
 def _families(report, temperature):
     """Tree and lookup results of one temperature, grouped by method name in run order."""
     fam = {}
@@ -105,11 +118,15 @@ def write_plots(report: dict, out: Path) -> list[str]:
     marker = dict(zip(TREE_METHODS, "s^oDv<>PX"))
     color = {name: f"C{i}" for i, name in enumerate(METHODS)}  # one color per method in every plot
 
-    def by_budget(fname, ylabel, value, spread=None, baseline=None):
-        fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4.2), squeeze=False, sharey=True)
+    def by_budget(fname, ylabel, value, spread=None, baseline=None, title=None):
+        fig, axes = plt.subplots(1, len(temps), figsize=(max(5.5 * len(temps), 7.5), 4.2), squeeze=False,
+                                 sharey=True)
         for ax, t in zip(axes[0], temps):
             families = _families(report, t)
             for j, (name, rs) in enumerate(families.items()):
+                rs = [r for r in rs if value(r) is not None]
+                if not rs:
+                    continue
                 if name in BASELINE_LABELS:
                     ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
                                label=BASELINE_LABELS[name])
@@ -135,19 +152,21 @@ def write_plots(report: dict, out: Path) -> list[str]:
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-        fig.suptitle(f"{ylabel} ({report['settings']['target']}, {report['machine']['device']})")
+        fig.suptitle(f"{title or ylabel}\n{where(report)}", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
         names.append(fname)
 
-    by_budget("tokens_per_pass.png", "tokens per target pass", lambda r: r["tokens_per_pass"], baseline=1.0)
-    med = lambda r: r["speedup"]["median"] or 0.0  # noqa: E731
-    by_budget("speedup.png", "speedup over plain decoding (median, range)", med,
-              spread=lambda r: (r["speedup"]["min"] or 0.0, r["speedup"]["max"] or 0.0), baseline=1.0)
+    if budgets:  # (--methods lookup or packed alone: no budget axis)
+        by_budget("tokens_per_pass.png", "tokens per target pass", lambda r: r["tokens_per_pass"], baseline=1.0)
+        by_budget("speedup.png", "speedup over plain decoding", lambda r: like_for_like(r)["median"],
+                  spread=lambda r: (like_for_like(r)["min"], like_for_like(r)["max"]), baseline=1.0,
+                  title="speedup over plain decoding, same kernels (median, range over prompts)")
 
     # Accepted lengths: each tree method at its largest budget, greedy (or the first temperature).
-    fam = _families(report, temps[0])
+    shown_t = 0.0 if 0.0 in temps else temps[0]
+    fam = {k: v for k, v in _families(report, shown_t).items() if k not in BASELINE_LABELS}
     shown = [rs[-1] for rs in fam.values() if rs[-1]["accepted_histogram"]]
     if shown:
         fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -161,7 +180,7 @@ def write_plots(report: dict, out: Path) -> list[str]:
         ax.set_xticks(lengths)
         ax.set_xlabel("tokens emitted per target pass")
         ax.set_ylabel("share of passes")
-        ax.set_title(f"accepted lengths, temperature {temps[0]:g}")
+        ax.set_title(f"accepted lengths, temperature {shown_t:g}\n{where(report)}", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
         fig.tight_layout()
@@ -198,6 +217,7 @@ def write_plots(report: dict, out: Path) -> list[str]:
                title="per method and budget, greedy")
         a2.legend(fontsize=7, ncol=2)
         a2.grid(alpha=0.3)
+        fig.suptitle(where(report), fontsize=10)
         fig.tight_layout()
         fig.savefig(out / "calibration.png", dpi=110)
         plt.close(fig)
@@ -209,8 +229,10 @@ def write_outputs(report: dict, out) -> Path:
     """results.json, the PNG plots and results.md (the tables) in `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = []
+    write_json_atomic(out / "results.json", report)  # first: the measurements are kept whatever the plots do
+    write_text_atomic(out / "results.md", markdown_report(report))
     report["plots"] = write_plots(report, out)
     write_json_atomic(out / "results.json", report)
-    write_text_atomic(out / "results.md", markdown_report(report))
     return out
 

@@ -63,8 +63,12 @@ def _bin(probs, hits, bins) -> list[dict]:
 
 
 
-def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of (sum new / sum passes) / (sum base_new / sum base_passes) - 1 over prompts."""
+def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """95% bootstrap interval of (sum new / sum passes) / (sum base_new / sum base_passes) - 1 over prompts;
+    None for fewer than 2 prompts (no spread to resample) or a prompt without passes."""
+    if len(new) < 2 or not all(passes) or not all(base_passes) or not all(base_new):
+        return None
     rng = random.Random(seed)
     n, out = len(new), []
     for _ in range(reps):
