@@ -266,7 +266,9 @@ def test_profile_only_drafts_over_the_vocabulary_asked_for(tmp_path):
     (tmp_path / "head" / "config.json").write_text(json.dumps({"head_type": "eagle", "draft_vocab_size": 33}))
     cpu, cuda, head = torch.device("cpu"), torch.device("cuda"), str(tmp_path / "head")
     assert profile_draft_vocab("head", head, cpu, 97) == 33 and profile_draft_vocab("auto", head, cpu, 97) == 33
-    assert profile_draft_vocab("auto", head, cuda, 97) is None and profile_draft_vocab("full", head, cpu, 97) is None
+    assert profile_draft_vocab("auto", head, cuda, 97) is None and profile_draft_vocab("full", None, cpu, 97) is None
+    with pytest.raises(ValueError, match="--draft-vocab full does not read --head"):  # (ignored it silently)
+        profile_draft_vocab("full", head, cpu, 97)
     assert profile_draft_vocab("auto", None, cpu, 97) is None
     with pytest.raises(ValueError, match="--draft-vocab head: pass --head DIR"):
         profile_draft_vocab("head", None, cpu, 97)

@@ -66,6 +66,9 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     """How many tokens the profile's random head drafts over (None: the whole vocabulary), per --draft-vocab:
     full; head = as many as the head in `head_dir` drafts over (its config.json's draft_vocab_size); auto = full
     on a GPU, else the head's when a head is given."""
+    if choice == "full" and head_dir:
+        raise ValueError("--profile-only --draft-vocab full does not read --head (the random head drafts over the "
+                         "whole vocabulary); drop --head, or pass --draft-vocab head")
     if choice == "auto":
         choice = "head" if device.type != "cuda" and head_dir else "full"
     if choice == "full":
