@@ -264,6 +264,21 @@ def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_p
     assert len(alone) == len(trie) and alone.depth == 8
 
 
+def test_a_head_candidate_of_probability_zero_does_not_merge_with_a_copy():
+    """top-k can return tokens the head gives probability 0; a copy of such a token is the copy's alone (the
+    reference search makes it a copy-only node), not 'proposed by both'."""
+    from eagletree.tree_search import eagle2_search
+
+    def child_probs(path):
+        return torch.tensor([0.0, 0.7, 0.3, 0.0, 0.0], dtype=torch.float64)
+
+    trie = CopyTrie([-1, 3], [-1, 0], [1.0, 0.9], [None, (4, 0)], [0, 1])
+    for search in (optimal_search, eagle2_search):
+        tree = search(path_expand(child_probs), 0, budget=6, depth=1, top_k=4, copies=trie)
+        three = next(c for c in tree.children()[0] if int(tree.tokens[c]) == 3)
+        assert tree.copy_info[three] == (4, 0), search.__name__  # (was (4, 0, True))
+
+
 def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
     cal = CopyCalibration(max_len=3, strength=2.0)
     trie = CopyTrie([-1, 4, 5, 6], [-1, 0, 1, 2], [1.0, 0.5, 0.5, 0.5], [None, (2, 0), (2, 1), (2, 2)], [0, 1, 2, 3])

@@ -283,3 +283,22 @@ def test_calibration_makes_predicted_tokens_per_pass_match_measured():
         assert abs(report["error_calibrated"]) < abs(report["error_raw"]) / 2
     with pytest.raises(ValueError, match="not one of"):
         Calibrator.fit(probs, hits, "platt")
+
+
+def test_a_static_tree_cut_near_the_end_keeps_exactly_its_shallow_nodes():
+    """Near the end of a generation a static shape is cut to the depth still wanted; the cut takes a prefix,
+    so the shape's nodes must come by depth (Sequoia's came depth first: the cut kept deep nodes)."""
+    from eagletree.tree_search.searchers import make_searcher
+
+    for shape in (sequoia_tree([0.6, 0.2, 0.1], budget=16, depth=5), make_searcher("sequoia", 16, 5).shape):
+        depth = [0] * len(shape.parents)
+        for i in range(1, len(depth)):
+            depth[i] = depth[shape.parents[i]] + 1
+        assert depth == sorted(depth) and shape.depth >= 3
+    searcher = make_searcher("sequoia", budget=16, depth=5)
+    expand = path_expand(drafter(7, vocab=30))
+    full = searcher.search(expand, 3, 5)
+    for d in (1, 2):
+        cut = searcher.search(path_expand(drafter(7, vocab=30)), 3, d)
+        assert len(cut.tokens) == 1 + sum(1 for x in depth[1:] if x <= d)
+        assert paths_of(cut) == {p for p in paths_of(full) if len(p) <= d + 1}  # (paths hold the root)

@@ -289,7 +289,8 @@ class _Table:
             return ids, values, none
         head_child = {}
         if ids.numel():
-            mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))]
+            mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))
+                       & torch.isfinite(self.values[ids])]  # a head child of probability 0 proposes nothing
             if mine.numel():
                 table = torch.stack([mine, self.parents[mine], self.tokens[mine]]).tolist()
                 head_child = {(u, t): v for v, u, t in zip(*table)}

@@ -25,7 +25,7 @@ from ..verify import DraftTree
 from .copy import copy_only
 from .cost import LatencyProfile, choose_budget
 from .dynamic import eagle2_search, optimal_search
-from .static import Shape, chain_shape, choices_shape, sequoia_tree, static_search
+from .static import Shape, breadth_first, chain_shape, choices_shape, sequoia_tree, static_search
 
 KINDS = ("eagle2", "optimal", "chain", "sequoia", "auto")
 # Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
@@ -76,7 +76,7 @@ class StaticSearcher(Searcher):
 
     def __init__(self, shape: Shape, device="cpu", token_map=None):
         super().__init__(len(shape.parents), 1, device, token_map)
-        self.shape = shape
+        self.shape = breadth_first(shape)  # cut by depth as a prefix
 
     def search(self, expand, root, depth, copies=None):
         if copies is not None:

@@ -115,7 +115,19 @@ def _sequoia_shape(choice, n: int, depth: int, value: float) -> Shape:
             m, r = m - j, r + 1
 
     build(0, n, depth)
-    return Shape(parents, ranks, expected_tokens=value)
+    return breadth_first(Shape(parents, ranks, expected_tokens=value))
+
+
+def breadth_first(shape: Shape) -> Shape:
+    """The same tree with its nodes ordered by depth (stable), so the nodes down to any depth are a prefix:
+    what cutting a tree near the end of a generation takes."""
+    depth = [0] * len(shape.parents)
+    for i in range(1, len(shape.parents)):
+        depth[i] = depth[shape.parents[i]] + 1
+    order = sorted(range(len(depth)), key=lambda i: (depth[i], i))
+    new = {old: k for k, old in enumerate(order)}
+    return Shape([-1] + [new[shape.parents[i]] for i in order[1:]], [shape.ranks[i] for i in order],
+                 expected_tokens=shape.expected_tokens)
 
 
 def sequoia_tree(accept_by_rank, budget: int, depth: int) -> Shape:
