@@ -18,15 +18,16 @@ V = 6
 DRAWS = 20_000
 
 
-def first_two_tokens(syn, mode, generator, **sampling):
+def first_two_tokens(syn, mode, generator, n=2, **sampling):
+    """The first n tokens emitted (n=2 by default), pass after pass, from the context (0,)."""
     context, out = (0,), []
-    while len(out) < 2:
+    while len(out) < n:
         tree, logits = synthetic_tree(syn, context, mode, generator)
         accepted, nxt = accept_tree(tree, logits, generator=generator, **sampling)
         step = tree.tokens[accepted[1:]].tolist() + [nxt]
         out += step
         context = context + tuple(step)
-    return out[0], out[1]
+    return tuple(out[:n])
 
 
 def test_chi_square_p_takes_float32_probabilities_whatever_their_last_bits():
@@ -62,6 +63,24 @@ def test_sampling_is_lossless(mode, sampling):
     assert p_first > 0.01 and p_pair > 0.01, (p_first, p_pair)
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "sampled"])
+def test_the_third_token_is_lossless_too(mode):
+    """Trees of depth 2 emit up to three tokens in a pass: the third is the bonus token after an accepted leaf
+    (or a correction). Its marginal over the first two, six cells, is checked (a bonus drawn by argmax
+    instead of sampled survived the two-token tests)."""
+    syn, g = SyntheticPair(V), torch.Generator().manual_seed(1)
+    counts = torch.zeros(V)
+    for _ in range(DRAWS):
+        counts[first_two_tokens(syn, mode, g, n=3, temperature=1.0)[2]] += 1
+    p1 = target_probs(syn.logits((0,))[None], temperature=1.0)[0].double()
+    third = torch.zeros(V, dtype=torch.float64)
+    for a in range(V):
+        p2 = target_probs(syn.logits((0, a))[None], temperature=1.0)[0].double()
+        for b in range(V):
+            third += p1[a] * p2[b] * target_probs(syn.logits((0, a, b))[None], temperature=1.0)[0].double()
+    assert chi_square_p(counts, third) > 0.01
+
+
 def test_chi_square_catches_a_missing_renormalization(monkeypatch):
     """Negative control: the same test on a broken rule (no renormalization after a rejection) fails."""
     monkeypatch.setattr(accept_mod, "_normalized", lambda p, fallback: p)
@@ -83,7 +102,8 @@ def test_chi_square_catches_sampled_siblings_judged_against_the_wrong_q(monkeypa
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
-                                      dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, top_k=20, top_p=0.5)])
+                                      dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, top_k=20, top_p=0.5),
+                                      dict(temperature=0.5, top_p=0.9)])  # (temperature before top-p, as HF)
 def test_warping_matches_hf_generate_sampling(sampling):
     """target_probs is the distribution `model.generate(do_sample=True)` draws its first token from."""
     from helpers import tiny_model
