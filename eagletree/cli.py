@@ -46,8 +46,9 @@ def _add_model_args(p) -> None:
                         "--profile-only: its random head drafts over as many tokens as --head's (head)")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
                    help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
-                        "memory); auto = measure stock vs packed here once per CPU model, threads and dtype (cached) "
-                        "and keep packing only at the tree sizes where it is faster; on = packed at every size")
+                        "memory); auto = measure stock vs packed here once per CPU model, threads, dtype and torch "
+                        "version (cached) and keep packing only at the tree sizes where it is faster; on = packed at "
+                        "every size")
 
 
 def _add_decoding_args(p, tree: str = "auto") -> None:

@@ -11,12 +11,14 @@ the packed copy, so it costs one more copy of the weights in memory.
 
 Which kernels win depends on the CPU (on an Intel Xeon with AVX512-BF16 the packed one-token pass was
 31% slower), so `pack_target(model, "auto")` measures both on this machine, per row count, and keeps
-packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model, threads and dtype).
+packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model,
+threads, dtype and torch version).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import re
 import time
@@ -64,15 +66,21 @@ class KernelChoice:
     sizes: list[int]  # row counts measured, ascending
     stock_s: list[float]  # seconds of all the target's Linears at that many rows, PyTorch's stock kernel
     packed_s: list[float]  # the same with the oneDNN-packed weights
-    machine: str = ""  # the cache key: CPU model, threads, dtype
+    machine: str = ""  # the cache key (machine_key): CPU model, threads, dtype, torch version
     seconds: float = 0.0  # what measuring took
 
     def __post_init__(self):
         if not self.sizes or not (len(self.sizes) == len(self.stock_s) == len(self.packed_s)):
             raise ValueError(f"kernel choice needs one stock and one packed time per size, got sizes {self.sizes}, "
                              f"stock {self.stock_s}, packed {self.packed_s}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in self.sizes):
+            raise ValueError(f"kernel choice sizes must be integers, got {self.sizes}")
         if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
             raise ValueError(f"kernel choice sizes must be distinct, ascending and >= 1, got {self.sizes}")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+                   for t in list(self.stock_s) + list(self.packed_s)):
+            raise ValueError(f"kernel choice times must be finite seconds >= 0, got stock {self.stock_s}, "
+                             f"packed {self.packed_s}")
 
     @property
     def packed(self) -> list[bool]:
@@ -200,9 +208,12 @@ def cpu_model() -> str:
 
 
 def machine_key(model) -> str:
-    """What kernel timings depend on besides the model: CPU model, thread count, dtype (a file-name-safe string)."""
+    """What kernel timings depend on besides the model: CPU model, thread count, dtype, torch version (its
+    kernels), as a file-name-safe string."""
     cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
-    return f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
+    torch_version = re.sub(r"[^A-Za-z0-9.]+", "-", torch.__version__)
+    return (f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
+            f"-torch{torch_version}")
 
 
 def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4) -> KernelChoice:
@@ -261,8 +272,9 @@ def load_or_measure_kernels(model, path=None) -> KernelChoice:
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-            data.pop("packed", None)
-            return KernelChoice(**data)
+            if isinstance(data, dict) and data.get("machine") == machine_key(model):  # else another machine's
+                data.pop("packed", None)
+                return KernelChoice(**data)
         except (OSError, json.JSONDecodeError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again and replaced
     choice = measure_kernels(model)

@@ -15,7 +15,8 @@ from eagletree.tree_search.searchers import AutoSearcher, trees_can_pay
 
 def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, tmp_path):
     # As measured on a 2-core Intel Xeon: the packed one-token pass is slower, trees of 8+ rows are faster.
-    choice = KernelChoice([1, 8, 16], stock_s=[0.033, 0.059, 0.062], packed_s=[0.043, 0.058, 0.067])
+    here = packing.machine_key(nn.Linear(1, 1))  # the cache key of a float32 model on this machine
+    choice = KernelChoice([1, 8, 16], stock_s=[0.033, 0.059, 0.062], packed_s=[0.043, 0.058, 0.067], machine=here)
     assert choice.packed == [False, True, False]
     assert [choice.use_packed(r) for r in (1, 2, 8, 9, 16, 300)] == [False, True, True, False, False, False]
     assert "N=1: stock (43.0 vs stock 33.0 ms)" in choice.summary()
@@ -38,7 +39,7 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     assert calls == [8, 8]  # both Linears packed at 8 rows only
     assert kernels_used(model)["kernels"] == "mixed" and kernels_tag(model) == "-packed-8"
     # Where packing is faster nowhere, auto leaves the stock kernels (nothing packed), and says why.
-    path.write_text(json.dumps(KernelChoice([1, 8], [0.03, 0.05], [0.04, 0.06]).as_dict()))
+    path.write_text(json.dumps(KernelChoice([1, 8], [0.03, 0.05], [0.04, 0.06], machine=here).as_dict()))
     plain = nn.Sequential(nn.Linear(16, 16))
     assert pack_target(plain, "auto", choice_path=path) == 0 and not is_packed(plain)
     assert type(plain[0]) is nn.Linear and kernels_used(plain)["choice"]["packed"] == [False, False]
@@ -50,7 +51,15 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     pack_target(measured, "auto", choice_path=path)
     saved = json.loads(path.read_text())
     assert saved["sizes"] == list(packing.KERNEL_SIZES) and all(t > 0 for t in saved["stock_s"] + saved["packed_s"])
-    assert saved["machine"].endswith(f"-{torch.get_num_threads()}t-float32")
+    assert saved["machine"] == here and f"-{torch.get_num_threads()}t-float32-torch" in here
+    # another machine's choice (CPU, threads, dtype or torch version), or a file of the wrong shape, is measured
+    # again and replaced (null crashed; string times were taken and failed later)
+    for data in (dict(choice.as_dict(), machine="OTHER-CPU-64t-float32-torch1.0"), None, "x",
+                 {"sizes": [1], "stock_s": ["a"], "packed_s": [1.0], "machine": here},
+                 {"sizes": [True], "stock_s": [0.1], "packed_s": [0.2], "machine": here}):
+        path.write_text(json.dumps(data))
+        pack_target(nn.Sequential(nn.Linear(32, 32)), "auto", choice_path=path)
+        assert json.loads(path.read_text())["sizes"] == list(packing.KERNEL_SIZES), data
 
 
 def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True,
