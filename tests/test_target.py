@@ -8,7 +8,7 @@ from eagletree.target import TargetError, cache_length, load_target, new_cache, 
 from eagletree.target.attention import GQA_SDPA, use_gqa_sdpa
 from eagletree.verify import prefill, verify_tree
 
-from helpers import path_logits_reference, random_tree, tiny_model
+from helpers import path_logits_reference, random_tree, tiny_model, tiny_tokenizer
 
 
 def test_unknown_alias_names_what_was_tried_and_the_aliases():
@@ -86,8 +86,14 @@ def test_gguf_cache_is_written_atomically(tmp_path, monkeypatch):
         target_mod.gguf_to_folder(gguf)
     assert [p.name for p in targets.iterdir()] == [final.name]  # no partial folder left behind
 
+    # A conversion that finishes replaces that unmarked folder (the rename onto it failed on every run).
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_model("llama"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    assert target_mod.gguf_to_folder(gguf) == final and (final / target_mod._CACHE_COMPLETE).is_file()
+    assert (final / "model.safetensors").is_file() and [p.name for p in targets.iterdir()] == [final.name]
+
     # A complete folder is returned without converting again.
-    (final / target_mod._CACHE_COMPLETE).write_text(json.dumps({}))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_convert)
     assert target_mod.gguf_to_folder(gguf) == final
     assert calls == [1, 2]
 

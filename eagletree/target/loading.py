@@ -116,6 +116,10 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         # The marker is written last inside the temporary folder; the rename publishes both at once.
         (tmp / _CACHE_COMPLETE).write_text(json.dumps({"source": str(gguf_path)}))
         follow_umask(tmp)
+        if final.is_dir() and not (final / _CACHE_COMPLETE).is_file():
+            # a folder there without the marker was never finished by this code (or its marker was deleted):
+            # the new conversion replaces it (the rename onto a non-empty folder would fail on every run)
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.replace(tmp, final)
         except OSError:
