@@ -239,7 +239,8 @@ def given_options(argv) -> set[str]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    args.given = given_options(argv)  # bench refuses the flags its mode does not read
+    if args.command == "bench":
+        args.given = given_options(argv)  # bench refuses the flags its mode does not read
     from . import commands
 
     try:

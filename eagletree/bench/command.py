@@ -21,15 +21,10 @@ RUN_ONLY_FLAGS = ("target", "pack", "draft_dtype", "prompts", "max_new_tokens", 
 
 
 def check_mode_flags(args) -> None:
-    """ValueError naming the flags that the chosen mode (a run, or --profile-only) would ignore: those typed
-    (`args.given`, from the CLI), else those that differ from their defaults."""
-    from ..cli import build_parser
-
-    defaults = build_parser().parse_args(["bench"])
+    """ValueError naming the typed flags (`args.given`, set by the CLI) that the chosen mode (a run, or
+    --profile-only) would ignore."""
     unread = RUN_ONLY_FLAGS if args.profile_only else PROFILE_ONLY_FLAGS
-    typed = getattr(args, "given", None)
-    given = [f"--{name.replace('_', '-')}" for name in unread
-             if (name in typed if typed is not None else getattr(args, name) != getattr(defaults, name))]
+    given = [f"--{name.replace('_', '-')}" for name in unread if name in getattr(args, "given", ())]
     if given:
         mode = "--profile-only (random weights from --config)" if args.profile_only else "a run without --profile-only"
         raise ValueError(f"{', '.join(given)}: not read by {mode}; drop {'it' if len(given) == 1 else 'them'}"
