@@ -62,6 +62,44 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
         assert json.loads(path.read_text())["sizes"] == list(packing.KERNEL_SIZES), data
 
 
+
+def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
+    # Packed only at 2-8 rows (as if one-row and large products were faster with the stock kernel here): the
+    # head's Linears and its lm_head slice run packed at those row counts only, like the target's.
+    from eagletree.decoding import generate
+    from eagletree.draft_heads import EagleHead, make_drafter
+    from helpers import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompt = torch.tensor([5, 17, 3, 44, 9, 23])
+    with torch.no_grad():
+        want = model.generate(prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=30,
+                              do_sample=False)[0, 6:].tolist()
+    here = packing.machine_key(model)
+    choice = KernelChoice([1, 8, 64], stock_s=[0.03, 0.05, 0.1], packed_s=[0.04, 0.04, 0.2], machine=here)
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(choice.as_dict()))
+    assert pack_target(model, "auto", choice_path=path) > 0
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config, torch.arange(50)).eval()  # a draft vocabulary: a sliced lm_head
+    drafter = make_drafter(head, model)
+    assert is_packed(head) and drafter.lm_packed is not None
+    assert all(m.choice == model.kernel_choice for m in head.modules() if isinstance(m, PackedLinear))
+    rows = []
+    real = packing.packed_linear
+    record = lambda x, p, b: rows.append(x.numel() // x.shape[-1]) or real(x, p, b)  # noqa: E731
+    monkeypatch.setattr(packing, "packed_linear", record)
+    monkeypatch.setattr("eagletree.draft_heads.drafter.packed_linear", record)
+    with torch.no_grad():
+        drafter.extend(torch.randn(1, model.config.hidden_size), torch.tensor([7]))  # one row: stock kernels
+        assert rows == []
+        drafter(torch.arange(1, 5), torch.arange(4), torch.zeros(4, dtype=torch.long), level=2)  # four rows: packed
+        assert rows and set(rows) == {4}
+    rows.clear()
+    assert generate(model, tok, head, prompt, max_new_tokens=30, tree="eagle2", budget=12, depth=4,
+                    top_k_draft=3).token_ids == want
+    assert rows and all(2 <= r <= 8 for r in rows), sorted(set(rows))
+
 def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True,
                   calibrator=None, scale=True):
     """Decode `steps` passes with tree="auto" on a synthetic machine: every drafter call costs `level_s`

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..packing import is_packed, pack_linears, packed_linear, packed_weight, packing_problem
+from ..packing import apply_choice, is_packed, pack_linears, packed_linear, packed_weight, packing_problem
 from ..target.attention import use_gqa_sdpa_layer
 
 
@@ -71,11 +71,14 @@ class TreeDrafter:
         self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
         self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
                                                                                                self.dtype)
-        self.lm_packed = None
+        self.lm_packed, self.kernel_choice = None, None
         if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
-            # The target runs oneDNN-packed kernels (--pack): so does the drafter, whose calls are all small.
+            # The target runs oneDNN-packed kernels (--pack): so does the drafter, at the row counts where the
+            # target's measured choice (--pack auto) found them faster; its layer has the target's layer shapes.
             if not is_packed(head):
                 pack_linears(head)
+            self.kernel_choice = getattr(target_model, "kernel_choice", None)
+            apply_choice(head, self.kernel_choice)
             if self.lm_weight is not None:
                 self.lm_packed = packed_weight(head, self.lm_weight)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
@@ -91,7 +94,8 @@ class TreeDrafter:
         if self.own_lm_head:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
         hidden = hidden.to(self.lm_weight.dtype)
-        if self.lm_packed is not None:
+        rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.use_packed(rows)):
             logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
