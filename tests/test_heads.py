@@ -1,7 +1,10 @@
+import copy
+
 import pytest
 import torch
 
-from eagletree.draft_heads import EagleHead, HeadError, TreeDrafter, build_draft_vocab, t2d_mask, target_to_draft
+from eagletree.draft_heads import (EagleHead, HeadError, TreeDrafter, build_draft_vocab, t2d_mask, target_identity,
+                                   target_to_draft)
 from eagletree.tree_search import eagle2_search, optimal_search
 
 from helpers import tiny_model
@@ -163,6 +166,13 @@ def test_mismatched_target_and_corrupted_files(tmp_path):
     other = tiny_model("qwen2")
     with pytest.raises(HeadError, match="model_type = 'llama', but this target has model_type = 'qwen2'"):
         EagleHead.from_pretrained(tmp_path / "head", target_config=other.config)
+    # The same shapes with another RoPE base (not in the fingerprint under transformers 5) is another target.
+    rebased = copy.deepcopy(model.config)
+    rebased.rope_parameters = dict(rebased.rope_parameters, rope_theta=rebased.rope_parameters["rope_theta"] * 2)
+    assert target_identity(rebased) == target_identity(model.config)
+    with pytest.raises(HeadError, match=r"rope_theta = 10000.0, but this target has rope_theta = 20000.0"):
+        EagleHead.from_pretrained(tmp_path / "head", target_config=rebased)
+    EagleHead.from_pretrained(tmp_path / "head", target_config=model.config)
     weights = tmp_path / "head" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(HeadError, match="truncated or corrupted"):

@@ -27,6 +27,16 @@ class HeadError(EagletreeError, ValueError):
     """A head that does not fit its target, or files that cannot be loaded."""
 
 
+def rope_base(config) -> float | None:
+    """A config's RoPE base (`rope_theta`, in transformers-5 `rope_parameters` or at the top level; a config
+    object or a saved dict), or None when it has one per layer type or none."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    params = get("rope_parameters")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    theta = get("rope_theta") if theta is None else theta
+    return float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
+
+
 def target_identity(config) -> dict:
     """What a head must match: model type, sizes, and a fingerprint of the architecture config."""
     values = {k: getattr(config, k, None) for k in _IDENTITY_KEYS}
@@ -152,6 +162,12 @@ class DraftHead(nn.Module):
             if mine[key] != theirs[key]:
                 raise HeadError(f"head was trained for a target with {key} = {mine[key]!r}, "
                                 f"but this target has {key} = {theirs[key]!r}")
+        # The fingerprint predates transformers 5, where the RoPE base moved into rope_parameters; the head's
+        # layer config records it.
+        head_base, target_base = rope_base(self.config.layer_config), rope_base(target_config)
+        if head_base is not None and target_base is not None and head_base != target_base:
+            raise HeadError(f"head was trained for a target with rope_theta = {head_base!r}, "
+                            f"but this target has rope_theta = {target_base!r}")
 
     # -- persistence --------------------------------------------------------------------------
 
