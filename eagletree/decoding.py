@@ -35,6 +35,9 @@ _OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float
                   "seed": (int, 0, 2**64 - 1, True)}
 
 
+MIN_TEMPERATURE = 1e-20  # a sampling temperature below this turns float32 logits / T into inf (then NaN)
+
+
 def check_options(cli: bool = False, **options) -> None:
     """Raise ValueError for a decoding option outside its range, named as given (`cli`: as its --flag)."""
     for name, value in options.items():
@@ -50,6 +53,9 @@ def check_options(cli: bool = False, **options) -> None:
             where = f"{lower} and <= {high}" if high is not None else lower
             raise ValueError(f"{flag} must be {where}, got {value!r}"
                              + (" (0 = no top-k filter)" if name == "top_k" else ""))
+        if name == "temperature" and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"{flag} must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value!r}: below that, logits "
+                             "divided by it overflow float32 (use 0 for greedy decoding)")
 
 
 @dataclass

@@ -192,6 +192,7 @@ def tiny_cli(tmp_path, monkeypatch):
     ("--top-p", "2", "--top-p must be > 0 and <= 1.0, got 2.0"), ("--top-p", "0", "--top-p must be > 0"),
     ("--top-k-draft", "0", "--top-k-draft must be >= 1, got 0"), ("--budget", "0", "--budget must be >= 1"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--temperature", "nan", "--temperature must be a finite"),
+    ("--temperature", "1e-300", "--temperature must be 0 (greedy) or >= 1e-20, got 1e-300"),
     ("--top-k", "-1", "--top-k must be >= 0"), ("--max-new-tokens", "-3", "--max-new-tokens must be >= 0"),
     ("--seed", "-1", "--seed must be >= 0")])
 def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, capsys, option, value, message):
@@ -209,7 +210,8 @@ def test_decoding_options_are_checked_in_the_python_api():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     for bad, message in (({"depth": 0}, "depth must be >= 1, got 0"), ({"top_p": 2.0}, "top_p must be > 0 and <= 1"),
-                         ({"top_k_draft": 0}, "top_k_draft must be >= 1"), ({"temperature": float("inf")}, "finite")):
+                         ({"top_k_draft": 0}, "top_k_draft must be >= 1"), ({"temperature": float("inf")}, "finite"),
+                         ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or >= 1e-20")):
         with pytest.raises(ValueError, match=message):
             generate(model, tok, head, "hello", max_new_tokens=4, **bad)
 
