@@ -96,6 +96,13 @@ def test_gguf_cache_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_convert)
     assert target_mod.gguf_to_folder(gguf) == final
     assert calls == [1, 2]
+    # A file named in capitals (model.GGUF) is a GGUF file too (it was "neither an alias, a folder, nor .gguf").
+    upper = tmp_path / "M.GGUF"
+    upper.write_bytes(gguf.read_bytes())
+    target_mod.check_target_spec(upper)
+    with pytest.raises(RuntimeError, match="conversion attempted"):
+        target_mod.resolve_target(upper)
+    assert calls == [1, 2, 2]
 
 
 def test_mask_shape_is_checked():

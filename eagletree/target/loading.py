@@ -59,7 +59,7 @@ def resolve_target(spec: str | os.PathLike) -> Path:
     if text in ALIASES:
         return gguf_to_folder(alias_path(text))
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if is_gguf_file(path):
         return gguf_to_folder(path)
     check_target_spec(spec)
     if not (path / "config.json").is_file():
@@ -67,11 +67,16 @@ def resolve_target(spec: str | os.PathLike) -> Path:
     return path
 
 
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file named *.gguf (any case: model.GGUF too)."""
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
 def check_target_spec(spec: str | os.PathLike) -> None:
     """TargetError unless `spec` names a target at all (a known alias, a .gguf file or a folder); loads nothing."""
     text = str(spec)
     path = Path(text).expanduser()
-    if text in ALIASES or (path.is_file() and path.suffix == ".gguf") or path.is_dir():
+    if text in ALIASES or is_gguf_file(path) or path.is_dir():
         return
     raise TargetError(
         f"target {text!r} is neither a known alias ({sorted(ALIASES)}), nor an existing model folder, "
