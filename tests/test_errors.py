@@ -237,6 +237,11 @@ def test_a_cuda_device_without_cuda_is_one_clear_error(monkeypatch):
         load_target("smollm2-135m", device="cuda")
     with pytest.raises(TargetError, match="device 'gpu0' is not a device name"):
         load_target("smollm2-135m", device="gpu0")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(TargetError, match="device 'mps': MPS is not available on this machine"):
+        load_target("smollm2-135m", device="mps")  # (was taken, and failed inside transformers' loading)
+    with pytest.raises(TargetError, match="device 'meta' is not supported; expected cpu or cuda"):
+        load_target("smollm2-135m", device="meta")
     from eagletree.train.loop import TrainConfig, train
 
     with pytest.raises(TargetError, match="device 'cuda': CUDA is not available"):  # not a silent CPU run

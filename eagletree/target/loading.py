@@ -170,7 +170,13 @@ def checked_device(device) -> torch.device:
                               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise TargetError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "mps", "xpu"):
+    elif dev.type in ("mps", "xpu"):
+        available = torch.backends.mps.is_available() if dev.type == "mps" else (
+            hasattr(torch, "xpu") and torch.xpu.is_available())
+        if not available:
+            raise TargetError(f"device {device!r}: {dev.type.upper()} is not available on this machine "
+                              f"(torch {torch.__version__}); use cpu")
+    elif dev.type != "cpu":
         raise TargetError(f"device {device!r} is not supported; expected cpu or cuda")
     return dev
 
