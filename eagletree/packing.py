@@ -11,8 +11,8 @@ the packed copy, so it costs one more copy of the weights in memory.
 
 Which kernels win depends on the CPU (on an Intel Xeon with AVX512-BF16 the packed one-token pass was
 31% slower), so `pack_target(model, "auto")` measures both on this machine, per row count, and keeps
-packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model,
-threads, dtype and torch version).
+packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model (name, family and
+model number), threads, dtype and torch version).
 """
 
 from __future__ import annotations
@@ -207,10 +207,28 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_generation() -> str:
+    """This CPU's family and model numbers as 'f25m17' (/proc/cpuinfo), or '' where not listed: virtual machines
+    often name a CPU only 'AMD EPYC', which its family and model tell apart (Zen 2, 3, 4 ...)."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip():
+                break  # the first processor's block is enough
+    except OSError:
+        return ""
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    return f"f{family}m{model}" if family.isdigit() and model.isdigit() else ""
+
+
 def machine_key(model) -> str:
-    """What kernel timings depend on besides the model: CPU model, thread count, dtype, torch version (its
-    kernels), as a file-name-safe string."""
-    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-")
+    """What kernel timings depend on besides the model: CPU model (name, family and model number), thread count,
+    dtype, torch version (its kernels), as a file-name-safe string."""
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", f"{cpu_model()} {cpu_generation()}").strip("-")
     torch_version = re.sub(r"[^A-Za-z0-9.]+", "-", torch.__version__)
     return (f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
             f"-torch{torch_version}")

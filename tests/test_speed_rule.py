@@ -63,6 +63,23 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
 
 
 
+
+def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch):
+    # Virtual machines name Zen 2 and Zen 4 EPYCs alike ("AMD EPYC"); their kernels differ, so do their keys.
+    import io
+
+    keys = []
+    for model_number in (49, 17):
+        info = f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model_number}\n" \
+               f"model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 23\nmodel\t\t: 1\n"
+        monkeypatch.setattr(packing, "open", lambda *a, info=info, **k: io.StringIO(info), raising=False)
+        assert packing.cpu_model() == "AMD EPYC" and packing.cpu_generation() == f"f25m{model_number}"
+        keys.append(packing.machine_key(nn.Linear(1, 1)))
+    assert keys[0].startswith("AMD-EPYC-f25m49-") and keys[1].startswith("AMD-EPYC-f25m17-") and keys[0] != keys[1]
+    monkeypatch.setattr(packing, "open", lambda *a, **k: io.StringIO("model name\t: Some CPU\n"), raising=False)
+    assert packing.cpu_generation() == ""
+    assert packing.machine_key(nn.Linear(1, 1)).startswith(f"Some-CPU-{torch.get_num_threads()}t-")
+
 def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     # Packed only at 2-8 rows (as if one-row and large products were faster with the stock kernel here): the
     # head's Linears and its lm_head slice run packed at those row counts only, like the target's.
