@@ -15,6 +15,11 @@ def test_render_masks_exactly_the_assistant_turns():
     assert tok.decode(r.input_ids[r.loss_mask]) == "fine thanks <|end|> six <|end|>"
     cut = render(tok, messages, max_len=5)
     assert cut.truncated and cut.input_ids.numel() == 5
+    # A conversation that opens with an assistant turn (ShareGPT's split chats): the mask starts at its text.
+    opening = render(tok, messages[1:])
+    assert tok.decode(opening.input_ids[opening.loss_mask]) == "fine thanks <|end|> six <|end|>"
+    empty = render(tok, [{"role": "assistant", "content": " "}] + messages[2:])
+    assert tok.decode(empty.input_ids[empty.loss_mask]) == "six <|end|>"
 
 
 def test_render_needs_a_chat_template():
@@ -29,6 +34,10 @@ def test_render_smollm2_template(smollm2):
     _, tok = smollm2
     r = render(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there!"}])
     assert tok.decode(r.input_ids[r.loss_mask]) == "Hello there!<|im_end|>\n"
+    # Opening with an assistant turn: the default system prompt and the header are not the answer's (they were).
+    r = render(tok, [{"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "Sure."}])
+    assert tok.decode(r.input_ids[r.loss_mask]) == "Hello! How can I help?<|im_end|>\nSure.<|im_end|>\n"
 
 
 def test_config_errors(tmp_path):
@@ -200,6 +209,11 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
     # another shard size would cut the conversations differently: some would be cached twice
     with pytest.raises(FeatureError, match=r"cached with --shard-size 4; continue it with --shard-size 4 \(got 3\)"):
         cache_features(cfg, model, tok, convs, shard_size=3, progress=False)
+    # a dataset that grew (a distill file continued) would leave its new conversations out of the finished last
+    # shard, yet the cache was "complete"; one that changed would train on stale shards
+    for changed in (tiny_conversations(12), convs[::-1]):
+        with pytest.raises(FeatureError, match="the dataset changed since it was cached; use another features_dir"):
+            cache_features(cfg, model, tok, changed, shard_size=4, progress=False)
     monkeypatch.undo()
 
     offline, _ = train(cfg, model_and_tokenizer=(model, tok), progress=False)

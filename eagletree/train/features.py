@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
 from ..files import is_partial, write_json_atomic, writing
-from .render import RenderError, render
+from .render import MASK_VERSION, RenderError, render
 
 MANIFEST = "manifest.json"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,7 +34,7 @@ class FeatureError(EagletreeError, ValueError):
 def _identity(cfg, target_config) -> dict:
     return {"target": target_identity(target_config), "dataset": cfg.dataset, "heldout_fraction": cfg.heldout_fraction,
             "max_len": cfg.max_len, "long": cfg.long, "max_conversations": cfg.max_conversations,
-            "dtype": cfg.feature_dtype}
+            "dtype": cfg.feature_dtype, "masks": MASK_VERSION}
 
 
 def load_manifest(folder: Path) -> dict | None:
@@ -58,6 +58,20 @@ def check_features_dir(folder) -> None:
         raise FeatureError(f"features_dir {str(folder)!r} holds other files ({', '.join(others[:3])}"
                            f"{', ...' if len(others) > 3 else ''}) and no {MANIFEST}; expected a new or empty "
                            f"folder, or an earlier feature cache")
+
+
+def check_shards_match(folder, written: list[dict], planned: list[list[str]]) -> None:
+    """FeatureError unless every shard already written holds the conversations the data puts there now: a dataset
+    that grew, shrank or changed since would otherwise leave conversations out, or train on stale ones."""
+    for shard in written:
+        k = shard["index"]
+        now = planned[k] if k < len(planned) else []
+        if shard["conversations"] != now:
+            gone = [c for c in shard["conversations"] if c not in now][:3]
+            raise FeatureError(f"{folder}: shard {k} holds {len(shard['conversations'])} conversations "
+                               f"({', '.join(map(str, gone)) or 'in another order'}{' ...' if len(gone) == 3 else ''} "
+                               f"not among the {len(now)} the data puts there now): the dataset changed since it was "
+                               "cached; use another features_dir")
 
 
 def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,
@@ -101,6 +115,7 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     total_tokens = sum(r.input_ids.numel() for _, r in rendered)
     done = {s["index"] for s in manifest["shards"]}
     shards = [rendered[i : i + shard_size] for i in range(0, len(rendered), shard_size)]
+    check_shards_match(folder, manifest["shards"], [[conv_id for conv_id, _ in shard] for shard in shards])
     todo = [k for k in range(len(shards)) if k not in done]
     print(f"features: {len(rendered):,} conversations ({skipped} skipped), {total_tokens:,} tokens, "
           f"about {total_tokens * bytes_per_token / 1e9:.2f} GB in {folder} ({len(shards)} shards, "

@@ -2,7 +2,8 @@
 
 The mask comes from the rendering itself: the text of the conversation up to each assistant turn
 (with the generation prompt) and through it are both prefixes of the full rendering, so the
-characters between them are that assistant turn. Token offsets map characters to tokens. No
+characters between them are that assistant turn (a conversation that opens with an assistant turn:
+from that turn's text on, not the system prompt or header the template puts before it). Token offsets map characters to tokens. No
 separator strings are hard-coded, so any tokenizer with a chat template works.
 """
 
@@ -13,6 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import EagletreeError
+
+
+# Bumped when the loss masks change (2: an opening assistant turn's mask starts at its text), so that caches
+# holding masks (the features cache) are made again rather than mixed.
+MASK_VERSION = 2
 
 
 class RenderError(EagletreeError, ValueError):
@@ -30,6 +36,20 @@ def _render(tokenizer, messages, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+def _first_turn_start(through: str, message: dict) -> int:
+    """Where an assistant turn that opens the conversation starts in its rendering: at its text, after whatever
+    the template puts before it (a default system prompt, the assistant header), which is not the answer's.
+    Templates refuse an empty conversation, so there is no rendering "up to" this turn to compare with."""
+    content = message.get("content")
+    text = content.strip() if isinstance(content, str) else ""
+    if not text:
+        return len(through)  # nothing to learn from an empty turn
+    at = through.rfind(text)
+    if at < 0:
+        raise RenderError("the chat template does not render the opening assistant turn's text as it is")
+    return at
+
+
 def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rendered:
     """Token ids and assistant mask of one conversation, cut to `max_len` tokens if given."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -40,11 +60,17 @@ def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rende
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = _render(tokenizer, messages[:i], True) if i else ""
             through = _render(tokenizer, messages[: i + 1], False)
-            if not full.startswith(through) or not through.startswith(before):
+            if not full.startswith(through):
                 raise RenderError(f"the chat template does not render turn {i} as a prefix of the conversation")
-            spans.append((len(before), len(through)))
+            if i:
+                before = _render(tokenizer, messages[:i], True)
+                if not through.startswith(before):
+                    raise RenderError(f"the chat template does not render turn {i} as a prefix of the conversation")
+                start = len(before)
+            else:
+                start = _first_turn_start(through, m)
+            spans.append((start, len(through)))
     except RenderError:
         raise
     except Exception as e:  # templates raise their own errors (e.g. roles out of order)
