@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from eagletree.train.config import lr_lambda
 from eagletree.train.loop import TrainConfig, TrainingError, train
 from eagletree.train.render import RenderError, render
 
@@ -90,6 +91,10 @@ def test_resume_gives_identical_weights(tmp_path):
     assert steps == list(range(1, 9))
     losses = lambda run: [json.loads(line)["loss"] for line in (tmp_path / run / "history.jsonl").read_text().splitlines()]  # noqa: E731
     assert max(abs(a - b) for a, b in zip(losses("a"), losses("b"))) < 1e-6
+    # each record's lr is the one its step used: warm-up 1/2, 2/2, then the cosine (it was the next step's)
+    cfg = tiny_cfg(tmp_path / "a")
+    logged = [json.loads(line)["lr"] for line in history.read_text().splitlines()]
+    assert logged == pytest.approx([cfg.lr * lr_lambda(cfg)(s) for s in range(8)]) and logged[0] == cfg.lr / 2
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert (a - b).abs().max() <= 1e-6, name
 
@@ -400,6 +405,15 @@ def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
     with pytest.raises(TrainingError, match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"):
         run(tiny_cfg(tmp_path, steps=6, stop_after=2))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+    # --overwrite with an input that fails to load (a mistyped init_head) leaves the old run as it was (it was
+    # deleted before the inputs were read)
+    with pytest.raises(TrainingError, match="is not a saved head"):
+        train(tiny_cfg(tmp_path, steps=6, init_head=str(tmp_path / "typo")), progress=False, overwrite=True,
+              model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(12))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+    assert (tmp_path / "head").is_dir() and len((tmp_path / "history.jsonl").read_text().splitlines()) == 6
+    with pytest.raises(TrainingError, match="report_to must be 'wandb' or 'none', got 'tensorboard'"):
+        TrainConfig.from_sources(None, ["report_to=tensorboard"])
     _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
                        conversations=tiny_conversations(12), progress=False, overwrite=True)
     assert summary["steps"] == 2

@@ -110,18 +110,20 @@ def resume_point(folder: Path, target_config):
 RUN_FILES = ("checkpoints", "head", "history.jsonl", "metrics.json")  # what a run writes in its out_dir
 
 
-def check_run_dir(folder: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an out_dir that is a file, and a fresh run into one that holds a run (unless `overwrite`, which then
-    removes that run's files): the new run's history and head would replace the old one's, and its checkpoints
-    would mix with the old ones. TrainingError naming the folder and the flags."""
+def check_run_dir(folder: Path, resume: bool, overwrite: bool) -> list[Path]:
+    """Refuse an out_dir that is a file, and a fresh run into one that holds a run (unless `overwrite`): the new
+    run's history and head would replace the old one's, and its checkpoints would mix with the old ones.
+    TrainingError naming the folder and the flags. Returns the old run's files that `overwrite` removes; the
+    caller removes them (`clear_run`) only once the new run's inputs have loaded, so a mistyped target, head or
+    dataset leaves the old run as it was."""
     if folder.exists() and not folder.is_dir():
         raise TrainingError(f"out_dir {str(folder)!r} is a file; expected a folder for the run")
     if resume or not folder.is_dir():
-        return
+        return []
     # a run that saved something: a checkpoint, its head or metrics (one killed before its first checkpoint left
     # nothing a resume could use, so a rerun simply starts over)
     if latest_checkpoint(folder) is None and not (folder / "head").exists() and not (folder / "metrics.json").exists():
-        return
+        return []
     held = [name for name in RUN_FILES if (folder / name).exists()]
     if not overwrite:
         last = latest_checkpoint(folder)
@@ -129,8 +131,13 @@ def check_run_dir(folder: Path, resume: bool, overwrite: bool) -> None:
         raise TrainingError(f"out_dir {str(folder)!r} holds a run ({where}); pass --resume to continue it, "
                             "--overwrite to start over (its checkpoints, head, history and metrics are deleted), "
                             "or another out_dir")
-    for name in held:  # (tolerant: under `accelerate launch` every process does this)
-        path = folder / name
+    return [folder / name for name in held]
+
+
+def clear_run(paths: list[Path]) -> None:
+    """Remove an overwritten run's files (`check_run_dir`); tolerant: under `accelerate launch` every process does
+    this."""
+    for path in paths:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 

@@ -161,6 +161,8 @@ class TrainConfig:
                                 f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
                                 f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
                                 f"{'it' if len(ignored) == 1 else 'them'} from the config")
+        if values.get("report_to", "wandb") not in ("wandb", "none"):
+            raise TrainingError(f"report_to must be 'wandb' or 'none', got {values['report_to']!r}")
         if values.get("long", "truncate") not in ("truncate", "drop"):
             raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
         return cls(**values)

@@ -24,9 +24,8 @@ from tqdm import tqdm
 
 from ..draft_heads import HeadError, build_draft_vocab, head_class, load_head
 from ..target import checked_device, load_target
-from .checkpoints import (HEAD_DEFINING, append_history, apply_changes, changed_run_keys, check_run_dir, keep_history,
-                          resume_point,
-                          save_checkpoint, set_rng_state)
+from .checkpoints import (HEAD_DEFINING, append_history, apply_changes, changed_run_keys, check_run_dir, clear_run,
+                          keep_history, resume_point, save_checkpoint, set_rng_state)
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
 from .data import load_dataset, split
 from .features import FeatureStore
@@ -144,7 +143,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         checked_device(cfg.device)  # a CUDA device on a machine without one is an error, not a CPU run
     if not cfg.features_dir and conversations is None:
         conversations = training_conversations(cfg)  # a bad dataset fails before the target is loaded
-    check_run_dir(out, resume, overwrite)
+    overwritten = check_run_dir(out, resume, overwrite)  # removed once the inputs below have loaded
     log_with = _trackers(cfg)
     precision = resolve_precision(cfg.precision, on_cpu(cfg.device or None))
     bf16 = precision == "bf16"
@@ -231,6 +230,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                           f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
                           "run exactly; pass precision=... to keep it", stacklevel=2)
         accelerator.print(f"resumed from {ckpt} at step {step}")
+    clear_run(overwritten)
     out.mkdir(parents=True, exist_ok=True)
     core = head  # the head itself; `head` may become a DDP wrapper, which is what gets called
     head, optimizer = accelerator.prepare(head, optimizer)
@@ -240,14 +240,14 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     world, rank = accelerator.num_processes, accelerator.process_index
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     dummy_loss = _dummy_loss(head, embed, lm_weight, lm_bias, device, amp)
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    bar = tqdm(total=end, initial=step, desc="train", disable=not (progress and accelerator.is_main_process))
     t0, tokens0 = time.perf_counter(), counters["tokens"]
     last_ckpt = ckpt
     history, written = [], 0
     history_path = out / "history.jsonl"
     if accelerator.is_main_process:
         keep_history(history_path, step)  # a fresh run starts it empty; a resumed one redoes the steps after its checkpoint
-    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     with _stop_on_signals() as signals:
         while step < end:
             stats = {"loss": 0.0, "l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0}
@@ -293,6 +293,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 counters["tokens"] += parts["tokens"]
             if accelerator.sync_gradients and cfg.clip:
                 accelerator.clip_grad_norm_(params, cfg.clip)
+            lr = scheduler.get_last_lr()[0]  # the rate this step used (after scheduler.step() it is the next one's)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -307,7 +308,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
             n = int(totals[4])  # sequences with assistant tokens in the global batch
             # a step where none had any (all cut, dropped or without an answer) has no loss: null, not 0
             record = {k: float(v) / n if n else None for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
-                "lr": scheduler.get_last_lr()[0], "step": step, "sequences": n}
+                "lr": lr, "step": step, "sequences": n}
             history.append(record)
             elapsed = time.perf_counter() - t0
             record["tokens_per_s"] = (counters["tokens"] - tokens0) * world / max(elapsed, 1e-9)
