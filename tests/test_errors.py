@@ -413,12 +413,17 @@ def test_features_refuses_a_folder_of_other_files_before_loading(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
 
 
-def test_the_evaluation_command_checks_its_counts(capsys):
+def test_the_evaluation_command_checks_its_counts(capsys, tmp_path, monkeypatch):
     from eagletree.train.evaluate import main as evaluate_main
 
     for flag, value, least in (("--prompts", "0", 1), ("--max-new-tokens", "1", 2), ("--depth", "-1", 1)):
         assert evaluate_main(["--config", "configs/smollm2-135m-eagle.yaml", flag, value]) == 2
         assert f"{flag} must be >= {least}, got {value}" in capsys.readouterr().err
+    # --ship onto a file: refused before the evaluation (it ran to the end, then died with a traceback)
+    (tmp_path / "dest").write_text("x")
+    monkeypatch.setattr("eagletree.train.evaluate.evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
+    assert evaluate_main(["--config", "configs/smollm2-135m-eagle.yaml", "--ship", str(tmp_path / "dest")]) == 2
+    assert "--ship '" in (err := capsys.readouterr().err) and "dest' is a file; expected a folder" in err
 
 
 def test_a_damaged_calibration_is_named_with_its_file(tmp_path):

@@ -95,6 +95,16 @@ def test_resume_gives_identical_weights(tmp_path):
     cfg = tiny_cfg(tmp_path / "a")
     logged = [json.loads(line)["lr"] for line in history.read_text().splitlines()]
     assert logged == pytest.approx([cfg.lr * lr_lambda(cfg)(s) for s in range(8)]) and logged[0] == cfg.lr / 2
+    # a dataset that changed under a run (a distill file continued) is noticed: its order would differ silently
+    run(tiny_cfg(tmp_path / "c", stop_after=4))
+    grown = dict(model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(14),
+                 progress=False, resume=True)
+    with pytest.raises(TrainingError, match=r"training data changed since the checkpoint \(12 -> 14 conversations\)"
+                                            r".*pass --allow-changes"):
+        train(tiny_cfg(tmp_path / "c"), **grown)
+    with pytest.warns(UserWarning, match="training data changed"):
+        _, summary = train(tiny_cfg(tmp_path / "c"), allow_changes=True, **grown)
+    assert summary["steps"] == 8
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert (a - b).abs().max() <= 1e-6, name
 

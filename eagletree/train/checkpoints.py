@@ -35,14 +35,16 @@ def set_rng_state(state, noise_gen) -> None:
 
 
 def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
-                    precision: str = "fp32"):
-    """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones."""
+                    precision: str = "fp32", data: dict | None = None):
+    """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones. `data`: what the run
+    trains on (`loop.data_fingerprint`), so that a resume notices a changed dataset."""
     root = folder / "checkpoints"
     final = root / f"step-{step:07d}"
     with building(final) as tmp:  # also removes what a killed save left in `root`
         head.save_pretrained(tmp / "head")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "counters": counters, "rng": rng_state(noise_gen), "precision": precision}, tmp / "trainer.pt")
+                    "counters": counters, "rng": rng_state(noise_gen), "precision": precision, "data": data},
+                   tmp / "trainer.pt")
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     publish(tmp, final, keep_others=False)
     # the `keep` newest by step, the one just written always among them
@@ -74,10 +76,11 @@ def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
     return {k: (saved[k], v) for k, v in now.items() if k in saved and k not in NOT_RUN_DEFINING and saved[k] != v}
 
 
-def resume_point(folder: Path, target_config):
+def resume_point(folder: Path, target_config, set_aside: bool = True):
     """(checkpoint, head, trainer state, saved config) of the newest intact checkpoint, or Nones when there is none.
 
-    A damaged checkpoint (a file cut or missing) is skipped, saying so; TrainingError when none is intact.
+    A damaged checkpoint (a file cut or missing) is skipped, saying so, and (`set_aside`: the main process only,
+    so that processes do not move each other's) renamed out of the way; TrainingError when none is intact.
     """
     found = sorted((folder / "checkpoints").glob("step-*"), reverse=True)
     damaged = []
@@ -93,7 +96,7 @@ def resume_point(folder: Path, target_config):
             print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it", file=sys.stderr)
             continue
         head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
-        if damaged:
+        if damaged and set_aside:
             print(f"warning: resuming from {ckpt}, the newest intact checkpoint", file=sys.stderr)
             for bad, _ in damaged:  # out of the way: the resumed run's checkpoints would sort before them and be pruned
                 aside = bad.with_name(f"damaged-{bad.name}")

@@ -18,7 +18,7 @@ from .. import target as targets
 from ..decoding import GenerationStats, decode_steps, encode_prompt
 from ..draft_heads import TreeDrafter, load_head
 from ..errors import EagletreeError
-from ..files import write_json_atomic
+from ..files import check_output_folder, write_json_atomic
 from ..packing import pack_target
 from ..prompts import by_category, mtbench_subset
 from ..tree_search import Calibrator, acceptance_pairs, calibration_report
@@ -269,16 +269,18 @@ def main(argv=None) -> int:
                                    ("--depth", args.depth, 1)):
             if value < least:
                 raise TrainingError(f"{flag} must be >= {least}, got {value}")
+        if args.ship:
+            check_output_folder(args.ship, "--ship")  # before the evaluation, not after it
         cfg = TrainConfig.from_sources(args.config, args.overrides)
         head = load_head(Path(cfg.out_dir) / "head")
         metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
                                mtbench=args.mtbench)
         print(json.dumps(metrics, indent=2))
+        if args.ship:
+            print(f"shipped to {ship(cfg.out_dir, args.ship)}")
     except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.ship:
-        print(f"shipped to {ship(cfg.out_dir, args.ship)}")
     return 0
 
 

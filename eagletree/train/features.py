@@ -161,6 +161,7 @@ class FeatureStore:
             warnings.warn(f"{self.folder}: feature cache is incomplete; training on the {len(manifest['shards'])} "
                           "finished shards", stacklevel=2)
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
+        self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
         self._open_name, self._open = None, None
 
     def __len__(self) -> int:

@@ -8,6 +8,7 @@ the kind of head (its creation, objective, target features, dummy forward) is a 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import sys
@@ -49,6 +50,15 @@ class Stream:
             g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             self._perm, self._perm_epoch = torch.randperm(len(self.conversations), generator=g), epoch
         return self.conversations[int(self._perm[i])]
+
+
+def data_fingerprint(items, store=None) -> dict:
+    """What a run trains on, for a resume to compare: the number of training conversations and a hash of their ids
+    in order (None when the items have no ids, e.g. pre-tokenized records)."""
+    ids = store.ids if store is not None else [getattr(item, "id", None) for item in items]
+    digest = None if any(i is None for i in ids) else \
+        hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+    return {"conversations": len(ids), "ids": digest}
 
 
 def has_assistant_text(conversations) -> bool:
@@ -175,7 +185,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                             "train on")
     stream = Stream(train_convs, cfg.seed)
 
-    ckpt, head, state, saved_cfg = resume_point(out, model.config) if resume else (None,) * 4
+    data = data_fingerprint(train_convs, store)
+    ckpt, head, state, saved_cfg = resume_point(out, model.config, accelerator.is_main_process) if resume \
+        else (None,) * 4
     if resume and ckpt is None:
         accelerator.print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0", file=sys.stderr)
     changes = changed_run_keys(saved_cfg, cfg) if ckpt is not None else {}
@@ -189,6 +201,16 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fixed.items())
             raise TrainingError(f"--resume from {ckpt}: {listed} would change the head's shape or start, which the "
                                 "checkpoint fixes; keep the checkpoint's values, or start a new run in another out_dir")
+        saved_data = state.get("data")  # (checkpoints before this key record none)
+        if saved_data is not None and saved_data != data:
+            before, now = saved_data["conversations"], data["conversations"]
+            counts = f"{before} -> {now} conversations" if before != now else f"{now} conversations, other ones"
+            what = (f"the training data changed since the checkpoint ({counts}), so the rest of the run takes them in "
+                    "another order than a straight run")
+            if not allow_changes:
+                raise TrainingError(f"--resume from {ckpt}: {what}; pass --allow-changes to continue on the new data, "
+                                    "or give the run another out_dir")
+            warnings.warn(f"--resume from {ckpt}: {what}", stacklevel=2)
         if changes and not allow_changes:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
@@ -324,7 +346,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                     # history first: a kill between the two leaves records past the checkpoint, which a resume drops
                     written = append_history(history_path, history, written)
                     last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
-                                                noise_gen, cfg, cfg.keep_checkpoints, precision)
+                                                noise_gen, cfg, cfg.keep_checkpoints, precision, data)
             if stopping:
                 bar.close()
                 name = signal.Signals(signals[0]).name if signals else "a signal to another process"
