@@ -130,6 +130,9 @@ def test_hf_dataset():
     ('[{"id": "a", "conversations": "hi"}]', "the turns must be a list"),
     ('[{"id": "a", "conversations": [{"from": "human"}]}]', "expected an object with 'from' and 'value'"),
     ('{"a": 1}', r"line 1: record has no 'conversations'"),
+    ('[{"id": "a", "messages": [{"role": "user", "content": "q", "weight": 0}]}]',
+     r"turn 0: 'weight' must be 0 \(not trained on\) or 1 on an assistant turn, got 0 on a user turn"),
+    ('[{"id": "a", "messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}]', "got 0.5 on an assistant turn"),
 ])
 def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
     path = tmp_path / "bad.json"
@@ -138,6 +141,18 @@ def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
     with pytest.raises(DataError, match=message) as e:
         read_json_file(path)
     assert "bad.json" in str(e.value)
+
+
+def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
+    # OpenAI's fine-tuning convention, in both formats: weight 0 is kept (not trained on), weight 1 is the default
+    path = write_json(tmp_path / "w.json", [
+        {"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
+                                 {"role": "user", "content": "r"}, {"role": "assistant", "content": "b", "weight": 1}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "c", "weight": 0}]}])
+    data = read_json_file(path)
+    assert data.conversations[0].messages[1] == {"role": "assistant", "content": "a", "weight": 0}
+    assert data.conversations[0].messages[3] == {"role": "assistant", "content": "b"}
+    assert data.conversations[1].messages == [{"role": "assistant", "content": "c", "weight": 0}]
 
 
 def test_empty_conversations_are_counted_skips(tmp_path):

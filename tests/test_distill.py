@@ -75,6 +75,14 @@ def test_later_turns_are_answered_greedily_and_refuse_a_file_of_first_turns(tmp_
     assert counts["answered"] == 2 and [r["id"] for r in records] == ["c_0@turn2", "c_0@turn4"]
     for r in records:
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 5)
+        # the dataset's earlier answers are context (weight 0): training learns the target's answer only
+        assert [m.get("weight") for m in r["messages"] if m["role"] == "assistant"] == \
+            [0] * (sum(m["role"] == "assistant" for m in r["messages"]) - 1) + [None]
+    from eagletree.train.render import render
+
+    convs = load_dataset(str(out)).conversations
+    trained = render(tok, convs[1].messages)
+    assert tok.decode(trained.input_ids[trained.loss_mask]) == f"{records[1]['messages'][-1]['content']} <|end|>"
     with pytest.raises(DistillError, match="this run asks for"):
         distill(model, tok, multi_turn_conversations(), out, max_new_tokens=5, progress=False)
 

@@ -21,6 +21,9 @@ def test_render_masks_exactly_the_assistant_turns():
     assert tok.decode(opening.input_ids[opening.loss_mask]) == "fine thanks <|end|> six <|end|>"
     empty = render(tok, [{"role": "assistant", "content": " "}] + messages[2:])
     assert tok.decode(empty.input_ids[empty.loss_mask]) == "six <|end|>"
+    context = render(tok, [messages[0], dict(messages[1], weight=0)] + messages[2:])  # weight 0: not trained on
+    assert tok.decode(context.input_ids[context.loss_mask]) == "six <|end|>"
+    assert torch.equal(context.input_ids, r.input_ids)
 
 
 def test_render_needs_a_chat_template():

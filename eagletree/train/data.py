@@ -1,7 +1,8 @@
 """Conversations for training and evaluation: ShareGPT (shipped, truncated), JSON/JSONL, `datasets`.
 
 Every source becomes a list of `Conversation`s with OpenAI-style messages
-({"role": "system" | "user" | "assistant", "content": str}).
+({"role": "system" | "user" | "assistant", "content": str}; an assistant turn may carry "weight": 0, as in
+OpenAI's fine-tuning format: context, not trained on).
 """
 
 from __future__ import annotations
@@ -92,7 +93,15 @@ def to_messages(record, where: str) -> list[dict] | None:
         content = turn[text_key]
         if not isinstance(content, str):
             raise DataError(f"{where}, turn {t}: {text_key!r} must be a string, got {type(content).__name__}")
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if "weight" in turn:  # OpenAI's fine-tuning convention: an assistant turn of weight 0 is context only
+            weight = turn["weight"]
+            if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
+                raise DataError(f"{where}, turn {t}: 'weight' must be 0 (not trained on) or 1 on an assistant turn, "
+                                f"got {weight!r} on {'an' if role == 'assistant' else 'a'} {role} turn")
+            if weight == 0:
+                message["weight"] = 0
+        messages.append(message)
     return messages
 
 

@@ -194,10 +194,11 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     `user_turns`) with the target; append JSONL records to `out`.
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
-    "length", "new_tokens", "settings"}; a file holds answers made one way (target, precision, temperature,
-    max_new_tokens, seed): resuming with other settings is an error. `limit` takes the first N conversations
-    (0 = all); their prompts answered in any file of `skip_answered` (paths) are left out and counted, so a
-    limit of N answers at most N. Prompts outside min_prompt_tokens..max_prompt_tokens are skipped (counted).
+    "length", "new_tokens", "settings"}; a later turn's prompt holds the dataset's earlier answers with
+    "weight": 0 (context: training learns the target's own answer only). A file holds answers made one way
+    (target, precision, temperature, max_new_tokens, seed): resuming with other settings is an error. `limit`
+    takes the first N prompts `turns` picks (0 = all; with "first", the first N conversations'); those answered
+    in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts outside min_prompt_tokens..max_prompt_tokens are skipped (counted).
     Returns counts.
     """
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
@@ -249,7 +250,8 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
             answers = _answer_batch(model, tok, pending, max_new_tokens, temperature, seed_b)
             lines = []
             for (conv_id, msgs, _), (text, n, finish) in zip(pending, answers):
-                record = {"id": conv_id, "messages": msgs + [{"role": "assistant", "content": text}],
+                context = [dict(m, weight=0) if m["role"] == "assistant" else m for m in msgs]  # the dataset's answers
+                record = {"id": conv_id, "messages": context + [{"role": "assistant", "content": text}],
                           "finish": finish, "new_tokens": n, "settings": settings}
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 counts["new_tokens"] += n

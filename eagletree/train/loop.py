@@ -62,13 +62,14 @@ def data_fingerprint(items, store=None) -> dict:
 
 
 def has_assistant_text(conversations) -> bool:
-    """Whether some conversation has an assistant turn with text (the loss is on assistant tokens); items that
-    are not chat conversations are taken as trainable."""
+    """Whether some conversation has an assistant turn with text and not of weight 0 (the loss is on those tokens);
+    items that are not chat conversations are taken as trainable."""
     for conv in conversations:
         messages = getattr(conv, "messages", None)
         if messages is None:
             return True
-        if any(m.get("role") == "assistant" and str(m.get("content") or "").strip() for m in messages):
+        if any(m.get("role") == "assistant" and m.get("weight", 1) != 0 and str(m.get("content") or "").strip()
+               for m in messages):
             return True
     return False
 

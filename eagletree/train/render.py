@@ -28,7 +28,7 @@ class RenderError(EagletreeError, ValueError):
 @dataclass
 class Rendered:
     input_ids: torch.Tensor  # [T]
-    loss_mask: torch.Tensor  # [T] bool: token belongs to an assistant turn
+    loss_mask: torch.Tensor  # [T] bool: token belongs to an assistant turn (not one of weight 0)
     truncated: bool
 
 
@@ -58,7 +58,7 @@ def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rende
         full = _render(tokenizer, messages, False)
         spans = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or m.get("weight", 1) == 0:  # weight 0: context, not trained on
                 continue
             through = _render(tokenizer, messages[: i + 1], False)
             if not full.startswith(through):
