@@ -49,6 +49,9 @@ def test_config_errors(tmp_path):
         TrainConfig.from_sources(None, ["learning_rate=0.1"])
     with pytest.raises(TrainingError, match="must be int"):
         TrainConfig.from_sources(None, ["steps=many"])
+    (tmp_path / "keys.yaml").write_text("2: 3\nfoo: 1\n")  # a number as a key (sorting it with 'foo' crashed)
+    with pytest.raises(TrainingError, match=r"unknown config keys \[2, 'foo'\]"):
+        TrainConfig.from_sources(tmp_path / "keys.yaml", [])
     path = tmp_path / "c.yaml"
     path.write_text("steps: 7\nlr: 1\n")
     cfg = TrainConfig.from_sources(path, ["grad_accum=2"])

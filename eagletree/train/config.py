@@ -91,7 +91,7 @@ class TrainConfig:
                 values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
             except yaml.YAMLError:
                 values[key] = raw  # not YAML: the type check below names the key and the value
-        unknown = sorted(set(values) - set(valid))
+        unknown = sorted(set(values) - set(valid), key=str)  # (a YAML key may be a number)
         if unknown:
             raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
         for key, value in values.items():
