@@ -163,7 +163,7 @@ class Plan:
     engine: str
     nodes: int  # tree nodes per pass, root included
     depth: int
-    width: int  # the most children of one node (= the largest rank + 1)
+    width: int  # the largest rank of any node + 1: the top-k that drafts every planned node
     paths: list[list[int]]  # each non-root node as its rank path from the root, e.g. [0], [1], [0, 0]
     expected_tokens: float  # per pass, averaged over every measured position
     decoded_tokens: float | None  # per pass when decoding the measured answers (passes start where one ended)
@@ -204,7 +204,9 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
         raise ValueError("the head's drafts were never accepted on these prompts: no tree beats plain decoding")
     rate, tree, expected, depth, step = best
     paths = sorted(tree, key=lambda p: (len(p), p))
-    width = max(sum(1 for q in paths if q[:-1] == p) for p in [()] + paths)
+    # the top-k an engine must draft at for every planned node to be among its candidates: the largest rank + 1
+    # (more than the most children of one node when the chosen ranks have gaps, e.g. ranks 0, 1 and 3)
+    width = max(max(p) for p in paths) + 1
     plain = 1.0 / float(profile.step_time(1, 0))
     decoded = acceptance.decoded_tokens_per_pass(set(paths))
     return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, decoded, step, rate, plain)

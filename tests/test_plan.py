@@ -129,6 +129,10 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
             assert all(p[:-1] == [] or p[:-1] in plan.paths for p in plan.paths)  # connected
     chain = best_plan(ACCEPT, flat, "vllm", 12, 3)
     assert chain.width == 1 and chain.paths == [[0], [0, 0], [0, 0, 0]]
+    # ranks with a gap (0, 1, 3): an engine drafting at top-k 3 never proposes the rank-3 node; it needs top-k 4
+    gapped = best_plan(table({(0,): 50, (1,): 20, (3,): 15}, 100), flat, "sglang", 4, 1)
+    assert gapped.paths == [[0], [1], [3]] and gapped.width == 4
+    assert engine_config(gapped, "out", False, False)["flags"]["--speculative-eagle-topk"] == 4
     assert chain.expected_tokens == pytest.approx(1 + 0.60 + 0.40 + 0.25)
 
 
