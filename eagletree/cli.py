@@ -30,11 +30,11 @@ def at_least(low: int):
     return parse
 
 
-def _add_model_args(p) -> None:
-    """--target, --head, --device, --draft-dtype: what `_load` reads."""
+def _add_model_args(p, needs_head: bool = False) -> None:
+    """--target, --head, --device, --draft-dtype: what `_load` reads (`needs_head`: the command refuses --head none)."""
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target; "
-                                                "'none' = plain decoding")
+    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target"
+                                                + ("" if needs_head else "; 'none' = plain decoding"))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
@@ -51,9 +51,9 @@ def _add_model_args(p) -> None:
                         "every size")
 
 
-def _add_decoding_args(p, tree: str = "auto") -> None:
+def _add_decoding_args(p, tree: str = "auto", needs_head: bool = False) -> None:
     """Decoding flags; `tree` is the default tree kind (generate and chat: auto, see `default_budget`)."""
-    _add_model_args(p)
+    _add_model_args(p, needs_head)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
                         "native bf16 is faster, and its output equals plain bf16 decoding's up to rounding (README)")
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_chat")
 
     p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
-    _add_decoding_args(p, tree="eagle2")  # a picture of a tree: auto may verify the root alone
+    _add_decoding_args(p, tree="eagle2", needs_head=True)  # a picture of a tree: auto may verify the root alone
     p.add_argument("--prompt", required=True)
     p.add_argument("--step", type=at_least(1), default=1,
                    help="show the K-th target pass of the generation (1 = the first)")
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_import")
 
     p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
-    _add_model_args(p)
+    _add_model_args(p, needs_head=True)
     p.add_argument("--engine", required=True, choices=["vllm", "sglang", "eagle"])
     p.add_argument("--profile", default=None, help="latency profile JSON (eagletree bench --profile-only's "
                                                    "profile.json, or a cached LatencyProfile); default: measure "
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_plan")
 
     p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
-    _add_model_args(p)
+    _add_model_args(p, needs_head=True)
     p.add_argument("--prompts", default="heldout:30",
                    help="heldout:N, mtbench[:N], humaneval[:N], humaneval:A-B or a .jsonl file "
                         "(default heldout:30: held-out ShareGPT, not MT-bench)")

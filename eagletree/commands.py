@@ -232,6 +232,9 @@ def cmd_viz(args) -> int:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give the text to answer")
     check_output_file(args.output, "-o/--output")  # before the work
+    if args.head == "none":
+        raise ValueError("--head none: viz shows the tree a draft head drafts; pass a head folder, or leave --head "
+                         "out for the target's shipped head")
     model, tok, head = _load(args)
     options = _options(args)
     search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
@@ -296,6 +299,9 @@ def cmd_plan(args) -> int:
             raise ValueError(f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes "
                              f"it)") from None
     check_output_file(args.out, "-o/--out")
+    if args.head == "none":
+        raise ValueError("--head none: plan chooses a tree for a draft head; pass a head folder, or leave --head out "
+                         "for the target's shipped head")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)
     measure, check = split_prompts(prompts)

@@ -80,9 +80,18 @@ class Acceptance:
             bad = [k for k, v in table.paths.items() if not _is_path(k) or not 0 <= int(v) <= table.positions]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"an acceptance table needs {', '.join(keys)}: {e}") from None
-        if bad or table.positions < 1:
+        if not isinstance(table.positions, int) or isinstance(table.positions, bool) or table.positions < 1:
+            raise ValueError(f"acceptance: positions must be an integer >= 1, got {table.positions!r}")
+        if bad:
             raise ValueError(f"acceptance: path counts must lie in [0, positions={table.positions}], "
                              f"keys like '0,1'; bad: {bad[:3]}")
+        rank_paths = table.rank_paths
+        if rank_paths is not None and not (isinstance(rank_paths, list) and all(
+                isinstance(answer, list) and all(isinstance(path, list) and all(
+                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path) for path in answer)
+                for answer in rank_paths)):
+            raise ValueError("acceptance: rank_paths must be a list (per prompt) of lists (per answer position) of "
+                             "rank paths such as [0, 1] (ranks >= 0)")
         return table
 
     def frequency(self, path: tuple[int, ...]) -> float:

@@ -413,6 +413,20 @@ def test_features_refuses_a_folder_of_other_files_before_loading(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
 
 
+def test_commands_that_need_a_head_refuse_head_none_before_loading(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    for argv in (["viz", "--prompt", "hi", "-o", str(tmp_path / "v.html")],
+                 ["plan", "--engine", "sglang", "-o", str(tmp_path / "p.json")],
+                 ["calibrate-copy", "--out", str(tmp_path / "c.json")]):
+        assert main([*argv, "--head", "none"]) == 2
+        assert "--head none" in capsys.readouterr().err, argv
+    from eagletree.cli import build_parser
+
+    for command in ("viz", "plan", "calibrate-copy"):
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+        assert "'none'" not in next(a for a in sub._actions if a.dest == "head").help  # not offered where refused
+
+
 def test_the_evaluation_command_checks_its_counts(capsys, tmp_path, monkeypatch):
     from eagletree.train.evaluate import main as evaluate_main
 
