@@ -309,3 +309,12 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"match_bins": [1, 2, 3, 4, 8, 16], "rate": [[0.5] * 3] * 6}))
     with pytest.raises(ValueError, match=r"match bins \[1, 2, 3, 4, 8, 16\], expected \[1, 2, 3, 4, 8\].*calibrate-copy"):
         CopyCalibration.load(tmp_path / "other.json")
+    # damaged tables are one error naming the file (they crashed generate: IndexError, TypeError)
+    bins = [1, 2, 3, 4, 8]
+    for data, message in (({"match_bins": bins, "rate": []}, "rate must be a table"),
+                          ({"match_bins": 5, "rate": [[0.5]] * 5}, "match bins 5, expected"),
+                          ({"match_bins": bins, "rate": [[]] * 5}, "at least one position"),
+                          ({"match_bins": bins, "rate": [[0.5, 0.5], [0.5]] * 2 + [[0.5]]}, "c.json")):
+        (tmp_path / "c.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=message):
+            CopyCalibration.load(tmp_path / "c.json")

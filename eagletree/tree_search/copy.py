@@ -205,12 +205,15 @@ class CopyCalibration:
             rate, bins = data["rate"], data["match_bins"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}") from None
-        if list(bins) != list(MATCH_BINS):
-            raise ValueError(f"{path}: match bins {bins}, expected {list(MATCH_BINS)}; measure a new table with "
+        if not isinstance(bins, list) or bins != list(MATCH_BINS):
+            raise ValueError(f"{path}: match bins {bins!r}, expected {list(MATCH_BINS)}; measure a new table with "
                              "`eagletree calibrate-copy`")
+        if not (isinstance(rate, list) and rate and all(isinstance(row, list) and row for row in rate)):
+            raise ValueError(f"{path}: rate must be a table of match bins x span positions (at least one position), "
+                             f"got {json.dumps(rate)[:80]}; measure a new table with `eagletree calibrate-copy`")
         try:
             return cls(max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size"))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(f"{path}: {e}") from None
 
 
