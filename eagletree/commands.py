@@ -51,6 +51,9 @@ def _load(args):
         raise ValueError(f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} is a "
                          "fixed shape")
     options.pop("copy", None)  # a choice argparse already checked
+    new_tokens = options.get("max_new_tokens")
+    if isinstance(new_tokens, int) and new_tokens < 1:  # (the Python API returns an empty answer for 0)
+        raise ValueError(f"--max-new-tokens must be >= 1, got {new_tokens}")
     check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
     head_path = head_to_load(args.target, args.head)
     t0 = time.perf_counter()

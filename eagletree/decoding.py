@@ -429,7 +429,8 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     if limit is not None and ids.numel() + max_new_tokens > limit:
         if not truncate_prompt or max_new_tokens >= limit:
             raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                             f"context of {limit} tokens; shorten it or pass truncate_prompt=True")
+                             f"context of {limit} tokens; shorten the prompt or ask for fewer new tokens (in Python, "
+                             "truncate_prompt=True keeps the prompt's last tokens)")
         ids = ids[-(limit - max_new_tokens):]
     if head is not None:
         head.check_target(target.config)

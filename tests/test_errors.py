@@ -193,7 +193,8 @@ def tiny_cli(tmp_path, monkeypatch):
     ("--top-k-draft", "0", "--top-k-draft must be >= 1, got 0"), ("--budget", "0", "--budget must be >= 1"),
     ("--temperature", "-1", "--temperature must be >= 0"), ("--temperature", "nan", "--temperature must be a finite"),
     ("--temperature", "1e-300", "--temperature must be 0 (greedy) or >= 1e-20, got 1e-300"),
-    ("--top-k", "-1", "--top-k must be >= 0"), ("--max-new-tokens", "-3", "--max-new-tokens must be >= 0"),
+    ("--top-k", "-1", "--top-k must be >= 0"), ("--max-new-tokens", "-3", "--max-new-tokens must be >= 1"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
     ("--seed", "-1", "--seed must be >= 0")])
 def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, capsys, option, value, message):
     loads, args = tiny_cli
