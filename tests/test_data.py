@@ -143,6 +143,18 @@ def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
     assert "bad.json" in str(e.value)
 
 
+def test_records_without_ids_keep_their_split_when_the_file_is_renamed_or_reordered(tmp_path):
+    from eagletree.train.data import split
+
+    records = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}]}
+               for i in range(300)]
+    sides = []
+    for name, recs in (("train.json", records), ("copy.json", records[::-1])):
+        train, heldout = split(read_json_file(write_json(tmp_path / name, recs)), 0.05)
+        sides.append((sorted(c.messages[0]["content"] for c in train), sorted(c.messages[0]["content"] for c in heldout)))
+    assert sides[0] == sides[1] and 0 < len(sides[0][1]) < 40  # (the file's name and record index moved them)
+
+
 def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     # OpenAI's fine-tuning convention, in both formats: weight 0 is kept (not trained on), weight 1 is the default
     path = write_json(tmp_path / "w.json", [

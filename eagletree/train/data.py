@@ -105,7 +105,7 @@ def to_messages(record, where: str) -> list[dict] | None:
     return messages
 
 
-def _collect(records, source: str, name_of) -> tuple[list[Conversation], int]:
+def _collect(records, name_of) -> tuple[list[Conversation], int]:
     conversations, empty = [], 0
     for i, record in enumerate(records):
         where = name_of(i)
@@ -113,7 +113,12 @@ def _collect(records, source: str, name_of) -> tuple[list[Conversation], int]:
         if messages is None:
             empty += 1
             continue
-        conv_id = str(record.get("id", f"{source}#{i}"))
+        if record.get("id") is not None:
+            conv_id = str(record["id"])
+        else:  # from the text, not the file's name or the record's place: renaming or reordering the file, or
+            # adding records, keeps every conversation on its side of the held-out split
+            text = json.dumps(messages, ensure_ascii=False, sort_keys=True).encode("utf-8")
+            conv_id = f"text-{hashlib.sha256(text).hexdigest()[:20]}"
         conversations.append(Conversation(conv_id, messages))
     return conversations, empty
 
@@ -212,7 +217,7 @@ def read_json_file(path: str | os.PathLike) -> Dataset:
     if path.suffix == ".jsonl" or first == "{":
         return _read_jsonl(text, path, len(raw))
     records, truncated, end = scan_json_array(text, str(path))
-    conversations, empty = _collect(records, path.name, lambda i: f"{path}: record {i}")
+    conversations, empty = _collect(records, lambda i: f"{path}: record {i}")
     data = Dataset(conversations, str(path), truncated=truncated, file_bytes=len(raw), skipped_empty=empty)
     if truncated:
         data.recovered_until_byte = len(text[:end].encode("utf-8")) + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)
@@ -252,7 +257,7 @@ def _read_jsonl(text: str, path: Path, n_bytes: int) -> Dataset:
                 raise DataError(f"{path} is one JSON object spread over {len(lines)} lines, not records: expected a "
                                 f"JSON array of records (.json) or one record per line (.jsonl)") from None
             raise DataError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
-    conversations, empty = _collect(records, path.name, lambda i: f"{path}: line {numbers[i]}")
+    conversations, empty = _collect(records, lambda i: f"{path}: line {numbers[i]}")
     data = Dataset(conversations, str(path), truncated=truncated, file_bytes=n_bytes, skipped_empty=empty)
     if truncated:
         data.notes.append(f"{path.name}: the last line is cut off; recovered {len(records):,} complete records")
@@ -268,7 +273,7 @@ def from_hf_dataset(dataset, name: str = "dataset") -> Dataset:
     columns = set(dataset.column_names)
     if not columns & {"conversations", "messages"}:
         raise DataError(f"{name}: needs a 'conversations' or 'messages' column, has {sorted(columns)}")
-    conversations, empty = _collect(dataset, name, lambda i: f"{name}: row {i}")
+    conversations, empty = _collect(dataset, lambda i: f"{name}: row {i}")
     if empty:
         warnings.warn(f"{name}: skipped {empty} rows with an empty conversation", DataWarning, stacklevel=2)
     return Dataset(conversations, name, skipped_empty=empty)
