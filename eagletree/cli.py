@@ -248,6 +248,9 @@ def main(argv=None) -> int:
     except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the command was writing is cleaned up on the way (files.writing)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

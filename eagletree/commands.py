@@ -202,11 +202,12 @@ def cmd_chat(args) -> int:
     """Interactive chat: streams each answer and shows tokens/pass; the conversation is kept."""
     model, tok, head = _load(args)
     messages = []
-    print("eagletree chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    print("eagletree chat: type a message, an empty line or Ctrl-D to quit; Ctrl-C stops an answer.", file=sys.stderr)
     while True:
         try:
             text = check_utf8(input("you> "), "that line")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-C at the prompt quits too
+            print(file=sys.stderr)
             break
         except (ValueError, UnicodeDecodeError) as e:  # a bad line is not the end of the conversation
             print(f"error: {e}" if isinstance(e, ValueError) else
@@ -223,6 +224,11 @@ def cmd_chat(args) -> int:
             messages.pop()
             print(f"\nerror: {e}\n(that message was not sent; the conversation so far is kept: type a shorter "
                   "one, or an empty line to quit)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C during an answer stops it; the conversation goes on without that turn
+            messages.pop()
+            print("\n(answer stopped; that message and its partial answer were dropped, the conversation so far is "
+                  "kept)", file=sys.stderr)
             continue
         messages.append({"role": "assistant", "content": result["text"]})
         print(f"[{result['tokens_per_pass']} tokens/pass, {result['tokens_per_s']} tokens/s]", file=sys.stderr)

@@ -86,6 +86,32 @@ def test_chat_refuses_a_message_that_overflows_the_context_and_goes_on(tiny_cli,
     assert "exceeds the model's context" in err and "that message was not sent" in err and err.count("tokens/pass") == 2
 
 
+def test_ctrl_c_stops_a_chat_answer_and_the_conversation_goes_on(tiny_cli, capsys, monkeypatch):
+    _, _, args = tiny_cli
+    import eagletree.commands as cli
+
+    seen, real_answer = [], cli._answer
+
+    def interrupted_once(model, tok, head, messages, a, stream_to=None):
+        seen.append(len(messages))
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second answer
+        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+
+    monkeypatch.setattr(cli, "_answer", interrupted_once)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nstop this\nagain\n\n"))
+    assert cli_main(["chat", *args, "--max-new-tokens", "4"]) == 0  # (was a KeyboardInterrupt traceback)
+    assert seen == [1, 3, 3]  # the stopped turn was dropped: "again" follows the first answer
+    assert "answer stopped" in capsys.readouterr().err
+
+    def interrupted_generate(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_answer", interrupted_generate)
+    assert cli_main(["generate", *args, "--prompt", "hi", "--max-new-tokens", "4"]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+
+
 def test_output_paths_and_fixed_shapes_are_refused_before_any_work(tiny_cli, capsys, tmp_path):
     _, _, args = tiny_cli
     (tmp_path / "a.txt").write_text("x")
