@@ -319,7 +319,7 @@ def cmd_plan(args) -> int:
         raise ValueError("plan needs a draft head (--head DIR)")
     _engine_vocab(args, head)
     if data is not None:
-        check_reused_acceptance(data, head, args.acceptance)
+        check_reused_acceptance(data, head, args.acceptance, args.engine)
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]

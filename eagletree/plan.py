@@ -279,13 +279,20 @@ def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int
             "within_tolerance": abs(error) <= CHECK_TOLERANCE}
 
 
-def check_reused_acceptance(data: dict, head, source: str) -> None:
+def check_reused_acceptance(data: dict, head, source: str, engine: str | None = None) -> None:
     """Refuse an earlier plan's acceptance measured over another draft vocabulary than `head` drafts over now
     (its ranks are ranks among other tokens). A plan written before plans recorded it is taken as it is."""
     measured = data.get("draft_vocab_size")
     if measured is not None and int(measured) != head.drafted_vocab_size():
         full = head.config.target["vocab_size"]
         match = "full" if int(measured) == full else "head"
+        # vLLM and EAGLE's code draft an EAGLE-1/2 export over the full vocabulary: ranks among the head's own
+        # draft vocabulary are not the ones they see, whatever --draft-vocab says
+        engine_full = engine in ("vllm", "eagle") and (head.can_widen_vocab() or head.is_widened())
+        if match == "head" and engine_full:
+            raise ValueError(f"--acceptance {source}: measured drafting over {measured} tokens (the head's draft "
+                             f"vocabulary), but {engine} drafts this head over all {full}: measure anew without "
+                             "--acceptance")
         raise ValueError(f"--acceptance {source}: measured drafting over {measured} tokens, but the head drafts "
                          f"over {head.drafted_vocab_size()} here; pass --draft-vocab {match} to reuse it, or measure "
                          "anew without --acceptance")

@@ -246,6 +246,12 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
     err = capsys.readouterr().err
     assert "measured drafting over 60 tokens, but the head drafts over 97 here; pass --draft-vocab head" in err
     assert not (tmp_path / "wide.json").exists()
+    # SGLang's acceptance (the head's 60 tokens) for vLLM, which drafts the export over all 97: no --draft-vocab
+    # makes it right (the hint said --draft-vocab head)
+    vllm = [a if a != "sglang" else "vllm" for a in args[:-2]]
+    assert main(vllm + ["-o", str(tmp_path / "v.json"), "--acceptance", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "(the head's draft vocabulary), but vllm drafts this head over all 97: measure anew" in err
     assert main(args[:-2] + ["--acceptance", str(tmp_path / "profile.json")]) == 2  # the wrong file
     assert "profile.json': an acceptance table needs paths, positions" in capsys.readouterr().err
     (tmp_path / "list.json").write_text("[1, 2]")
