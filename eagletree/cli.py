@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .errors import EagletreeError
 from .train.data import HELDOUT_FRACTION, TURNS
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagletree", description="Lossless speculative decoding with draft trees.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("data", help="inspect training data (ShareGPT or your own JSON/JSONL)")
+    p = sub.add_parser("data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count "
+                                    "it")
     p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped) or a .json/.jsonl path")
     p.add_argument("--stats", action="store_true", help="print one JSON object of counts")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
@@ -237,8 +239,14 @@ def given_options(argv) -> set[str]:
     return set(vars(parser.parse_args(argv))) - {"command", "func"}
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    """Warnings as the command line shows them: 'DataWarning: ...', without the source line that raised them."""
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     if args.command == "bench":
         args.given = given_options(argv)  # bench refuses the flags its mode does not read
     from . import commands

@@ -37,9 +37,19 @@ from .viz import render_html, viz_step
 
 
 def cmd_data(args) -> int:
+    """Read a dataset as training would (warnings name what was skipped or recovered): one line of counts, or with
+    --stats all of them as JSON."""
+    if not 0.0 < args.heldout_fraction < 1.0:
+        raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     data = load_dataset(args.dataset)
+    counts = stats(data, args.heldout_fraction)
     if args.stats:
-        print(json.dumps(stats(data, args.heldout_fraction), indent=2))
+        print(json.dumps(counts, indent=2))
+    else:
+        print(f"{counts['source']}: {counts['conversations']:,} conversations ({counts['train']:,} for training, "
+              f"{counts['heldout']:,} held out at {counts['heldout_fraction']}), {counts['turns']:,} turns"
+              + (", the file was cut off (recovered up to its last complete record)" if counts["truncated"] else "")
+              + "; --stats for every count as JSON")
     return 0
 
 

@@ -155,6 +155,19 @@ def test_records_without_ids_keep_their_split_when_the_file_is_renamed_or_reorde
     assert sides[0] == sides[1] and 0 < len(sides[0][1]) < 40  # (the file's name and record index moved them)
 
 
+def test_the_data_command_counts_a_file_and_names_bad_input(tmp_path, capsys):
+    from eagletree.cli import main
+
+    path = write_json(tmp_path / "d.json", RECORDS[:3])
+    assert main(["data", "--dataset", str(path)]) == 0  # (printed nothing without --stats)
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}: 3 conversations (3 for training, 0 held out at 0.04)") and "--stats" in out
+    assert main(["data", "--dataset", str(path), "--heldout-fraction", "1.5"]) == 2
+    assert "--heldout-fraction must be in (0, 1), got 1.5" in capsys.readouterr().err
+    assert main(["data", "--dataset", str(tmp_path)]) == 2
+    assert "is a folder; expected a .json or .jsonl file" in capsys.readouterr().err
+
+
 def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     # OpenAI's fine-tuning convention, in both formats: weight 0 is kept (not trained on), weight 1 is the default
     path = write_json(tmp_path / "w.json", [

@@ -207,6 +207,8 @@ def _decode(raw: bytes, path: Path) -> str:
 def read_json_file(path: str | os.PathLike) -> Dataset:
     """Read conversations from a .json array or .jsonl file, recovering a cut-off JSON array."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {str(path)!r} is a folder; expected a .json or .jsonl file")
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     raw = path.read_bytes()
