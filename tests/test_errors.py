@@ -338,8 +338,8 @@ def test_resume_refuses_changed_run_keys_unless_allowed_and_then_applies_them(tm
     _run(new, resume=True, allow_changes=True)
     records = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert records[4]["lr"] == pytest.approx(2e-3 * _lr_lambda(new)(5))
-    assert records[3]["lr"] == pytest.approx(1e-3 * _lr_lambda(new)(4))
+    assert records[4]["lr"] == pytest.approx(2e-3 * _lr_lambda(new)(4))  # step 5 ran at the new lr
+    assert records[3]["lr"] == pytest.approx(1e-3 * _lr_lambda(new)(3))
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
