@@ -37,7 +37,8 @@ def main(argv=None) -> int:
         existed = out_dir.exists()
         heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
         head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes, overwrite=args.overwrite)
-        print(json.dumps(summary, default=float))
+        if PartialState().is_main_process:  # one summary of the whole run (its counts summed over processes)
+            print(json.dumps(summary, default=float))
         if args.eval and PartialState().is_main_process:  # one evaluation, not one per process
             print(json.dumps(evaluate_run(cfg, head, heldout=heldout), indent=2, default=float))
     except TrainingInterrupted as e:

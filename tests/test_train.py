@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -284,8 +286,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     common = [f"target={target}", f"dataset={data}", "heldout_fraction=0.01", "steps=6", "save_every=6",
               "warmup_steps=1", "max_len=40", "lr=0.001", "noise=0.0", "device=cpu", "--report-to", "none"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
-                   check=True, env=env, capture_output=True)
+    single = subprocess.run([sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
+                            check=True, env=env, capture_output=True, text=True)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     out = subprocess.run([*launch, "train.py", f"out_dir={tmp_path / 'two'}", "grad_accum=2", *common],
                          env=env, capture_output=True, text=True)
@@ -294,6 +296,11 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     assert len(one) == len(two) == 6
     # Same conversations per optimizer step, gradients averaged across processes: the same curve up to float order.
     assert max(abs(a - b) / a for a, b in zip(one, two)) < 1e-3, (one, two)
+    # one summary, of the whole run: the token count summed over both processes (each printed its own half)
+    summaries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1 and summaries[0]["tokens"] == json.loads(single.stdout.splitlines()[-1])["tokens"]
+    saved = torch.load(tmp_path / "two" / "checkpoints" / "step-0000006" / "trainer.pt", weights_only=False)
+    assert saved["counters"]["tokens"] == summaries[0]["tokens"]
 
 
 def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():

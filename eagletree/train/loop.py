@@ -61,6 +61,16 @@ def data_fingerprint(items, store=None) -> dict:
     return {"conversations": len(ids), "ids": digest}
 
 
+def _global_counters(accelerator, counters: dict) -> dict:
+    """The counts (tokens, skipped, truncated, dropped) summed over every process (each counts its own share)."""
+    if accelerator.num_processes == 1:
+        return dict(counters)
+    keys = sorted(counters)
+    totals = accelerator.reduce(torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64,
+                                             device=accelerator.device), reduction="sum")
+    return {k: int(v) for k, v in zip(keys, totals.tolist())}
+
+
 def has_assistant_text(conversations) -> bool:
     """Whether some conversation has an assistant turn with text and not of weight 0 (the loss is on those tokens);
     items that are not chat conversations are taken as trainable."""
@@ -246,7 +256,9 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
         if changes:
             apply_changes(optimizer, scheduler, cfg)
             accelerator.print(f"resuming with changed keys: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changes.items())}")
-        step, counters = state["step"], state["counters"]
+        # the checkpoint holds the whole run's counts: the main process carries them on, the others count afresh
+        step, counters = state["step"], (state["counters"] if accelerator.is_main_process
+                                         else dict.fromkeys(state["counters"], 0))
         set_rng_state(state["rng"], noise_gen)
         if state.get("precision", precision) != precision:  # (checkpoints before the precision key record none)
             warnings.warn(f"{ckpt} was trained in {state['precision']} and continues in {precision} (precision="
@@ -343,10 +355,11 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=step)
             if step % cfg.save_every == 0 or step == end or stopping:
                 accelerator.wait_for_everyone()
+                totals = _global_counters(accelerator, counters)  # (a collective: every process takes part)
                 if accelerator.is_main_process:
                     # history first: a kill between the two leaves records past the checkpoint, which a resume drops
                     written = append_history(history_path, history, written)
-                    last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, counters,
+                    last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, totals,
                                                 noise_gen, cfg, cfg.keep_checkpoints, precision, data)
             if stopping:
                 bar.close()
@@ -355,6 +368,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                                           f"{out / 'checkpoints' / f'step-{step:07d}'}; run the same command with "
                                           "--resume to continue")
     bar.close()
+    counters = _global_counters(accelerator, counters)  # the run's, not this process's share
     if counters["tokens"] == 0 and step > 0:
         raise TrainingError(f"dataset {cfg.dataset!r}: {step} steps saw no assistant token to train on "
                             f"({counters['skipped']} conversations skipped, {counters['dropped']} dropped as longer "
