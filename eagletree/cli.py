@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json, or HEAD/copy_calibration.full-vocab"
                                                ".json when the head drafts over the full vocabulary (--draft-vocab)")
+    p.add_argument("--overwrite", action="store_true", help="replace a table that is already there")
     p.set_defaults(func="cmd_calibrate_copy")
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")

@@ -356,10 +356,15 @@ def cmd_calibrate_copy(args) -> int:
     if args.out:
         check_output_file(args.out)
     prompts = load_prompts(args.prompts)
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out!r} exists; pass --overwrite to replace it")
     model, tok, head = _load(args)
+    out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
+    if out.exists() and not args.overwrite:  # (a head's table may have taken an hour of prompts to measure)
+        raise ValueError(f"{out} holds a copy table already; pass --overwrite to replace it with this run's, or --out "
+                         "to write it elsewhere")
     calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
                                                    depth=args.depth, top_k_draft=10)
-    out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
     if not calibration.tried.sum():
         raise ValueError(f"no copied span was tried on these {len(prompts)} prompts (their answers repeated nothing "
                          f"of their context), so there is nothing to measure; {out} was left as it was. Use more or "

@@ -192,9 +192,14 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, m
     # a run that tried no copied span leaves the table as it was
     import eagletree.commands as commands
 
+    # a table already there is replaced only with --overwrite, refused before measuring
+    monkeypatch.setattr(commands, "measure_copy_calibration", lambda *a, **k: pytest.fail("measured"))
+    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts)]) == 2
+    assert f"{head_dir / COPY_CALIBRATION} holds a copy table already; pass --overwrite" in capsys.readouterr().err
     monkeypatch.setattr(commands, "measure_copy_calibration",
                         lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0}))
-    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts)]) == 2
+    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts),
+                     "--overwrite"]) == 2
     assert "no copied span was tried on these 1 prompts" in capsys.readouterr().err
     assert (head_dir / COPY_CALIBRATION).read_text() == before
 
