@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=at_least(1), default=64, help="conversations per shard")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: the config's device key, else cuda when available")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func="cmd_features")
 

@@ -390,8 +390,9 @@ def cmd_features(args) -> int:
         raise ValueError("the config has no features_dir; pass features_dir=PATH")
     check_output_folder(cfg.features_dir, "features_dir")
     check_features_dir(cfg.features_dir)  # before loading the target
-    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(args.device)) == "bf16" else torch.float32
-    model, tok = target.load_target(cfg.target, dtype=dtype, device=args.device)
+    device = args.device or cfg.device or None  # the flag, else the config's device key (as training reads it)
+    dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(device)) == "bf16" else torch.float32
+    model, tok = target.load_target(cfg.target, dtype=dtype, device=device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
     print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
                       "complete": manifest["complete"],

@@ -414,6 +414,19 @@ def test_features_refuses_a_folder_of_other_files_before_loading(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["todo.txt"]
 
 
+def test_features_loads_the_target_on_the_configs_device(monkeypatch, tmp_path, capsys):
+    seen = []
+
+    def load(spec, dtype=None, device=None):
+        seen.append(device)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("eagletree.target.load_target", load)
+    base = ["features", "--config", "configs/smollm2-135m-eagle.yaml", f"features_dir={tmp_path / 'f'}"]
+    assert main([*base, "device=cpu"]) == 2 and main([*base, "device=cpu", "--device", "meta"]) == 2
+    assert seen == ["cpu", "meta"]  # (the config's device was ignored: None, the default device)
+
+
 def test_commands_that_need_a_head_refuse_head_none_before_loading(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the target"))
     for argv in (["viz", "--prompt", "hi", "-o", str(tmp_path / "v.html")],

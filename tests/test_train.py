@@ -435,6 +435,8 @@ def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
               model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(12))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
     assert (tmp_path / "head").is_dir() and len((tmp_path / "history.jsonl").read_text().splitlines()) == 6
+    with pytest.raises(TrainingError, match="--resume continues the run in out_dir and --overwrite deletes it"):
+        train(tiny_cfg(tmp_path, steps=6), resume=True, overwrite=True, progress=False)
     with pytest.raises(TrainingError, match="report_to must be 'wandb' or 'none', got 'tensorboard'"):
         TrainConfig.from_sources(None, ["report_to=tensorboard"])
     _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),

@@ -160,6 +160,8 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
     values apply from the checkpoint's step on); keys that set the head's shape or start never change. SIGINT and
     SIGTERM stop the run after the step in progress with a checkpoint (`TrainingInterrupted`)."""
     out = Path(cfg.out_dir)  # made once the run's inputs are read, so a refused run leaves no empty folder
+    if resume and overwrite:
+        raise TrainingError("--resume continues the run in out_dir and --overwrite deletes it: pass one of them")
     if cfg.device:
         checked_device(cfg.device)  # a CUDA device on a machine without one is an error, not a CPU run
     if not cfg.features_dir and conversations is None:
