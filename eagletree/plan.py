@@ -172,7 +172,7 @@ class Plan:
     engine: str
     nodes: int  # tree nodes per pass, root included
     depth: int
-    width: int  # the largest rank of any node + 1: the top-k that drafts every planned node
+    width: int  # the top-k that drafts every planned node: its largest rank + 1, or more expanded nodes on a level
     paths: list[list[int]]  # each non-root node as its rank path from the root, e.g. [0], [1], [0, 0]
     expected_tokens: float  # per pass, averaged over every measured position
     decoded_tokens: float | None  # per pass when decoding the measured answers (passes start where one ended)
@@ -214,8 +214,10 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
     rate, tree, expected, depth, step = best
     paths = sorted(tree, key=lambda p: (len(p), p))
     # the top-k an engine must draft at for every planned node to be among its candidates: the largest rank + 1
-    # (more than the most children of one node when the chosen ranks have gaps, e.g. ranks 0, 1 and 3)
-    width = max(max(p) for p in paths) + 1
+    # (more than the most children of one node when the chosen ranks have gaps, e.g. ranks 0, 1 and 3), and at
+    # least the planned nodes of one level that have children (SGLang and EAGLE expand top-k nodes per level)
+    parents = {p[:-1] for p in paths if len(p) > 1}
+    width = max([max(p) + 1 for p in paths] + [sum(1 for q in parents if len(q) == d) for d in range(1, depth)])
     plain = 1.0 / float(profile.step_time(1, 0))
     decoded = acceptance.decoded_tokens_per_pass(set(paths))
     return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, decoded, step, rate, plain)

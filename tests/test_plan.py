@@ -133,6 +133,10 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
     gapped = best_plan(table({(0,): 50, (1,): 20, (3,): 15}, 100), flat, "sglang", 4, 1)
     assert gapped.paths == [[0], [1], [3]] and gapped.width == 4
     assert engine_config(gapped, "out", False, False)["flags"]["--speculative-eagle-topk"] == 4
+    # three nodes of level 2 with children, every rank <= 1: top-k 2 would expand only two of them
+    bushy = best_plan(table({(0,): 60, (1,): 40, (0, 0): 30, (0, 1): 25, (1, 0): 30, (0, 0, 0): 20, (0, 1, 0): 20,
+                             (1, 0, 0): 20}, 100), flat, "sglang", 9, 3)
+    assert len(bushy.paths) == 8 and max(max(p) for p in bushy.paths) == 1 and bushy.width == 3
     assert chain.expected_tokens == pytest.approx(1 + 0.60 + 0.40 + 0.25)
 
 
