@@ -240,19 +240,20 @@ def given_options(argv) -> set[str]:
     return set(vars(parser.parse_args(argv))) - {"command", "func"}
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """Warnings as the command line shows them: 'DataWarning: ...', without the source line that raised them."""
     return f"{category.__name__}: {message}\n"
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.formatwarning = _one_line_warning
     if args.command == "bench":
         args.given = given_options(argv)  # bench refuses the flags its mode does not read
-    from . import commands
-
+    shown = warnings.formatwarning  # restored after the command: main may run inside another program (or tests)
+    warnings.formatwarning = _one_line_warning
     try:
+        from . import commands  # (loads torch and transformers: seconds, so inside the Ctrl-C handling)
+
         return getattr(commands, args.func)(args)
     except (EagletreeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -260,6 +261,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what the command was writing is cleaned up on the way (files.writing)
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

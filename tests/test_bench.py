@@ -396,3 +396,5 @@ def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_befor
     assert "tree methods need a draft head" in capsys.readouterr().err and not loads  # (after loading, before)
     assert cli_main(args + ["--methods", "lookup", "--temperatures", "0,0", "-o", str(tmp_path / "c")]) == 2
     assert "--temperatures lists a temperature twice: [0.0, 0.0]" in capsys.readouterr().err and not loads
+    assert cli_main(args + ["--methods", "lookup", "--temperatures", "0,1e-30", "-o", str(tmp_path / "c")]) == 2
+    assert "--temperatures must be finite numbers, 0 or >= 1e-20" in capsys.readouterr().err and not loads

@@ -130,9 +130,8 @@ def test_hf_dataset():
     ('[{"id": "a", "conversations": "hi"}]', "the turns must be a list"),
     ('[{"id": "a", "conversations": [{"from": "human"}]}]', "expected an object with 'from' and 'value'"),
     ('{"a": 1}', r"line 1: record has no 'conversations'"),
-    ('[{"id": "a", "messages": [{"role": "user", "content": "q", "weight": 0}]}]',
-     r"turn 0: 'weight' must be 0 \(not trained on\) or 1 on an assistant turn, got 0 on a user turn"),
-    ('[{"id": "a", "messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}]', "got 0.5 on an assistant turn"),
+    ('[{"id": "a", "messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}]',
+     r"turn 0: 'weight' must be 0 \(not trained on\) or 1, got 0.5"),
 ])
 def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
     path = tmp_path / "bad.json"
@@ -158,8 +157,12 @@ def test_records_without_ids_keep_their_split_when_the_file_is_renamed_or_reorde
 def test_the_data_command_counts_a_file_and_names_bad_input(tmp_path, capsys):
     from eagletree.cli import main
 
+    import warnings
+
     path = write_json(tmp_path / "d.json", RECORDS[:3])
+    shown = warnings.formatwarning
     assert main(["data", "--dataset", str(path)]) == 0  # (printed nothing without --stats)
+    assert warnings.formatwarning is shown  # the one-line format is the command's only, not the caller's
     out = capsys.readouterr().out
     assert out.startswith(f"{path}: 3 conversations (3 for training, 0 held out at 0.04)") and "--stats" in out
     assert main(["data", "--dataset", str(path), "--heldout-fraction", "1.5"]) == 2
@@ -178,6 +181,13 @@ def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     assert data.conversations[0].messages[1] == {"role": "assistant", "content": "a", "weight": 0}
     assert data.conversations[0].messages[3] == {"role": "assistant", "content": "b"}
     assert data.conversations[1].messages == [{"role": "assistant", "content": "c", "weight": 0}]
+    # a weight on a user turn means nothing (never trained on); a file without ids whose text holds an escaped lone
+    # surrogate (scraped chats) gets an id too (its hash failed to encode)
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "q \\ud83d", "weight": 0}, '
+                    '{"role": "assistant", "content": "a"}]}\n')
+    conv = read_json_file(path).conversations[0]
+    assert conv.messages[0] == {"role": "user", "content": "q \ud83d"} and conv.id.startswith("text-")
 
 
 def test_empty_conversations_are_counted_skips(tmp_path):

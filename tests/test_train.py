@@ -44,6 +44,9 @@ def test_render_smollm2_template(smollm2):
     r = render(tok, [{"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "hi"},
                      {"role": "assistant", "content": "Sure."}])
     assert tok.decode(r.input_ids[r.loss_mask]) == "Hello! How can I help?<|im_end|>\nSure.<|im_end|>\n"
+    for text in ("end", "im", "assistant"):  # short texts that also occur in the template's markup
+        r = render(tok, [{"role": "assistant", "content": text}, {"role": "user", "content": "hi"}])
+        assert tok.decode(r.input_ids[r.loss_mask]) == f"{text}<|im_end|>\n", text
 
 
 def test_config_errors(tmp_path):
@@ -235,8 +238,10 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
     # a dataset that grew (a distill file continued) would leave its new conversations out of the finished last
     # shard, yet the cache was "complete"; one that changed would train on stale shards
     for changed in (tiny_conversations(12), convs[::-1]):
-        with pytest.raises(FeatureError, match="the dataset changed since it was cached; use another features_dir"):
+        with pytest.raises(FeatureError, match="the dataset changed since it was cached: use another features_dir"):
             cache_features(cfg, model, tok, changed, shard_size=4, progress=False)
+    with pytest.raises(FeatureError, match="shard 2: it holds 2 conversations, the data now puts 4 there"):
+        cache_features(cfg, model, tok, tiny_conversations(12), shard_size=4, progress=False)
     monkeypatch.undo()
 
     offline, _ = train(cfg, model_and_tokenizer=(model, tok), progress=False)

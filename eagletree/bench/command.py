@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 
+from ..decoding import MIN_TEMPERATURE
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
@@ -42,8 +43,8 @@ def main(args) -> int:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     budgets = parse_list(pick("budgets"), int, "budgets")
     temperatures = parse_list(pick("temperatures"), float, "temperatures")
-    if any(not t >= 0 or t == float("inf") for t in temperatures):  # (NaN fails every comparison)
-        raise ValueError(f"--temperatures must be finite numbers >= 0, got {temperatures}")
+    if any(not t >= 0 or t == float("inf") or 0 < t < MIN_TEMPERATURE for t in temperatures):  # (NaN fails all)
+        raise ValueError(f"--temperatures must be finite numbers, 0 or >= {MIN_TEMPERATURE:g}, got {temperatures}")
     if len(set(temperatures)) < len(temperatures):
         raise ValueError(f"--temperatures lists a temperature twice: {temperatures}")
     methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)

@@ -96,10 +96,9 @@ def to_messages(record, where: str) -> list[dict] | None:
         message = {"role": role, "content": content}
         if "weight" in turn:  # OpenAI's fine-tuning convention: an assistant turn of weight 0 is context only
             weight = turn["weight"]
-            if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
-                raise DataError(f"{where}, turn {t}: 'weight' must be 0 (not trained on) or 1 on an assistant turn, "
-                                f"got {weight!r} on {'an' if role == 'assistant' else 'a'} {role} turn")
-            if weight == 0:
+            if isinstance(weight, bool) or weight not in (0, 1):
+                raise DataError(f"{where}, turn {t}: 'weight' must be 0 (not trained on) or 1, got {weight!r}")
+            if weight == 0 and role == "assistant":  # (other turns are never trained on)
                 message["weight"] = 0
         messages.append(message)
     return messages
@@ -117,7 +116,7 @@ def _collect(records, name_of) -> tuple[list[Conversation], int]:
             conv_id = str(record["id"])
         else:  # from the text, not the file's name or the record's place: renaming or reordering the file, or
             # adding records, keeps every conversation on its side of the held-out split
-            text = json.dumps(messages, ensure_ascii=False, sort_keys=True).encode("utf-8")
+            text = json.dumps(messages, sort_keys=True).encode("ascii")  # (escaped: lone surrogates too)
             conv_id = f"text-{hashlib.sha256(text).hexdigest()[:20]}"
         conversations.append(Conversation(conv_id, messages))
     return conversations, empty

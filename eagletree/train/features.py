@@ -64,14 +64,19 @@ def check_shards_match(folder, written: list[dict], planned: list[list[str]]) ->
     """FeatureError unless every shard already written holds the conversations the data puts there now: a dataset
     that grew, shrank or changed since would otherwise leave conversations out, or train on stale ones."""
     for shard in written:
-        k = shard["index"]
+        k, held = shard["index"], shard["conversations"]
         now = planned[k] if k < len(planned) else []
-        if shard["conversations"] != now:
-            gone = [c for c in shard["conversations"] if c not in now][:3]
-            raise FeatureError(f"{folder}: shard {k} holds {len(shard['conversations'])} conversations "
-                               f"({', '.join(map(str, gone)) or 'in another order'}{' ...' if len(gone) == 3 else ''} "
-                               f"not among the {len(now)} the data puts there now): the dataset changed since it was "
-                               "cached; use another features_dir")
+        if held != now:
+            gone = [c for c in held if c not in now]
+            if gone:
+                how = f"{len(gone)} of its conversations ({', '.join(map(str, gone[:3]))}{', ...' if len(gone) > 3 else ''}) " \
+                      "are no longer there in the data"
+            elif len(held) != len(now):
+                how = f"it holds {len(held)} conversations, the data now puts {len(now)} there"
+            else:
+                how = "the data now puts its conversations in another order"
+            raise FeatureError(f"{folder}: shard {k}: {how}; the dataset changed since it was cached: use another "
+                               "features_dir")
 
 
 def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,

@@ -16,9 +16,9 @@ import torch
 from ..errors import EagletreeError
 
 
-# Bumped when the loss masks change (2: an opening assistant turn's mask starts at its text), so that caches
-# holding masks (the features cache) are made again rather than mixed.
-MASK_VERSION = 2
+# Bumped when the loss masks change (2: an opening assistant turn's mask starts at its text; 3: assistant turns of
+# weight 0 are left out), so that caches holding masks (the features cache) are made again rather than mixed.
+MASK_VERSION = 3
 
 
 class RenderError(EagletreeError, ValueError):
@@ -36,17 +36,20 @@ def _render(tokenizer, messages, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _first_turn_start(through: str, message: dict) -> int:
+def _first_turn_start(tokenizer, through: str, message: dict) -> int:
     """Where an assistant turn that opens the conversation starts in its rendering: at its text, after whatever
     the template puts before it (a default system prompt, the assistant header), which is not the answer's.
-    Templates refuse an empty conversation, so there is no rendering "up to" this turn to compare with."""
+    Templates refuse an empty conversation, so there is no rendering "up to" this turn to compare with; the turn
+    rendered with a placeholder for its text shows where the text goes."""
     content = message.get("content")
     text = content.strip() if isinstance(content, str) else ""
     if not text:
         return len(through)  # nothing to learn from an empty turn
-    at = through.rfind(text)
-    if at < 0:
-        raise RenderError("the chat template does not render the opening assistant turn's text as it is")
+    marker = "\u2063eagletree-turn-text\u2063"  # (invisible separators: no template writes this itself)
+    at = _render(tokenizer, [dict(message, content=marker)], False).find(marker)
+    if at < 0 or not through[at:].lstrip().startswith(text):
+        raise RenderError("the chat template does not render the opening assistant turn's text where its content "
+                          "goes")
     return at
 
 
@@ -69,7 +72,7 @@ def render(tokenizer, messages: list[dict], max_len: int | None = None) -> Rende
                     raise RenderError(f"the chat template does not render turn {i} as a prefix of the conversation")
                 start = len(before)
             else:
-                start = _first_turn_start(through, m)
+                start = _first_turn_start(tokenizer, through, m)
             spans.append((start, len(through)))
     except RenderError:
         raise
