@@ -235,6 +235,13 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     assert tree["speedup_same_kernels"]["median"] > 0 and data["results"][0]["speedup_same_kernels"] is None
     assert data["settings"]["kernels"]["kernels"] == "packed"
     assert "speedup vs plain, same kernels" in (out / "results.md").read_text()
+    # 'packed' listed after a tree method still runs first: the tree row's same-kernels speedup is against it
+    # (it was against stock plain decoding, the kernels' own gain included)
+    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"),
+                     "--methods", "eagle2,packed", "--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6",
+                     "-o", str(tmp_path / "out2"), "--pack", "on"]) == 0
+    again = json.loads((tmp_path / "out2" / "results.json").read_text())
+    assert [r["label"] for r in again["results"]] == ["plain", "packed", "eagle2 4"]
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():

@@ -56,9 +56,10 @@ def main(args) -> int:
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
     model, tok, head, packed = load_models(args.target, head_dir, device=args.device, dtype=args.dtype,
                                            pack=args.pack, head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
-    if packed:
-        if not any(m.name == "packed" for m in methods):
-            methods = [Method("packed")] + methods  # so the kernels' share of each speedup shows
+    if packed or is_packed(model):
+        # first, so that every tree row's same-kernels speedup is against it (a row before it was compared with
+        # stock plain decoding, the kernels' own gain included), and added when not listed
+        methods = [Method("packed")] + [m for m in methods if m.name != "packed"]
     elif any(m.name == "packed" for m in methods):
         raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
                          "drop it or pass --pack on/auto on a CPU")
