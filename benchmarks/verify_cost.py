@@ -7,9 +7,9 @@
 
 Every N is measured round-robin in the same loop, so machine noise hits all of them alike; the
 table reports medians. Overhead = mask + acceptance + KV commit, as a fraction of the target pass. With the target's
-Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) the same sizes are then
-measured again with the stock kernels (a second round-robin run, right after the first), and a
-column compares each pass with a stock one-token pass.
+Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) every N is also measured with the
+stock kernels in the same loop (the two kernels' order alternating from round to round), and a column
+compares each pass with a stock one-token pass. N = 1 is always measured: it is the base of the ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from eagletree.bench import build_config, parse_list, random_target
+from eagletree.cli import at_least
 from eagletree.loading import load_models
 from eagletree.packing import pack_target, packing_problem, stock_kernels
 from eagletree.verify.profile import measure_verify
@@ -44,7 +45,7 @@ def main(argv=None):
     ap.add_argument("--prefix", type=int, default=256, help="committed context length before the tree")
     ap.add_argument("--sizes", default="1,4,8,16,32,64,128")
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--reps", type=at_least(1), default=12)
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
                     help="pack the target's Linears for oneDNN (CPU) at every size, to compare with the stock "
                          "kernels; auto = where it can")
@@ -52,17 +53,19 @@ def main(argv=None):
 
     model, name = load(args)
     device = next(model.parameters()).device
-    sizes = parse_list(args.sizes, int, "sizes")
+    sizes = sorted({1, *parse_list(args.sizes, int, "sizes")})  # t(1): the base of the ratios
+    if sizes[0] < 1:
+        raise SystemExit(f"--sizes must be tree sizes >= 1, got {args.sizes}")
     packed = pack_target(model, "on" if args.pack == "auto" and not packing_problem(model) else args.pack) > 0
-    runs = {}
-    for kernels in (["packed"] if packed else []) + ["stock"]:
-        with stock_kernels(model) if kernels == "stock" else nullcontext():
-            runs[kernels] = measure_verify(model, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps)
-    stock_one = runs["stock"][sizes[0]]["forward"]
+    variants = {"packed": nullcontext} if packed else {}
+    variants["stock"] = lambda: stock_kernels(model)
+    runs = measure_verify(model, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps, variants=variants)
+    stock_one = runs["stock"][1]["forward"]
     for kernels, med in runs.items():
-        base = med[sizes[0]]["forward"]
+        base = med[1]["forward"]
         print(f"\nverify pass on {name}, {device.type}, {model.dtype}, {kernels} kernels, prefix {args.prefix}, "
-              f"depth <= {args.depth}, median of {args.reps} round-robin reps")
+              f"depth <= {args.depth}, median of {args.reps} round-robin reps"
+              + (", both kernels in the same loop" if packed else ""))
         print("| N | forward ms | t(N)/t(1) | t(N) / stock t(1) | mask ms | accept ms (greedy) | accept ms (T=1) "
               "| commit ms | overhead greedy | overhead T=1 |")
         print("|---|---|---|---|---|---|---|---|---|---|")

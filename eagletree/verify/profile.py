@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 from tqdm import tqdm
@@ -36,41 +37,49 @@ def _sync(device):
 
 
 def measure_verify(model, sizes=(1, 4, 8, 16, 32, 64, 128), prefix: int = 256, depth: int = 6, reps: int = 10,
-                   seed: int = 0, progress: bool = True) -> dict[int, dict[str, float]]:
+                   seed: int = 0, progress: bool = True, variants: dict | None = None) -> dict:
     """Median seconds per component (mask, forward, greedy/T=1 acceptance, KV commit) for each N.
 
     All sizes are measured round-robin in one loop after one warm-up round, so machine noise
-    hits them alike.
+    hits them alike. `variants` ({name: a callable returning a context manager}, e.g. the stock kernels) measures
+    each size under every variant in the same loop, their order alternating from round to round; the result is
+    then {name: {N: medians}}.
     """
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     cache = new_cache(model)
     prefill(model, cache, torch.randint(vocab, (prefix,), generator=g).to(device))
     trees = {n: synthetic_tree(n, min(depth, n - 1), vocab, g).to(device) for n in sizes}
-    times = {n: {c: [] for c in COLUMNS} for n in sizes}
+    names = list(variants) if variants else [None]
+    times = {(v, n): {c: [] for c in COLUMNS} for v in names for n in sizes}
     sampler = torch.Generator().manual_seed(seed + 1)
     for rep in tqdm(range(reps + 1), desc=f"verify cost ({device.type})", disable=not progress):
-        for n in sizes:
-            tree = trees[n]
-            stamps = [time.perf_counter()]
-            allowed, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
-            _sync(device)
-            stamps.append(time.perf_counter())
-            out = tree_forward(model, tree.tokens[None], cache, allowed, positions)
-            _sync(device)
-            stamps.append(time.perf_counter())
-            accepted, _ = accept_tree(tree, out.logits[0])
-            _sync(device)
-            stamps.append(time.perf_counter())
-            accept_tree(tree, out.logits[0], temperature=1.0, generator=sampler)
-            _sync(device)
-            stamps.append(time.perf_counter())
-            commit(cache, prefix, accepted)
-            _sync(device)
-            stamps.append(time.perf_counter())
-            truncate_cache(cache, prefix)
-            if rep:  # round 0 warms up
-                for c, a, b in zip(COLUMNS, stamps, stamps[1:]):
-                    times[n][c].append(b - a)
-    return {n: {c: statistics.median(v) for c, v in times[n].items()} for n in sizes}
+        for v in (names if rep % 2 else names[::-1]):
+            with variants[v]() if variants else nullcontext():
+                for n in sizes:
+                    tree = trees[n]
+                    stamps = [time.perf_counter()]
+                    allowed, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    out = tree_forward(model, tree.tokens[None], cache, allowed, positions)
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    accepted, _ = accept_tree(tree, out.logits[0])
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    accept_tree(tree, out.logits[0], temperature=1.0, generator=sampler)
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    commit(cache, prefix, accepted)
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    truncate_cache(cache, prefix)
+                    if rep:  # round 0 warms up
+                        for c, a, b in zip(COLUMNS, stamps, stamps[1:]):
+                            times[(v, n)][c].append(b - a)
+    medians = {v: {n: {c: statistics.median(x) for c, x in times[(v, n)].items()} for n in sizes} for v in names}
+    return medians if variants else medians[None]
