@@ -4,8 +4,11 @@ Python/tensor bookkeeping, and the tree search's top-k and bookkeeping, measured
     .venv/bin/python benchmarks/draft_cost.py                      # shipped head, CLI defaults (bf16 head, --pack auto)
     .venv/bin/python benchmarks/draft_cost.py --tree eagle2 --budget 8 --prompts heldout:4
 
-Per level = per drafter call during tree search (level 1 reuses the root distribution and is counted apart);
-the catch-up call on committed tokens (`extend`) is reported per decoding step. Medians over prompts.
+Per level = per drafter call during tree search (level 1 reuses the root distribution, so it makes no call; the
+search's work on it is spread over the calls, so the parts add up to "one level in all"); the catch-up call on
+committed tokens (`extend`) is reported per decoding step, and drafting per step = levels x one level + the
+catch-up. Medians over the prompts that drafted at least one level (a prompt answered at once, or `auto`
+drafting nothing, has no level to measure).
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ def main(argv=None):
     ap.add_argument("--tree", default="eagle2")
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 2 (one token drafts no level)")
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--draft-vocab", default="head", choices=["head", "full"],
                     help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)")
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 2:
+        ap.error(f"--max-new-tokens must be >= 2 (one token drafts no level), got {args.max_new_tokens}")
 
     try:
         head_dir = head_to_load(args.target, args.head)
@@ -78,7 +83,7 @@ def main(argv=None):
         return out
 
     TreeDrafter.__call__, TreeDrafter.extend = call, extend
-    rows = []
+    rows, skipped = [], 0
     for messages in load_prompts(args.prompts):
         for k in clock:
             clock[k] = 0.0
@@ -87,24 +92,33 @@ def main(argv=None):
         for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, tree=args.tree,
                               budget=args.budget, depth=args.depth, stats=stats):
             pass
-        levels = max(counts["call"], 1)
+        levels = counts["call"]
+        if not levels or not stats.passes:
+            skipped += 1
+            continue
         rows.append({"head": clock["head"] / levels, "lm": clock["lm"] / levels,
                      "drafter_other": (clock["call"] - clock["head"] - clock["lm"]) / levels,
-                     "search": stats.times["search"] / max(levels + stats.passes, 1),
+                     "search": stats.times["search"] / levels,
                      "level": (clock["call"] + stats.times["search"]) / levels,
                      "extend": clock["extend"] / max(counts["extend"], 1),
+                     "step": (clock["call"] + stats.times["search"] + clock["extend"]) / stats.passes,
                      "verify_one": stats.times["verify"] / stats.passes,
                      "levels_per_pass": counts["call"] / stats.passes})
         timers.append(stats.passes)
+    if not rows:
+        raise SystemExit("no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
+                         "nothing to measure; use other prompts or more --max-new-tokens")
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
           f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
-          f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}")
+          f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
+          + (f" ({skipped} prompts drafted no level and are left out)" if skipped else ""))
     print("| per drafting level, ms (median over prompts) | |\n|---|---|")
     for key, label in (("head", "head layer (fc + decoder layer)"), ("lm", "lm_head slice + softmax"),
                        ("drafter_other", "drafter bookkeeping (masks, slots, gathers)"),
                        ("search", "tree search (top-k, ranking, bookkeeping) per level"),
                        ("level", "one level in all"), ("extend", "catch-up call per step (committed tokens)"),
+                       ("step", "drafting and search per step (levels + catch-up)"),
                        ("verify_one", "verify pass per step (for scale)")):
         print(f"| {label} | {med[key] * 1e3:.2f} |")
     print(f"| levels per pass | {med['levels_per_pass']:.2f} |")
