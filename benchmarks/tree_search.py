@@ -25,6 +25,7 @@ from tqdm import tqdm
 from eagletree.bench import TimedDrafter, sharegpt_heldout
 from eagletree.decoding import decode_steps
 from eagletree.loading import load_models
+from eagletree.packing import kernels_used
 from eagletree.train.evaluate import heldout_prompts
 from eagletree.tree_search import (
     chain_shape, eagle2_search, optimal_search, path_expand, sequoia_tree, static_search,
@@ -51,7 +52,8 @@ def accept_by_rank(steps: int, k: int = 10) -> list[float]:
 
 def record_real(args, shapes):
     """Per decoding step of real greedy decoding: every method's tree from the same head state."""
-    model, tok, head, _ = load_models(args.target, args.head, head_dtype=None)  # the head in its saved precision
+    # the head in its saved precision; the target's kernels as the CLI runs them (--pack auto)
+    model, tok, head, _ = load_models(args.target, args.head, head_dtype=None, pack="auto")
     expected, search_s, draft_s = {}, {}, {}
 
     def inspect(drafter, root):
@@ -69,7 +71,7 @@ def record_real(args, shapes):
         for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, inspect_step=inspect):
             pass
     verify = measure_verify(model, BUDGETS, reps=4, progress=False)
-    return expected, search_s, draft_s, verify
+    return expected, search_s, draft_s, verify, kernels_used(model)["kernels"]
 
 
 def builders(b, shapes, args, token_map=None):
@@ -100,11 +102,11 @@ def main(argv=None):
     shapes = {b: sequoia_tree(ranks, b, args.depth) for b in BUDGETS}
     methods = ("chain", "sequoia", "eagle2", "optimal")
     if args.synthetic:
-        expected, search_s, draft_s, verify = record_synthetic(args, shapes), {}, {}, {}
+        expected, search_s, draft_s, verify, kernels = record_synthetic(args, shapes), {}, {}, {}, None
         expected, search_s = expected
         source = f"{args.steps} synthetic steps"
     else:
-        expected, search_s, draft_s, verify = record_real(args, shapes)
+        expected, search_s, draft_s, verify, kernels = record_real(args, shapes)
         source = (f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, "
                   f"head {args.head})")
 
@@ -119,7 +121,7 @@ def main(argv=None):
         print(f"| {b} | {row} | {float(short.float().mean()):.0%} | {gap:.2%} |")
 
     print("\nper step, ms (median): tree search (batched form, head calls excluded) / drafting (head calls)"
-          + (" and the verify pass of that many nodes" if verify else ""))
+          + (f" and the verify pass of that many nodes ({kernels} kernels, as the CLI runs them)" if verify else ""))
     print("| budget | " + " | ".join(methods) + (" | verify pass |" if verify else " |"))
     print("|---|" + "---|" * (len(methods) + (1 if verify else 0)))
     for b in BUDGETS:
