@@ -47,8 +47,10 @@ def main(argv=None) -> int:
                     help="N held-out ShareGPT prompts, mtbench[:N], humaneval[:N] or humaneval:A-B")
     ap.add_argument("--copy", default="off", choices=["off", "on", "both"],
                     help="copied spans in the tree: off (the head alone), on, or both (each head twice)")
-    ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts")
-    ap.add_argument("--skip-prompts", type=int, default=30, help="then this many prompts skipped (the evaluation's)")
+    ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts (N "
+                                                            "held-out prompts only)")
+    ap.add_argument("--skip-prompts", type=int, default=30, help="then this many prompts skipped (the evaluation's; N "
+                                                                 "held-out prompts only)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=60)
     ap.add_argument("--depth", type=int, default=6)
@@ -136,6 +138,9 @@ def main(argv=None) -> int:
                                                                          "target", "temperature", "seed", "tree")}
         if not sampled:
             same.pop("seed")  # greedy decoding does not use it
+        if benchmark is not None:  # MT-bench, HumanEval or a file: the held-out offsets choose nothing
+            same.pop("offset")
+            same.pop("skip_prompts")
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
