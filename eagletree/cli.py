@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training config's heldout_fraction (held-out prompts are never answered)")
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")
     p.add_argument("--limit", type=at_least(0), default=0, help="answer the first N prompts --turns picks (0 = "
-                   "all; with first turns, the first N conversations'; those --skip-answered leaves out count toward N)")
+                   "all; with first turns, the first N conversations'; those --skip-answered leaves out count "
+                   "toward N)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=320)
     p.add_argument("--skip-answered", action="append", default=[], metavar="JSONL",
                    help="leave out prompts this other distill file answers (e.g. one made with another "

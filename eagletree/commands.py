@@ -53,6 +53,13 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _refuse_head_none(args, command: str, why: str) -> None:
+    """ValueError before loading when a command that needs a draft head is given --head none."""
+    if args.head == "none":
+        raise ValueError(f"--head none: {command} {why}; pass a head folder, or leave --head out for the target's "
+                         "shipped head")
+
+
 def _load(args):
     """Target, tokenizer and head from --target/--head (the shipped head by default)."""
     options = _options(args) if hasattr(args, "tree") else {}
@@ -251,9 +258,7 @@ def cmd_viz(args) -> int:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give the text to answer")
     check_output_file(args.output, "-o/--output")  # before the work
-    if args.head == "none":
-        raise ValueError("--head none: viz shows the tree a draft head drafts; pass a head folder, or leave --head "
-                         "out for the target's shipped head")
+    _refuse_head_none(args, "viz", "shows the tree a draft head drafts")
     model, tok, head = _load(args)
     options = _options(args)
     search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
@@ -318,9 +323,7 @@ def cmd_plan(args) -> int:
             raise ValueError(f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes "
                              f"it)") from None
     check_output_file(args.out, "-o/--out")
-    if args.head == "none":
-        raise ValueError("--head none: plan chooses a tree for a draft head; pass a head folder, or leave --head out "
-                         "for the target's shipped head")
+    _refuse_head_none(args, "plan", "chooses a tree for a draft head")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)
     measure, check = split_prompts(prompts)
@@ -346,9 +349,7 @@ def cmd_plan(args) -> int:
 def cmd_calibrate_copy(args) -> int:
     """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
     check_options(cli=True, max_new_tokens=args.max_new_tokens, budget=args.budget, depth=args.depth)
-    if args.head == "none":
-        raise ValueError("--head none: calibrate-copy measures the copied spans next to a head's candidates; "
-                         "pass a head folder")
+    _refuse_head_none(args, "calibrate-copy", "measures the copied spans next to a head's candidates")
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 2), ("--budget", args.budget, 2)):
         if value < least:  # fewer would try no copied span, and the table would be replaced by an uninformed one
             raise ValueError(f"{flag} must be >= {least} for calibrate-copy (a copied span needs room to be tried), "

@@ -87,6 +87,10 @@ class KernelChoice:
         """Per measured size: whether the packed kernel was faster."""
         return [p < s for p, s in zip(self.packed_s, self.stock_s)]
 
+    def packs(self, x: torch.Tensor) -> bool:
+        """The decision for a product with input `x` ([..., in]): by its rows, as `use_packed`."""
+        return self.use_packed(x.numel() // max(x.shape[-1], 1))
+
     def use_packed(self, rows: int) -> bool:
         """The decision for a product of `rows` rows: that of the smallest measured size >= rows (the largest's
         beyond it, e.g. a prefill)."""
@@ -129,7 +133,7 @@ class PackedLinear(nn.Linear):
                 or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)
-        if self.choice is not None and not self.choice.use_packed(x.numel() // max(x.shape[-1], 1)):
+        if self.choice is not None and not self.choice.packs(x):
             return F.linear(x, w, self.bias)
         if weight_key(w) != self._packed_key:
             self._pack()

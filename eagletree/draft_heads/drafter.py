@@ -94,8 +94,7 @@ class TreeDrafter:
         if self.own_lm_head:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
         hidden = hidden.to(self.lm_weight.dtype)
-        rows = hidden.numel() // max(hidden.shape[-1], 1)
-        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.use_packed(rows)):
+        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.packs(hidden)):
             logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
         else:
             logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)

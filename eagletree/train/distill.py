@@ -198,8 +198,8 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     "weight": 0 (context: training learns the target's own answer only). A file holds answers made one way
     (target, precision, temperature, max_new_tokens, seed): resuming with other settings is an error. `limit`
     takes the first N prompts `turns` picks (0 = all; with "first", the first N conversations'); those answered
-    in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts outside min_prompt_tokens..max_prompt_tokens are skipped (counted).
-    Returns counts.
+    in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts
+    outside min_prompt_tokens..max_prompt_tokens are skipped (counted). Returns counts.
     """
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("batch_size", batch_size, 1), ("limit", limit, 0),

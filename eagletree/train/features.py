@@ -69,8 +69,8 @@ def check_shards_match(folder, written: list[dict], planned: list[list[str]]) ->
         if held != now:
             gone = [c for c in held if c not in now]
             if gone:
-                how = f"{len(gone)} of its conversations ({', '.join(map(str, gone[:3]))}{', ...' if len(gone) > 3 else ''}) " \
-                      "are no longer there in the data"
+                named = ", ".join(map(str, gone[:3])) + (", ..." if len(gone) > 3 else "")
+                how = f"{len(gone)} of its conversations ({named}) are no longer there in the data"
             elif len(held) != len(now):
                 how = f"it holds {len(held)} conversations, the data now puts {len(now)} there"
             else:

@@ -3,8 +3,9 @@
 The mask comes from the rendering itself: the text of the conversation up to each assistant turn
 (with the generation prompt) and through it are both prefixes of the full rendering, so the
 characters between them are that assistant turn (a conversation that opens with an assistant turn:
-from that turn's text on, not the system prompt or header the template puts before it). Token offsets map characters to tokens. No
-separator strings are hard-coded, so any tokenizer with a chat template works.
+from that turn's text on, not the system prompt or header the template puts before it; assistant turns of
+weight 0 are context). Token offsets map characters to tokens. No separator strings are hard-coded, so any
+tokenizer with a chat template works.
 """
 
 from __future__ import annotations
