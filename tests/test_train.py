@@ -487,6 +487,30 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
         assert (a - b).abs().max() <= 1e-6, name
 
 
+def test_a_signal_during_the_last_step_still_writes_the_head(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from eagletree.draft_heads import EagleHead
+
+    straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
+    real, calls = EagleHead.training_loss, {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 15:  # step 8's first micro-batch: the last step
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EagleHead, "training_loss", interrupted)
+    head, summary = run(tiny_cfg(tmp_path / "b", save_every=100))
+    assert calls["n"] == 16 and summary["steps"] == 8
+    assert (tmp_path / "b" / "head" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step-0000008"]
+    for (name, a), (_, b) in zip(straight.state_dict().items(), head.state_dict().items()):
+        assert (a - b).abs().max() <= 1e-6, name
+
+
 def test_resume_sets_a_damaged_checkpoint_aside_and_keeps_the_head_defining_keys(tmp_path, capsys):
     run(tiny_cfg(tmp_path, steps=8, stop_after=6, keep_checkpoints=2))
     (tmp_path / "checkpoints" / "step-0000006" / "trainer.pt").write_bytes(b"cut")

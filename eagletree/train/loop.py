@@ -363,7 +363,7 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                     written = append_history(history_path, history, written)
                     last_ckpt = save_checkpoint(out, accelerator.unwrap_model(head), optimizer, scheduler, step, totals,
                                                 noise_gen, cfg, cfg.keep_checkpoints, precision, data)
-            if stopping:
+            if stopping and step < end:  # at the last step the run is done: the head is written as usual
                 bar.close()
                 name = signal.Signals(signals[0]).name if signals else "a signal to another process"
                 raise TrainingInterrupted(f"interrupted by {name} after step {step} of {cfg.steps}: saved "
