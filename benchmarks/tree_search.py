@@ -90,13 +90,22 @@ def main(argv=None):
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--steps", type=int, default=200, help="synthetic steps (without --head)")
+    ap.add_argument("--steps", type=int, default=None, help="synthetic steps (--synthetic only; default 200)")
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--synthetic", action="store_true", help="random draft distributions instead of a head")
     args = ap.parse_args(argv)
     if not args.synthetic and not args.head:
         ap.error("pass --head DIR (real draft distributions) or --synthetic")
+    if args.synthetic and args.head:
+        ap.error("--head and --synthetic exclude each other: real draft distributions or random ones")
+    if args.head and args.steps is not None:
+        ap.error("--steps counts synthetic steps; with --head the steps are those of decoding --prompts prompts")
+    for name in ("prompts", "max_new_tokens", "steps", "depth", "top_k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    args.steps = 200 if args.steps is None else args.steps
 
     ranks = accept_by_rank(200, args.top_k)  # Sequoia's per-rank acceptance estimate
     shapes = {b: sequoia_tree(ranks, b, args.depth) for b in BUDGETS}
