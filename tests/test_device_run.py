@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,13 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
     other.chat_template = "{{ messages }}"
     with pytest.raises(DataError, match="made with tokenizer .* pack it again"):
         pretokenized.load(path, other)
+    old = tmp_path / "old.npz"  # written before the loss masks changed (version 3 starts them at the answer's text)
+    header.pop("masks")
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files} | {"header": np.array(json.dumps(header))}
+    np.savez_compressed(old, **arrays)
+    with pytest.raises(DataError, match=r"old.npz: made with no loss-mask version .* renders version \d+ .* pack it again"):
+        pretokenized.load(old, tok)
     cut = tmp_path / "cut.npz"
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(DataError, match="cut.npz"):

