@@ -164,12 +164,13 @@ def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
 
     An existing `final` is replaced as a whole; with `keep_others` its entries that `tmp` does not hold are
     carried over (hard links, so no copy), i.e. only the files written in `tmp` are replaced. `final` is
-    never missing or half-written: the two folders are swapped atomically where the kernel can (Linux
-    renameat2), else by two renames in a row.
+    never missing or half-written: `tmp`'s files are flushed to disk first, then the two folders are swapped
+    atomically where the kernel can (Linux renameat2), else by two renames in a row.
     """
     tmp, final = Path(tmp), Path(os.path.abspath(final))
     try:
         follow_umask(tmp)
+        sync_tree(tmp)
         if not final.exists():
             os.replace(tmp, final)
             return final
@@ -193,6 +194,22 @@ def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sync_tree(folder: Path) -> None:
+    """Flush every file under `folder`, and the folders themselves, to disk: before a rename publishes it, so
+    that a power loss cannot leave a published folder with files the disk never received."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _link_copy(src: Path, dst: Path) -> None:

@@ -144,6 +144,26 @@ def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
         os.umask(old)
 
 
+def test_a_published_folder_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """Heads, exports and checkpoints are published by a rename; their files are flushed (fsync) before it, so a
+    power loss cannot leave the new name over files the disk never received."""
+    from eagletree import files
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: renamed.append((str(a), len(synced))) or real_replace(a, b))
+    with files.building(tmp_path / "out") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "model.safetensors").write_bytes(b"x" * 100)
+        (tmp / "sub" / "config.json").write_text("{}")
+    files.publish(tmp, tmp_path / "out")
+    assert renamed == [(str(tmp), len(synced))]  # one rename, after every flush
+    assert sorted(synced) == sorted(str(p) for p in (tmp, tmp / "sub", tmp / "model.safetensors",
+                                                     tmp / "sub" / "config.json"))
+    assert (tmp_path / "out" / "sub" / "config.json").read_text() == "{}"
+
+
 KILLED_WRITER = """
 import os, sys
 from eagletree.files import building

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EagletreeError
-from ..files import follow_umask, partial_path, remove_stale_partials
+from ..files import follow_umask, partial_path, remove_stale_partials, sync_tree
 from .attention import use_gqa_sdpa
 
 ALIASES = {
@@ -121,6 +121,7 @@ def gguf_to_folder(gguf_path: Path) -> Path:
         # The marker is written last inside the temporary folder; the rename publishes both at once.
         (tmp / _CACHE_COMPLETE).write_text(json.dumps({"source": str(gguf_path)}))
         follow_umask(tmp)
+        sync_tree(tmp)  # on disk before the rename publishes the marker with it
         if final.is_dir() and not (final / _CACHE_COMPLETE).is_file():
             # a folder there without the marker was never finished by this code (or its marker was deleted):
             # the new conversion replaces it (the rename onto a non-empty folder would fail on every run)
