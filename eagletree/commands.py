@@ -195,6 +195,8 @@ def cmd_generate(args) -> int:
     result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
         args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
     result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
+    if head is not None:  # the drafter's: the target's choice, or its own where it drafts in another precision
+        result["draft_kernels"] = kernels_used(head)
     if args.compare_plain:
         compare_plain(result, model, tok, messages, args)
     if args.json:

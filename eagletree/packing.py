@@ -238,15 +238,16 @@ def machine_key(model) -> str:
             f"-torch{torch_version}")
 
 
-def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4) -> KernelChoice:
+def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, extra=()) -> KernelChoice:
     """Seconds of the packed model's Linears per pass, stock vs packed kernel, at each row count.
 
     Times every `sample`-th Linear (and the largest one, the output layer), scaled to the whole model by
     parameter count: all decoder layers have the same shapes, and the sampled weights still stream from
-    memory as in a real pass. One warm-up round, then `reps` rounds; each round measures every size with
-    both kernels (their order alternating), so machine noise hits them alike; the fastest round is kept
-    (the kernel's own speed; a busy machine only adds time). Attention and the rest of a pass do not
-    depend on the kernel, so only the Linears are timed.
+    memory as in a real pass. `extra`: (weight, bias) products timed in full besides the Linears (a drafter's
+    lm_head slice, not a module of its own). One warm-up round, then `reps` rounds; each round measures every
+    size with both kernels (their order alternating), so machine noise hits them alike; the fastest round is
+    kept (the kernel's own speed; a busy machine only adds time). Attention and the rest of a pass do not
+    depend on the kernel, so only the products are timed.
     """
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
@@ -257,26 +258,32 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4) -
     scale = sum(m.weight.numel() for m in linears) / sum(m.weight.numel() for m in timed)
     sizes = sorted(set(int(n) for n in sizes))
     dtype = linears[0].weight.dtype
-    g = torch.Generator().manual_seed(0)
-    inputs = {(n, k): torch.randn(n, k, generator=g).to(dtype) for n in sizes for k in {m.in_features for m in timed}}
-    times = {(n, kernel): [] for n in sizes for kernel in ("stock", "packed")}
-    t0 = time.perf_counter()
     with torch.inference_mode():
         for m in timed:
             if weight_key(m.weight) != m._packed_key:
                 m._pack()
+        # (weight, packed weight, bias, factor): the sampled Linears stand for all of them, the extras for themselves
+        products = [(m.weight, m.packed, m.bias, scale) for m in timed]
+        products += [(w.to(dtype), pack_weight(w.to(dtype)), None if b is None else b.to(dtype), 1.0) for w, b in extra]
+    g = torch.Generator().manual_seed(0)
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], generator=g).to(dtype) for n in sizes for w, *_ in products}
+    times = {(n, kernel): [] for n in sizes for kernel in ("stock", "packed")}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
         for rep in range(reps + 1):
             for n in sizes:
                 for kernel in (("stock", "packed") if rep % 2 else ("packed", "stock")):
-                    start = time.perf_counter()
-                    for m in timed:
-                        x = inputs[(n, m.in_features)]
+                    total = 0.0
+                    for weight, packed, bias, factor in products:
+                        x = inputs[(n, weight.shape[1])]
+                        start = time.perf_counter()
                         if kernel == "stock":
-                            F.linear(x, m.weight, m.bias)
+                            F.linear(x, weight, bias)
                         else:
-                            packed_linear(x, m.packed, m.bias)
+                            packed_linear(x, packed, bias)
+                        total += (time.perf_counter() - start) * factor
                     if rep:  # round 0 warms up
-                        times[(n, kernel)].append((time.perf_counter() - start) * scale)
+                        times[(n, kernel)].append(total)
     return KernelChoice(sizes, [min(times[(n, "stock")]) for n in sizes], [min(times[(n, "packed")]) for n in sizes],
                         machine_key(model), time.perf_counter() - t0)
 
@@ -288,8 +295,9 @@ def kernel_choice_path(model) -> Path:
     return cache_dir() / "profiles" / f"kernels-{target_identity(model.config)['fingerprint']}-{machine_key(model)}.json"
 
 
-def load_or_measure_kernels(model, path=None) -> KernelChoice:
-    """The cached KernelChoice for this model and machine, or measured now and cached (written atomically)."""
+def load_or_measure_kernels(model, path=None, **measure) -> KernelChoice:
+    """The cached KernelChoice for this model and machine, or measured now (`measure_kernels(model, **measure)`)
+    and cached (written atomically)."""
     path = Path(path) if path is not None else kernel_choice_path(model)
     if path.is_file():
         try:
@@ -299,9 +307,27 @@ def load_or_measure_kernels(model, path=None) -> KernelChoice:
                 return KernelChoice(**data)
         except (OSError, json.JSONDecodeError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again and replaced
-    choice = measure_kernels(model)
+    choice = measure_kernels(model, **measure)
     write_json_atomic(path, choice.as_dict())
     return choice
+
+
+def draft_kernel_choice(head, target_model, lm_weight=None, lm_bias=None) -> KernelChoice | None:
+    """The kernels a packed head drafts with: the target's measured choice (None: packed everywhere, --pack on)
+    when it runs in the target's precision; in another one (bf16 drafting for an fp32 target) a choice of its
+    own, measured on its Linears and its lm_head slice (`lm_weight`) in that precision: which kernel wins
+    depends on the dtype as much as on the CPU. Cached next to the target's, keyed by the head's shape too."""
+    choice = getattr(target_model, "kernel_choice", None)
+    dtype = next(head.parameters()).dtype
+    if choice is None or dtype == next(target_model.parameters()).dtype:
+        return choice
+    from .draft_heads import target_identity  # not at the top: draft_heads' drafter imports this module
+
+    vocab = "own" if lm_weight is None else lm_weight.shape[0]
+    path = (cache_dir() / "profiles" / f"kernels-{target_identity(target_model.config)['fingerprint']}-draft-"
+                                       f"{head.config.head_type}-{vocab}-{machine_key(head)}.json")
+    extra = () if lm_weight is None else ((lm_weight, lm_bias),)
+    return load_or_measure_kernels(head, path, sample=1, extra=extra)
 
 
 def apply_choice(model: nn.Module, choice: KernelChoice | None) -> None:

@@ -37,6 +37,10 @@ def test_generate_json_and_compare_plain(tiny_cli, capsys):
     assert result["speedup_vs_hf"] == pytest.approx(result["tokens_per_s"] / result["hf_tokens_per_s"], abs=2e-3)
     choice = result["kernels"]["choice"]  # --pack auto measured both kernels here
     assert result["kernels"]["kernels"] in ("stock", "packed", "mixed") and len(choice["stock_s"]) == len(choice["sizes"])
+    # the drafter's kernels: the target's choice, or one measured in the head's own precision (bf16 drafting)
+    assert result["draft_kernels"]["kernels"] in ("stock", "packed", "mixed")
+    if result["draft_kernels"]["choice"] is not None:
+        assert result["draft_kernels"]["choice"]["sizes"] == choice["sizes"]
     assert result["tokens_per_pass"] == pytest.approx(result["new_tokens"] / result["passes"], abs=1e-3)
     assert cli_main(["generate", *args, "--prompt", "   "]) == 2
     assert "error: --prompt is empty" in capsys.readouterr().err

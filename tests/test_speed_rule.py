@@ -117,6 +117,50 @@ def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
                     top_k_draft=3).token_ids == want
     assert rows and all(2 <= r <= 8 for r in rows), sorted(set(rows))
 
+@pytest.mark.skipif(not packing.cpu_has_bf16(), reason="bf16 packing needs a CPU with native bf16")
+def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(monkeypatch, tmp_path):
+    # A bf16 head for an fp32 target (--draft-dtype auto on CPUs with native bf16): which kernel wins differs with
+    # the dtype, so the drafter measures its own Linears and lm_head slice in bf16 instead of taking the target's
+    # fp32 choice; measured once, then read from the cache, keyed by the head's dtype and draft vocabulary.
+    from eagletree.draft_heads import EagleHead, make_drafter
+    from helpers import tiny_model
+
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama")
+    target_choice = KernelChoice([1, 8], stock_s=[0.03, 0.05], packed_s=[0.04, 0.04], machine=packing.machine_key(model))
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(target_choice.as_dict()))
+    pack_target(model, "auto", choice_path=path)
+    measured = []
+    real = packing.measure_kernels
+
+    def measure(m, **kw):
+        measured.append((next(m.parameters()).dtype, [tuple(w.shape) for w, _ in kw["extra"]]))
+        got = real(m, **kw)
+        return KernelChoice(got.sizes, [1.0] * len(got.sizes), [2.0] * len(got.sizes), got.machine)  # stock wins
+
+    monkeypatch.setattr(packing, "measure_kernels", measure)
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.bfloat16, torch.float32):
+        head = EagleHead.for_target(model.config, torch.arange(50)).eval().to(dtype)
+        drafter = make_drafter(head, model)
+        if dtype == torch.float32:  # the target's precision: the target's choice
+            assert drafter.kernel_choice is model.kernel_choice
+            continue
+        assert drafter.kernel_choice.packed == [False] * len(packing.KERNEL_SIZES)
+        assert "bfloat16" in drafter.kernel_choice.machine and drafter.kernel_choice != model.kernel_choice
+        assert all(m.choice is drafter.kernel_choice for m in head.modules() if isinstance(m, PackedLinear))
+        with torch.no_grad():  # stock kernels at every row count now, like the choice says
+            rows = []
+            monkeypatch.setattr("eagletree.draft_heads.drafter.packed_linear", lambda *a: rows.append(1))
+            drafter.extend(torch.randn(1, model.config.hidden_size), torch.tensor([7]))
+            drafter(torch.arange(1, 5), torch.arange(4), torch.zeros(4, dtype=torch.long), level=2)
+            assert rows == []
+    assert measured == [(torch.bfloat16, [(50, model.config.hidden_size)])]  # once: the second head read the cache
+    cached = list((tmp_path / "cache" / "profiles").glob("kernels-*-draft-eagle-50-*bfloat16*.json"))
+    assert len(cached) == 1
+
+
 def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True,
                   calibrator=None, scale=True):
     """Decode `steps` passes with tree="auto" on a synthetic machine: every drafter call costs `level_s`

@@ -70,6 +70,7 @@ def main(args) -> int:
                             "packed": is_packed(model), "kernels": kernels_used(model),
                             "kernels_measured": None if getattr(model, "kernel_choice", None) is None
                             else model.kernel_choice.summary(),
+                            "draft_kernels": None if head is None else kernels_used(head),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
                             "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,

@@ -12,7 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..packing import apply_choice, is_packed, pack_linears, packed_linear, packed_weight, packing_problem
+from ..packing import (apply_choice, draft_kernel_choice, is_packed, pack_linears, packed_linear, packed_weight,
+                       packing_problem)
 from ..target.attention import use_gqa_sdpa_layer
 
 
@@ -74,10 +75,11 @@ class TreeDrafter:
         self.lm_packed, self.kernel_choice = None, None
         if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
             # The target runs oneDNN-packed kernels (--pack): so does the drafter, at the row counts where the
-            # target's measured choice (--pack auto) found them faster; its layer has the target's layer shapes.
+            # target's measured choice (--pack auto) found them faster (its layer has the target's layer shapes),
+            # or, drafting in another precision, where its own measured choice did.
             if not is_packed(head):
                 pack_linears(head)
-            self.kernel_choice = getattr(target_model, "kernel_choice", None)
+            self.kernel_choice = draft_kernel_choice(head, target_model, self.lm_weight, self.lm_bias)
             apply_choice(head, self.kernel_choice)
             if self.lm_weight is not None:
                 self.lm_packed = packed_weight(head, self.lm_weight)
