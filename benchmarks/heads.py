@@ -6,6 +6,8 @@
 --prompts N takes held-out ShareGPT prompts (below); mtbench[:N] MT-bench first turns (with a table per
 category) and humaneval[:N] or humaneval:A-B HumanEval problems. --copy off|on|both: decode with the head alone, with copied
 spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
+--datastore auto|none|both: copied rows also copy from the head folder's datastore.npz (retrieved spans; auto,
+"+copy+store" rows where the head has one), never (none), or both (each copied row twice).
 --draft-vocab head|full|both: each head drafts over its own draft vocabulary, over the target's whole
 vocabulary, or both ("full vocab" rows).
 
@@ -37,6 +39,7 @@ from eagletree.files import write_json_atomic
 from eagletree.loading import load_models
 from eagletree.prompts import by_category, mtbench_subset
 from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
+from eagletree.tree_search.store import DATASTORE
 
 
 def main(argv=None) -> int:
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
                     help="N held-out ShareGPT prompts, mtbench[:N], humaneval[:N] or humaneval:A-B")
     ap.add_argument("--copy", default="off", choices=["off", "on", "both"],
                     help="copied spans in the tree: off (the head alone), on, or both (each head twice)")
+    ap.add_argument("--datastore", default="auto", choices=["auto", "none", "both"],
+                    help="copied rows copy from the head's datastore.npz too (auto), not (none), or both (two rows)")
     ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts (N "
                                                             "held-out prompts only)")
     ap.add_argument("--skip-prompts", type=int, default=30, help="then this many prompts skipped (the evaluation's; N "
@@ -127,8 +132,11 @@ def main(argv=None) -> int:
                    temperature=args.temperature)
     sampled = args.temperature > 0
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
-    configs = [(path, head, vocab, copy) for path, head, vocab in heads for copy in copies]
-    labels = [row_label(path, vocab, copy) for path, _, vocab, copy in configs]
+    stores = {"auto": ["auto"], "none": [None], "both": [None, "auto"]}[args.datastore]
+    configs = [(path, head, vocab, copy, store if copy and Path(path, DATASTORE).is_file() else None)
+               for path, head, vocab in heads for copy in copies for store in (stores if copy else [None])]
+    configs = list(dict.fromkeys(configs))  # a head without a datastore: one copied row
+    labels = [row_label(path, vocab, copy, store) for path, _, vocab, copy, store in configs]
     earlier = None
     if args.pair_with:
         earlier = json.loads(Path(args.pair_with).read_text())
@@ -144,17 +152,17 @@ def main(argv=None) -> int:
         if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
             ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
         first_row = earlier["heads"][0]
-        labels.insert(0, row_label(first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"])
-                      + " (earlier run)")
+        labels.insert(0, row_label(first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"],
+                                   first_row.get("datastore")) + " (earlier run)")
     rows, hashes = [], []  # per prompt: [(new, passes)] per config; the answer's hash
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
         if earlier is not None:
             row.append((first_row["new_tokens"][i], first_row["passes"][i]))
-        for label, (path, head, _, copy) in zip(labels[len(labels) - len(configs):], configs):
+        for label, (path, head, _, copy, store) in zip(labels[len(labels) - len(configs):], configs):
             answers = []
             r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy,
-                                seed=args.seed + i if sampled else None, **options)
+                                store=store, seed=args.seed + i if sampled else None, **options)
             answer = answers[0][1]
             if first is None:
                 first = answer
@@ -191,12 +199,13 @@ def main(argv=None) -> int:
             versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({spread})"
         print(f"| {label} | {tpp:.3f} | {versus} |")
         if earlier is not None and j == 0:
-            config = (first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"])
+            config = (first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"],
+                      first_row.get("datastore"))
         else:
-            path, _, vocab, copy = configs[j - (earlier is not None)]
-            config = (path, vocab, copy)
-        report.append({"head": config[0], "draft_vocab": config[1], "copy": config[2], "tokens_per_pass": tpp,
-                       "new_tokens": new, "passes": passes})
+            path, _, vocab, copy, store = configs[j - (earlier is not None)]
+            config = (path, vocab, copy, store)
+        report.append({"head": config[0], "draft_vocab": config[1], "copy": config[2], "datastore": config[3],
+                       "tokens_per_pass": tpp, "new_tokens": new, "passes": passes})
     if categories is not None:
         print(category_table(categories, rows, labels))
     if args.out:
@@ -205,8 +214,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def row_label(path: str, vocab: str, copy: bool) -> str:
-    return path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "")
+def row_label(path: str, vocab: str, copy: bool, store=None) -> str:
+    return path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "") + ("+store" if store else "")
 
 
 def category_table(categories, rows, labels) -> str:

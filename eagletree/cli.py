@@ -1,4 +1,5 @@
-"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, calibrate-copy, bench.
+"""`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, calibrate-copy,
+datastore, bench.
 
 This module only parses: each subcommand's work is `commands.cmd_<name>`, imported once the arguments parse, so
 `eagletree --help` and a mistyped flag answer at once, without loading torch (or transformers, or matplotlib).
@@ -73,6 +74,9 @@ def _add_decoding_args(p, tree: str = "auto", needs_head: bool = False) -> None:
     p.add_argument("--copy", default="auto", choices=["auto", "on", "off"],
                    help="copied spans of the prompt and the answer so far as extra tree candidates (auto: on for "
                         "eagle2, optimal and auto trees, off for the fixed chain and sequoia shapes)")
+    p.add_argument("--datastore", default="auto",
+                   help="with copying, a corpus copied from too (the target's earlier answers: retrieved spans): auto "
+                        "= the head folder's datastore.npz when it has one, none, or a file `eagletree datastore` made")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                ".json when the head drafts over the full vocabulary (--draft-vocab)")
     p.add_argument("--overwrite", action="store_true", help="replace a table that is already there")
     p.set_defaults(func="cmd_calibrate_copy")
+
+    p = sub.add_parser("datastore", help="index a corpus of answers for retrieved spans; saved next to the head")
+    p.add_argument("--from", dest="source", required=True,
+                   help="a chat JSONL file whose assistant turns are indexed, e.g. `eagletree distill`'s answers to "
+                        "training prompts (never the prompts you evaluate on)")
+    p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file (its tokenizer)")
+    p.add_argument("--head", default=None, help="the head folder to save it in (default: the head shipped for the "
+                                                "target)")
+    p.add_argument("--out", default=None, help="default: HEAD/datastore.npz")
+    p.add_argument("--min-match", type=at_least(1), default=5,
+                   help="the fewest context tokens a retrieved span's match needs (shorter matches draft poorly)")
+    p.add_argument("--overwrite", action="store_true", help="replace a datastore that is already there")
+    p.set_defaults(func="cmd_datastore")
 
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)

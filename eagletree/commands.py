@@ -68,6 +68,14 @@ def _load(args):
         raise ValueError(f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} is a "
                          "fixed shape")
     options.pop("copy", None)  # a choice argparse already checked
+    store = options.pop("store", "auto")
+    if store not in ("auto", None):
+        if getattr(args, "copy", None) == "off" or args.tree in ("chain", "sequoia"):
+            raise ValueError(f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
+                             f"(--copy auto or on with --tree eagle2, optimal or auto), not --copy {args.copy} --tree "
+                             f"{args.tree}")
+        if not Path(store).is_file():
+            raise ValueError(f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` made)")
     new_tokens = options.get("max_new_tokens")
     if isinstance(new_tokens, int) and new_tokens < 1:  # (the Python API returns an empty answer for 0)
         raise ValueError(f"--max-new-tokens must be >= 1, got {new_tokens}")
@@ -110,7 +118,8 @@ def _kernels_note(model) -> str:
 def _options(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed,
-                copy={"on": True, "off": False}.get(args.copy))
+                copy={"on": True, "off": False}.get(args.copy),
+                store={"auto": "auto", "none": None}.get(args.datastore, args.datastore))
 
 
 def default_budget(model) -> int:
@@ -378,6 +387,37 @@ def cmd_calibrate_copy(args) -> int:
           f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass, drafting over "
           f"{head.drafted_vocab_size()} tokens); first-token acceptance "
           f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first))
+    return 0
+
+
+def cmd_datastore(args) -> int:
+    """Index the assistant turns of a chat JSONL file for retrieved spans, saved next to the head (datastore.npz)."""
+    from .train.pretokenized import tokenizer_fingerprint
+    from .tree_search.store import DATASTORE, TokenStore
+
+    source = Path(args.source)
+    if not source.is_file():
+        raise ValueError(f"--from {args.source!r}: no such file")
+    if args.out:
+        check_output_file(args.out)
+        out = Path(args.out)
+    else:
+        folder = head_to_load(args.target, args.head)
+        if folder is None:
+            raise ValueError("--head none: a datastore is saved next to a head; pass a head folder, or --out FILE")
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--head {str(folder)!r} is not a saved head (no config.json); pass --out to write "
+                             "the datastore elsewhere")
+        out = folder / DATASTORE
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"{out} exists; pass --overwrite to replace it, or --out to write elsewhere")
+    _, tok = target.load_target(args.target, device="cpu")
+    store = TokenStore.from_chat_file(source, tok, min_match=args.min_match, max_ngram=max(8, args.min_match),
+                                      max_match=max(16, args.min_match))
+    header = store.save(out, tokenizer_fingerprint(tok), source=source.name)
+    print(f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from {source}, matches of "
+          f"{args.min_match}+ tokens")
     return 0
 
 

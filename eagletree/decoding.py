@@ -23,6 +23,7 @@ from .packing import kernels_tag, machine_key
 from .target import GQA_SDPA, cache_dir, new_cache
 from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_calibration_names, copy_only, copy_trie
+from .tree_search.store import DATASTORE, TokenStore
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
 from .tree_search.static import choices_shape
@@ -305,7 +306,8 @@ class _Sequence:
     call right before, so steps that do not draft (tree="auto" pausing) cost it nothing.
     """
 
-    def __init__(self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None):
+    def __init__(self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None,
+                 store: TokenStore | None = None):
         self.layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
         self.cache = new_cache(target)
         out = prefill(target, self.cache, ids[:-1], layers=self.layers)
@@ -316,6 +318,7 @@ class _Sequence:
             self.pending.append((_features(out.hidden[0], layer_hidden, self.layers), ids[1:]))
         self.calibration = copy_calibration
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
+        self.store = store  # a corpus copied from too (retrieved spans), or None
         self.draft_s = 0.0  # the drafter's seconds in the current step
 
     def expand(self, root: int, inspect_step=None):
@@ -370,7 +373,7 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
         drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
         expand = seq.expand(root, inspect_step) if drafting else None
         copies = copy_trie(seq.index, seq.calibration, copy_spans, min(copy_len, searcher.budget - 1, left - 1),
-                           at_nodes=expand is not None) \
+                           at_nodes=expand is not None, store=seq.store) \
             if seq.index is not None and left > 1 and searcher.takes_copies() else None
         # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
         if expand is None and copies is None:
@@ -396,7 +399,8 @@ def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_token
 def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
                  tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
                  truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
-                 inspect_step=None, copy=None, copy_spans=3, copy_len=64, copy_calibration=None, tree_paths=None):
+                 inspect_step=None, copy=None, copy_spans=3, copy_len=64, copy_calibration=None, tree_paths=None,
+                 store="auto"):
     """Yield the tokens each target pass emits (a list per pass); records every pass in `stats`.
 
     tree: "eagle2" | "optimal" | "chain" | "sequoia" | "auto" (see tree_search.searchers); "auto" keeps
@@ -408,6 +412,9 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
     tree (`copy_spans` matches, up to `copy_len` tokens each, valued by `copy_calibration`, by
     default the one saved next to the head, learning from every verified tree), under the root and
     under the head's best nodes; with head=None the tree is the copies alone (prompt lookup).
+    store (with copying): a corpus copied from too, the continuation of the context's longest match there
+    (`tree_search.store`): "auto" = the head folder's datastore.npz when it has one, None = none, a TokenStore
+    or the path of a datastore file.
     `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
     trees from the same drafter state); the drafter's tree is reset after it.
     """
@@ -452,15 +459,16 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         calibrator = head_calibrator(head)  # (files: read at the call, so a damaged one is reported there)
     if copy and copy_calibration is None:
         copy_calibration = head_copy_calibration(head, copy_len)
+    store = resolve_store(store, head, tokenizer, copy)
     # the checks above run at the call; the work below when the steps are read
     return _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft,
                    stops, seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
-                   copy_calibration, tree_paths)
+                   copy_calibration, tree_paths, store)
 
 
 def _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft, stops,
             seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
-            copy_calibration, tree_paths):
+            copy_calibration, tree_paths, store):
     """decode_steps' generator, once its arguments are checked."""
     device = next(target.parameters()).device
     ids = ids.to(device)
@@ -472,7 +480,7 @@ def _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, 
     searcher = make_searcher(tree, budget, depth, top_k_draft, device, None, accept_by_rank, tree_paths, profile,
                              calibrator) if drafts else None
     t0 = time.perf_counter()
-    seq = _Sequence(target, head, ids, copy_calibration if copy else None)
+    seq = _Sequence(target, head, ids, copy_calibration if copy else None, store)
     stats.times["prefill"] += time.perf_counter() - t0
     if searcher is not None and seq.drafter is not None:
         searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
@@ -494,6 +502,38 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
     if copy and tree in ("chain", "sequoia"):
         raise ValueError(f"copy=True needs a searched tree (eagle2, optimal or auto); tree={tree!r} is a fixed shape")
     return tree not in ("chain", "sequoia") if copy is None else copy
+
+
+_STORES: dict[tuple, tuple] = {}  # (file, its size and time, id(tokenizer)) -> (the store, the tokenizer: kept, so
+# that its id is not reused while the entry lives)
+
+
+def resolve_store(store, head, tokenizer, copy: bool) -> TokenStore | None:
+    """decode_steps' `store`: "auto" = the head folder's datastore.npz when copying (None without one), None = none,
+    a TokenStore, or a datastore file's path (built once per file and tokenizer, then reused)."""
+    if store is None or (store == "auto" and not copy):
+        return None
+    if not copy:
+        raise ValueError("store adds retrieved spans to the copied ones: it needs copying on (copy=True or the tree's "
+                         "default), not copy=False")
+    if isinstance(store, TokenStore):
+        return store
+    if store == "auto":
+        folder = getattr(head, "source_dir", None) if head is not None else None
+        if not folder or not (Path(folder) / DATASTORE).is_file():
+            return None
+        store = Path(folder) / DATASTORE
+    if not isinstance(store, (str, Path)):
+        raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
+    path = Path(store).resolve()
+    stat = path.stat() if path.is_file() else None
+    key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), id(tokenizer))
+    if key not in _STORES:
+        from .train.pretokenized import tokenizer_fingerprint
+
+        _STORES.clear()  # one at a time: a store's index is tens of MB
+        _STORES[key] = (TokenStore.load(path, tokenizer_fingerprint(tokenizer))[0], tokenizer)
+    return _STORES[key][0]
 
 
 def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:

@@ -159,16 +159,20 @@ def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kin
     assert len(seen) >= result.stats.passes - 1 >= 1
 
 
-def test_sampling_through_the_generation_loop_matches_the_target():
+@pytest.mark.parametrize("source, draws", [("context", 6000), ("store", 3000)])
+def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     """Chi-square on the first two emitted tokens of full generate runs (tiny model, 8-token vocabulary).
 
     The engine-level tests use 20,000 draws and negative controls; this one checks the whole loop
     (head, copied spans, search, verify, commit, drafter update) with 6,000 draws to stay quick.
     The prompt repeats itself, so the first pass's tree holds the head's candidates and a copied
-    continuation (merged where they agree): hybrid trees keep the target's distribution.
+    continuation (merged where they agree): hybrid trees keep the target's distribution. With
+    source="store" the prompt repeats nothing and the copied continuation is retrieved from a token
+    store instead (3,000 draws).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from eagletree.tree_search.store import SEPARATOR, TokenStore
     from eagletree.verify import target_probs
 
     torch.manual_seed(0)
@@ -178,18 +182,22 @@ def test_sampling_through_the_generation_loop_matches_the_target():
     model = AutoModelForCausalLM.from_config(cfg).eval()
     head = EagleHead.for_target(model.config).eval()
     prompt = torch.tensor([1, 6, 3, 1, 6, 3, 1, 6])  # the target gives the copied 3 p = 0.44, three others the rest
+    store = None
+    if source == "store":  # "1 6" followed by "6 5" in another text (the target gives 6 p = 0.91 here, 5 the rest);
+        # the prompt repeats nothing
+        prompt, store = torch.tensor([5, 2, 7, 4, 1, 6]), TokenStore([4, 4, 1, 6, 6, 5, SEPARATOR], min_match=2)
     sampling = dict(temperature=0.8, top_p=0.9)
-    draws, copied = 6000, 0
+    copied = 0
     pairs = torch.zeros(8, 8)
     for i in range(draws):
         stats = GenerationStats(steps=[])
         steps = decode_steps(model, None, head, prompt, max_new_tokens=2, budget=6, depth=2, top_k_draft=2, seed=i,
-                             copy=True, stats=stats, **sampling)
+                             copy=True, stats=stats, store=store, **sampling)
         a, b = [t for s in steps for t in s]
         pairs[a, b] += 1
         tree = stats.steps[0][0]
         copied += any(info is not None for info in tree.copy_info)
-    assert copied == draws  # every first tree held the copied token 3 (after "... 1 6")
+    assert copied == draws  # every first tree held the copied token 3 (or the retrieved 6) after "... 1 6"
     with torch.no_grad():
         p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
         p2 = torch.stack([target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]

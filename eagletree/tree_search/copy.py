@@ -9,6 +9,9 @@ share nodes, siblings are distinct), each node valued by `CopyCalibration`: the 
 which a copied token was accepted given its parent was, by match length and position along the
 span, learned as decoding goes.
 
+A `store.TokenStore` (a corpus such as the target's own earlier answers) adds the continuation of the
+context's longest match there to the same trie, valued like a copied span of that match length.
+
 The tree search (`dynamic._search` with `copies=`) grafts the trie onto the head's candidates:
 a copied token equal to a head candidate is one node, and the search chooses among all of them
 under the one node budget. With `copy_trie(at_nodes=True)` copies also start under the head's
@@ -253,9 +256,12 @@ class CopyTrie:
 
 
 def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 3, max_len: int | None = None,
-              at_nodes: bool = False) -> CopyTrie | None:
+              at_nodes: bool = False, store=None) -> CopyTrie | None:
     """The continuations (max_len tokens, default the calibration's length) of the `max_spans` best
     matches as one trie, or None when nothing matches.
+
+    `store` (a `store.TokenStore`): the continuation of the context's longest match in that corpus is
+    added too (a retrieved span), valued like a copied span of the same match length.
 
     at_nodes=True: the trie also looks up, for a draft node's path, the continuations of the context
     extended by it (`CopyTrie.lookup`), so copies start under head-drafted nodes too, with spans
@@ -263,12 +269,12 @@ def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 
     """
     max_len = max_len or calibration.max_len
     rate = calibration.rate()
-    trie = _matches_trie(index, calibration, rate, max_spans, max_len, ())
+    trie = _matches_trie(index, calibration, rate, max_spans, max_len, (), store)
     if at_nodes:
         def lookup(path: tuple) -> CopyTrie | None:
             if len(path) >= max_len:
                 return None
-            below = _matches_trie(index, calibration, rate, max_spans, max_len - len(path), path)
+            below = _matches_trie(index, calibration, rate, max_spans, max_len - len(path), path, store)
             return below if len(below) > 1 else None
 
         trie.lookup = lookup
@@ -277,15 +283,14 @@ def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 
 
 
 def _matches_trie(index: NgramIndex, calibration: CopyCalibration, rate: torch.Tensor, max_spans: int, max_len: int,
-                  suffix: tuple) -> CopyTrie:
-    """The trie of the continuations (up to max_len tokens) of the context + `suffix`'s best matches."""
+                  suffix: tuple, store=None) -> CopyTrie:
+    """The trie of the continuations (up to max_len tokens) of the context + `suffix`'s best matches, and of its
+    longest match in `store` (a `store.TokenStore`)."""
     trie = CopyTrie([-1], [-1], [1.0], [None], [0])
     child: dict[tuple[int, int], int] = {}
-    spans = 0
-    for length, end in index.matches(suffix=suffix):
-        if spans >= max_spans:
-            break
-        span = index.continuation(end, max_len, suffix)
+
+    def add(span: list[int], length: int) -> bool:
+        """Insert a span whose context matched `length` tokens; whether it added a node."""
         b, u, new = match_bin(length), 0, False
         for j, t in enumerate(span):
             v = child.get((u, t))
@@ -299,5 +304,15 @@ def _matches_trie(index: NgramIndex, calibration: CopyCalibration, rate: torch.T
                 trie.depths.append(j + 1)
                 new = True
             u = v
-        spans += new  # a span that only repeats an earlier one's tokens adds nothing
+        return new
+
+    spans = 0
+    for length, end in index.matches(suffix=suffix):
+        if spans >= max_spans:
+            break
+        spans += add(index.continuation(end, max_len, suffix), length)  # a repeat of an earlier span adds nothing
+    if store is not None:
+        found = store.match(index.tokens[-store.max_match:] + list(suffix))
+        if found is not None:
+            add(store.continuation(found[1], max_len), found[0])
     return trie

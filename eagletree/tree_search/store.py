@@ -1,0 +1,162 @@
+"""Retrieved spans: what followed the context's last tokens in a fixed corpus (retrieval drafting, as REST).
+
+Copied spans (`copy.NgramIndex`) come from the context itself. A `TokenStore` indexes a corpus written
+before decoding starts, e.g. the target's own greedy answers to training prompts (`eagletree distill`):
+a small model repeats its phrasing from answer to answer, so where the context's last few tokens occurred
+in its earlier answers, what followed there is a draft worth verifying. The index is sorted arrays of
+n-gram hashes (numpy), built in about a second for half a million tokens; a lookup is a binary search per
+n-gram length, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+DATASTORE = "datastore.npz"  # a head folder's store, read by default when copying
+FORMAT, VERSION = "eagletree-datastore", 1
+SEPARATOR = -1  # between the corpus's texts: never in a context, so no match or span crosses it
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: the rolling hash below wraps modulo 2**64
+_MASK = (1 << 64) - 1
+
+
+def _hash(tokens) -> int:
+    """The hash `TokenStore` gives an n-gram (Python ints, wrapped as numpy's uint64 arithmetic wraps)."""
+    h = 0
+    for t in tokens:
+        h = (h * int(_MULT) + int(t) + 1) & _MASK
+    return h
+
+
+class TokenStore:
+    """n-grams of min_match..max_ngram tokens of a corpus -> the positions right after them."""
+
+    def __init__(self, tokens, min_match: int = 5, max_ngram: int = 8, max_match: int = 16):
+        if not 1 <= min_match <= max_ngram <= max_match:
+            raise ValueError(f"token store needs 1 <= min_match <= max_ngram <= max_match, got {min_match}, "
+                             f"{max_ngram}, {max_match}")
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        if self.tokens.ndim != 1:
+            raise ValueError(f"token store tokens must be one sequence, got shape {self.tokens.shape}")
+        if self.tokens.size and int(self.tokens.min()) < SEPARATOR:
+            raise ValueError(f"token store tokens must be ids >= 0 or the separator {SEPARATOR}, got "
+                             f"{int(self.tokens.min())}")
+        self.min_match, self.max_ngram, self.max_match = min_match, max_ngram, max_match
+        self._list = self.tokens.tolist()
+        self.keys: dict[int, np.ndarray] = {}  # n -> sorted hashes of the n-grams
+        self.ends: dict[int, np.ndarray] = {}  # n -> the position after each, ascending within equal hashes
+        t = self.tokens.astype(np.uint64) + np.uint64(1)
+        sep = self.tokens == SEPARATOR
+        h = np.zeros(len(t), dtype=np.uint64)
+        bad = np.zeros(len(t), dtype=bool)  # the n-gram ending here holds a separator or starts before the corpus
+        with np.errstate(over="ignore"):
+            for n in range(1, max_ngram + 1):
+                shifted = np.zeros(len(t), dtype=np.uint64)
+                shifted[1:] = h[:-1]
+                h = shifted * _MULT + t  # the n-gram ending at each position
+                reach = np.ones(len(t), dtype=bool)
+                reach[n - 1:] = False
+                bad = (np.concatenate([[True], bad[:-1]]) if n > 1 else np.zeros(len(t), dtype=bool)) | sep | reach
+                if n >= min_match:
+                    ok = np.flatnonzero(~bad)
+                    order = np.lexsort((ok, h[ok]))
+                    self.keys[n], self.ends[n] = h[ok][order], (ok[order] + 1).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+    def match(self, context, candidates: int = 8) -> tuple[int, int] | None:
+        """(match length, position after it) for the longest suffix of `context` that occurs in the corpus
+        (min_match..max_ngram tokens), or None: of its `candidates` latest occurrences the one that extends
+        furthest back (up to max_match tokens; the latest among equals)."""
+        context = list(context[-self.max_match:])
+        for n in range(min(self.max_ngram, len(context)), self.min_match - 1, -1):
+            gram = context[-n:]
+            key = np.uint64(_hash(gram))
+            keys = self.keys[n]
+            lo, hi = int(np.searchsorted(keys, key, "left")), int(np.searchsorted(keys, key, "right"))
+            best, seen = None, 0
+            for end in self.ends[n][lo:hi][::-1].tolist():  # the latest first
+                if self._list[end - n:end] != gram:  # a hash collision
+                    continue
+                length = n
+                while (length < len(context) and end - 1 - length >= 0
+                       and self._list[end - 1 - length] == context[-1 - length]):
+                    length += 1
+                if best is None or length > best[0]:
+                    best = (length, end)
+                seen += 1
+                if seen >= candidates:
+                    break
+            if best is not None:
+                return best
+        return None
+
+    def continuation(self, end: int, length: int) -> list[int]:
+        """Up to `length` tokens from position `end`, stopping at the end of that text."""
+        span = []
+        for t in self._list[end:end + length]:
+            if t == SEPARATOR:
+                break
+            span.append(t)
+        return span
+
+    @classmethod
+    def from_chat_file(cls, path, tokenizer, **kw) -> "TokenStore":
+        """The last assistant turn of each record of a chat JSONL file, tokenized, a separator after each: in
+        `eagletree distill`'s files the target's own answer (the turns before it are the dataset's, the context)."""
+        tokens = []
+        path = Path(path)
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    messages = json.loads(line)["messages"]
+                    turns = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")
+                             and m.get("weight", 1) != 0]
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
+                if turns:
+                    tokens += tokenizer(turns[-1], add_special_tokens=False)["input_ids"] + [SEPARATOR]
+        if not tokens:
+            raise ValueError(f"{path}: no assistant turns to index")
+        return cls(tokens, **kw)
+
+    def save(self, path, tokenizer_id: str, **info) -> dict:
+        """Write the corpus (int32 ids, separators kept) with a JSON header naming the tokenizer (`tokenizer_id`,
+        e.g. `pretokenized.tokenizer_fingerprint`) and the lookup settings, atomically; returns the header."""
+        from ..files import writing
+
+        header = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_id, "tokens": len(self),
+                  "texts": int((self.tokens == SEPARATOR).sum()), "min_match": self.min_match,
+                  "max_ngram": self.max_ngram, "max_match": self.max_match, **info}
+        with writing(Path(path)) as tmp, open(tmp, "wb") as f:
+            np.savez_compressed(f, tokens=self.tokens.astype(np.int32), header=np.array(json.dumps(header)))
+        return header
+
+    @classmethod
+    def load(cls, path, tokenizer_id: str | None = None) -> tuple["TokenStore", dict]:
+        """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                header = json.loads(str(z["header"][()]))
+                tokens = z["tokens"]
+        except FileNotFoundError:
+            raise ValueError(f"datastore {str(path)!r} does not exist") from None
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise ValueError(f"{path}: not a datastore file ({e}); make one with `eagletree datastore`") from None
+        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+            got = (header.get("format"), header.get("version")) if isinstance(header, dict) else header
+            raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r} version {VERSION}")
+        if tokens.ndim != 1 or len(tokens) != header.get("tokens"):
+            raise ValueError(f"{path}: {tokens.shape} tokens, the header says {header.get('tokens')}; make it again")
+        if tokenizer_id is not None and header.get("tokenizer") != tokenizer_id:
+            raise ValueError(f"{path}: made with tokenizer {header.get('tokenizer')}, but the target's is {tokenizer_id}; "
+                             "make it again with this target (`eagletree datastore`)")
+        settings = {k: header[k] for k in ("min_match", "max_ngram", "max_match")}
+        return cls(tokens, **settings), header

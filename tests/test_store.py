@@ -1,0 +1,183 @@
+"""Retrieved spans: the token store's index against a brute-force search, and its corpus file."""
+
+import json
+import random
+
+import pytest
+
+from eagletree.tree_search.store import SEPARATOR, TokenStore
+
+from helpers import tiny_tokenizer
+
+
+def brute_force(corpus, context, min_match, max_ngram, max_match, candidates=8):
+    """The store's answer by rescanning the corpus: the longest suffix of up to max_ngram tokens that occurs, then of
+    its `candidates` latest occurrences the one matching furthest back (max_match at most; the latest among equals)."""
+    context = context[-max_match:]
+    lengths = {}
+    for end in range(1, len(corpus) + 1):
+        n = 0
+        while n < len(context) and end - 1 - n >= 0 and corpus[end - 1 - n] == context[-1 - n]:
+            n += 1
+        if n:
+            lengths[end] = n
+    longest = min(max(lengths.values(), default=0), max_ngram)
+    if longest < min_match:
+        return None
+    latest = sorted((end for end, n in lengths.items() if n >= longest), reverse=True)[:candidates]
+    return max(((lengths[end], end) for end in latest), key=lambda m: (m[0], m[1]))
+
+
+def test_the_store_finds_what_a_rescan_finds():
+    rng = random.Random(0)
+    corpus = []
+    for _ in range(200):  # texts over a small alphabet, so long matches are common
+        corpus += [rng.randrange(4) for _ in range(rng.randrange(1, 30))] + [SEPARATOR]
+    store = TokenStore(corpus, min_match=2, max_ngram=5, max_match=9)
+    assert len(store) == len(corpus)
+    found = 0
+    for _ in range(1500):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+        got = store.match(context)
+        assert got == brute_force(corpus, context, 2, 5, 9), context
+        if got is not None:
+            found += 1
+            length, end = got
+            assert corpus[end - length:end] == context[-length:] and SEPARATOR not in corpus[end - length:end]
+    assert 500 < found < 1500  # both outcomes were exercised
+
+
+def test_spans_stop_at_the_end_of_their_text_and_never_match_across_texts():
+    store = TokenStore([1, 2, 3, 4, 5, SEPARATOR, 6, 7, 8, 9, SEPARATOR], min_match=2, max_ngram=3)
+    assert store.match([9, 1, 2]) == (2, 2) and store.continuation(2, 10) == [3, 4, 5]
+    assert store.match([5, 6]) is None  # 5 and 6 are in different texts
+    assert store.match([0, 8, 9]) == (2, 10) and store.continuation(10, 4) == []
+    assert store.match([7]) is None  # shorter than min_match
+    for args, message in (((0, 3, 16), "1 <= min_match <= max_ngram <= max_match, got 0, 3, 16"),
+                          ((4, 3, 16), "got 4, 3, 16"), ((2, 8, 4), "got 2, 8, 4")):
+        with pytest.raises(ValueError, match=message):
+            TokenStore([1, 2], *args)
+    with pytest.raises(ValueError, match="ids >= 0 or the separator -1, got -5"):
+        TokenStore([1, -5, 2])
+
+
+def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
+    tok = tiny_tokenizer()
+    path = tmp_path / "answers.jsonl"
+    records = [{"messages": [{"role": "user", "content": "hello there"},
+                             {"role": "assistant", "content": "general kenobi you are a bold one"}]},
+               {"messages": [{"role": "assistant", "content": "not the target's"}, {"role": "user", "content": "x"},
+                             {"role": "assistant", "content": "bold one indeed"}]},  # the last turn is the answer
+               {"messages": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "context", "weight": 0}]}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    store = TokenStore.from_chat_file(path, tok, min_match=2)
+    first = tok("general kenobi you are a bold one", add_special_tokens=False)["input_ids"]
+    second = tok("bold one indeed", add_special_tokens=False)["input_ids"]
+    assert store.tokens.tolist() == first + [SEPARATOR] + second + [SEPARATOR]
+    path.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
+    with pytest.raises(ValueError, match="no assistant turns to index"):
+        TokenStore.from_chat_file(path, tok)
+    path.write_text('{"text": "no messages"}\n')
+    with pytest.raises(ValueError, match=r"answers.jsonl:1: not a chat record with messages"):
+        TokenStore.from_chat_file(path, tok)
+
+
+def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
+    # A store holding the target's own continuation of this prompt (as a distilled file would): the retrieved
+    # spans are accepted, the output stays the target's, with or without a head.
+    import torch
+
+    from eagletree.decoding import GenerationStats, decode_steps
+    from eagletree.draft_heads import EagleHead
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    prompt = torch.randint(97, (8,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model.generate(prompt[None], attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=32,
+                              do_sample=False)[0, 8:].tolist()
+    store = TokenStore([3, 9, 4] + prompt.tolist() + want + [SEPARATOR] + [1, 2, 3, 4, 5, SEPARATOR], min_match=3)
+    runs = {}
+    for h in (None, head):
+        for s in (None, store):
+            stats = GenerationStats()
+            out = [t for step in decode_steps(model, None, h, prompt, max_new_tokens=32, budget=16, depth=3,
+                                              top_k_draft=3, copy=True, store=s, stats=stats) for t in step]
+            assert out == want, (h is None, s is None)
+            runs[(h is None, s is None)] = stats
+    for alone in (True, False):
+        with_store, without = runs[(alone, False)], runs[(alone, True)]
+        assert with_store.copied_tokens > without.copied_tokens and with_store.passes < without.passes
+
+
+def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
+    from eagletree.decoding import generate, resolve_store
+    from eagletree.draft_heads import EagleHead, load_head
+    from eagletree.train.pretokenized import tokenizer_fingerprint
+    from eagletree.tree_search.store import DATASTORE
+    from helpers import tiny_model
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
+    head = load_head(tmp_path / "head")
+    assert resolve_store("auto", head, tok, copy=True) is None  # the head has no datastore
+    TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, tokenizer_fingerprint(tok))
+    store = resolve_store("auto", head, tok, copy=True)
+    assert isinstance(store, TokenStore) and store.tokens.tolist() == [1, 2, 3, 4, 5, 6, SEPARATOR]
+    assert resolve_store("auto", head, tok, copy=True) is store  # built once, then reused
+    assert resolve_store(str(tmp_path / "head" / DATASTORE), None, tok, copy=True) is not None
+    assert resolve_store("auto", head, tok, copy=False) is None and resolve_store(None, head, tok, copy=True) is None
+    with pytest.raises(ValueError, match="store adds retrieved spans to the copied ones: it needs copying on"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, copy=False, store=store)
+    with pytest.raises(ValueError, match="store must be 'auto', None, a TokenStore or a datastore file's path, got 3"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=3)
+    other = tmp_path / "other.npz"
+    TokenStore([1, 2, SEPARATOR], min_match=1).save(other, "another-tokenizer")
+    with pytest.raises(ValueError, match="other.npz: made with tokenizer another-tokenizer, but the target's is"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(other))
+    other.write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="other.npz: not a datastore file"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=other)
+    with pytest.raises(ValueError, match="datastore '.*missing.npz' does not exist"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=tmp_path / "missing.npz")
+    assert generate(model, tok, head, [1, 2, 3, 4, 5], max_new_tokens=6, budget=8).stats.new_tokens == 6
+
+
+def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_flag(tmp_path, monkeypatch, capsys):
+    import numpy as np
+
+    from eagletree.cli import main
+    from eagletree.draft_heads import EagleHead
+    from helpers import tiny_model
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                          {"role": "assistant", "content": f"an answer number {i}"}]})
+                                 for i in range(5)))
+    args = ["datastore", "--from", str(answers), "--target", "tiny", "--head", str(tmp_path / "head")]
+    assert main(args) == 0
+    assert "datastore.npz: " in capsys.readouterr().out
+    with np.load(tmp_path / "head" / "datastore.npz") as z:
+        header = json.loads(str(z["header"][()]))
+    assert header["texts"] == 5 and header["source"] == "answers.jsonl" and header["min_match"] == 5
+    assert main(args) == 2 and "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite", "--min-match", "3"]) == 0
+    assert main(["datastore", "--from", str(tmp_path / "nope.jsonl"), "--target", "tiny"]) == 2
+    assert "--from" in capsys.readouterr().err
+    assert main(["datastore", "--from", str(answers), "--target", "tiny", "--head", "none"]) == 2
+    assert "--head none: a datastore is saved next to a head" in capsys.readouterr().err
+    gen = ["generate", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompt", "an answer", "--max-new-tokens",
+           "4", "--json"]
+    for flag in ([], ["--datastore", "none"], ["--datastore", str(tmp_path / "head" / "datastore.npz")]):
+        assert main(gen + flag) == 0, flag
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_tokens"] == 4
+    assert main(gen + ["--datastore", str(tmp_path / "x.npz")]) == 2
+    assert "--datastore '" in (err := capsys.readouterr().err) and "x.npz': no such file" in err
+    assert main(gen + ["--copy", "off", "--datastore", str(tmp_path / "head" / "datastore.npz")]) == 2
+    assert "it needs copying on" in capsys.readouterr().err
