@@ -181,3 +181,19 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     assert "--datastore '" in (err := capsys.readouterr().err) and "x.npz': no such file" in err
     assert main(gen + ["--copy", "off", "--datastore", str(tmp_path / "head" / "datastore.npz")]) == 2
     assert "it needs copying on" in capsys.readouterr().err
+
+
+def test_calibrate_copy_measures_the_contexts_copies_alone(monkeypatch):
+    # The shipped copy table was measured without retrieved spans, which decoding values with the same table.
+    from eagletree.train import evaluate
+
+    seen = []
+    monkeypatch.setattr(evaluate, "decode_steps", lambda *a, **kw: seen.append(kw.get("store", "auto")) or iter(()))
+    monkeypatch.setattr(evaluate, "encode_prompt", lambda tok, prompt: __import__("torch").tensor([1]))
+
+    class Head:
+        def drafted_vocab_size(self):
+            return 8
+
+    evaluate.measure_copy_calibration(Head(), None, None, [[{"role": "user", "content": "hi"}]], 4)
+    assert seen == [None]

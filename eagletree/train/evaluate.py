@@ -129,11 +129,12 @@ def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=12
     position too (as decoding reads it). Decoding's spans run to 64, but measuring with 64-token spans gave a
     table no better than with 16 (docs/results.md), and the shipped table was measured with 16. Returns
     (CopyCalibration, tokens/pass result); save the calibration next to the head (`copy_calibration.json`) and
-    decoding starts from it instead of an uninformed 0.5.
+    decoding starts from it instead of an uninformed 0.5. The context's copies alone are measured (store=None, as
+    the shipped table was): decoding values retrieved spans (a head's datastore.npz) with the same table.
     """
     calibration = CopyCalibration(max_len=table_len, draft_vocab_size=head.drafted_vocab_size())
     result = tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens, copy=True, copy_len=copy_len,
-                             copy_calibration=calibration, **options)
+                             copy_calibration=calibration, **({"store": None} | options))
     return calibration, result
 
 
