@@ -224,8 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
                    help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
                         "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
-                        "text; copy = copied spans alone in eagletree's tree (no head); lookup = HF prompt-lookup "
-                        "decoding")
+                        "text (and retrieved spans from the head's datastore.npz, see --datastore); copy = copied "
+                        "spans alone in eagletree's tree (no head); lookup = HF prompt-lookup decoding")
+    p.add_argument("--datastore", default="auto", choices=["auto", "none"],
+                   help="NAME+copy rows copy from the head folder's datastore.npz too (auto, when it has one) or not")
     p.add_argument("--budgets", default=None,
                    help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)")
     p.add_argument("--temperatures", default=None, help="default 0,1")

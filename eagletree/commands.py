@@ -21,7 +21,7 @@ from .bench import load_prompts, measure_drafting, run_hf
 from .bench import main as bench_main
 from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
                        latency_profile)
-from .draft_heads import load_head
+from .draft_heads import HeadError, load_head
 from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
 from .loading import head_to_load, load_models
@@ -70,10 +70,11 @@ def _load(args):
     options.pop("copy", None)  # a choice argparse already checked
     store = options.pop("store", "auto")
     if store not in ("auto", None):
-        if getattr(args, "copy", None) == "off" or args.tree in ("chain", "sequoia"):
+        if getattr(args, "copy", None) == "off" or args.tree in ("chain", "sequoia") or \
+                (args.head == "none" and args.copy != "on"):
             raise ValueError(f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
-                             f"(--copy auto or on with --tree eagle2, optimal or auto), not --copy {args.copy} --tree "
-                             f"{args.tree}")
+                             f"(--copy auto or on with --tree eagle2, optimal or auto; with --head none, --copy on), "
+                             f"not --copy {args.copy} --tree {args.tree}" + (" --head none" if args.head == "none" else ""))
         if not Path(store).is_file():
             raise ValueError(f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` made)")
     new_tokens = options.get("max_new_tokens")
@@ -392,8 +393,7 @@ def cmd_calibrate_copy(args) -> int:
 
 def cmd_datastore(args) -> int:
     """Index the assistant turns of a chat JSONL file for retrieved spans, saved next to the head (datastore.npz)."""
-    from .train.pretokenized import tokenizer_fingerprint
-    from .tree_search.store import DATASTORE, TokenStore
+    from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
 
     source = Path(args.source)
     if not source.is_file():
@@ -412,10 +412,15 @@ def cmd_datastore(args) -> int:
         out = folder / DATASTORE
     if out.exists() and not args.overwrite:
         raise ValueError(f"{out} exists; pass --overwrite to replace it, or --out to write elsewhere")
-    _, tok = target.load_target(args.target, device="cpu")
+    model, tok = target.load_target(args.target, device="cpu")
+    if not args.out:  # saved next to a head: it must draft for this target (the store holds this tokenizer's ids)
+        try:
+            load_head(out.parent, target_config=model.config)
+        except HeadError as e:
+            raise ValueError(f"--head {str(out.parent)!r}: {e}") from None
     store = TokenStore.from_chat_file(source, tok, min_match=args.min_match, max_ngram=max(8, args.min_match),
                                       max_match=max(16, args.min_match))
-    header = store.save(out, tokenizer_fingerprint(tok), source=source.name)
+    header = store.save(out, vocab_fingerprint(tok), source=source.name)
     print(f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from {source}, matches of "
           f"{args.min_match}+ tokens")
     return 0

@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import time
+import warnings
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from .packing import kernels_tag, machine_key
 from .target import GQA_SDPA, cache_dir, new_cache
 from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_calibration_names, copy_only, copy_trie
-from .tree_search.store import DATASTORE, TokenStore
+from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
 from .tree_search.searchers import KINDS as TREES
 from .tree_search.searchers import make_searcher
 from .tree_search.static import choices_shape
@@ -459,7 +460,7 @@ def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperatur
         calibrator = head_calibrator(head)  # (files: read at the call, so a damaged one is reported there)
     if copy and copy_calibration is None:
         copy_calibration = head_copy_calibration(head, copy_len)
-    store = resolve_store(store, head, tokenizer, copy)
+    store = resolve_store(store, head, tokenizer, copy, target.get_input_embeddings().num_embeddings)
     # the checks above run at the call; the work below when the steps are read
     return _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft,
                    stops, seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
@@ -505,20 +506,23 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
 
 
 _STORES: dict[tuple, tuple] = {}  # (file, its size and time, id(tokenizer)) -> (the store, the tokenizer: kept, so
-# that its id is not reused while the entry lives)
+# that its id is not reused while the entry lives); the most recently used last
+_STORES_KEPT = 4  # an index is tens of MB
 
 
-def resolve_store(store, head, tokenizer, copy: bool) -> TokenStore | None:
-    """decode_steps' `store`: "auto" = the head folder's datastore.npz when copying (None without one), None = none,
-    a TokenStore, or a datastore file's path (built once per file and tokenizer, then reused)."""
+def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = None) -> TokenStore | None:
+    """decode_steps' `store`: "auto" = the head folder's datastore.npz when copying (None without one, or, with a
+    warning, when it does not suit this target or cannot be read), None = none, a TokenStore, or a datastore file's
+    path (an error when it does not suit). Files are indexed once per file and tokenizer, then reused."""
     if store is None or (store == "auto" and not copy):
         return None
     if not copy:
-        raise ValueError("store adds retrieved spans to the copied ones: it needs copying on (copy=True or the tree's "
-                         "default), not copy=False")
+        raise ValueError("store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
+                         "default copy=None with an eagle2, optimal or auto tree); copying is off here")
     if isinstance(store, TokenStore):
         return store
-    if store == "auto":
+    auto = store == "auto"
+    if auto:
         folder = getattr(head, "source_dir", None) if head is not None else None
         if not folder or not (Path(folder) / DATASTORE).is_file():
             return None
@@ -527,13 +531,21 @@ def resolve_store(store, head, tokenizer, copy: bool) -> TokenStore | None:
         raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
     path = Path(store).resolve()
     stat = path.stat() if path.is_file() else None
-    key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), id(tokenizer))
-    if key not in _STORES:
-        from .train.pretokenized import tokenizer_fingerprint
-
-        _STORES.clear()  # one at a time: a store's index is tens of MB
-        _STORES[key] = (TokenStore.load(path, tokenizer_fingerprint(tokenizer))[0], tokenizer)
-    return _STORES[key][0]
+    key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), id(tokenizer), vocab_size)
+    if key in _STORES:
+        _STORES[key] = _STORES.pop(key)  # now the most recently used
+        return _STORES[key][0]
+    try:
+        loaded = TokenStore.load(path, None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size)[0]
+    except ValueError as e:
+        if not auto:
+            raise
+        warnings.warn(f"the head's {DATASTORE} is not used: {e}")
+        return None
+    _STORES[key] = (loaded, tokenizer)
+    while len(_STORES) > _STORES_KEPT:
+        del _STORES[next(iter(_STORES))]
+    return loaded
 
 
 def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:

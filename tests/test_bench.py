@@ -242,6 +242,19 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
                      "-o", str(tmp_path / "out2"), "--pack", "on"]) == 0
     again = json.loads((tmp_path / "out2" / "results.json").read_text())
     assert [r["label"] for r in again["results"]] == ["plain", "packed", "eagle2 4"]
+    # +copy rows copy from the head's datastore.npz too, unless --datastore none; the settings say which
+    from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
+
+    TokenStore([5, 6, 7, 8, 9, 10, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", vocab_fingerprint(tok))
+    stores, real_method = [], bench.runners.run_method
+    monkeypatch.setattr(bench.runners, "run_method", lambda *a, **kw: stores.append(kw["store"]) or real_method(*a, **kw))
+    for flag, want in (([], "auto"), (["--datastore", "none"], None)):
+        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
+                         str(tmp_path / "p.jsonl"), "--methods", "eagle2+copy", "--budgets", "4", "--temperatures", "0",
+                         "--max-new-tokens", "6", "-o", str(tmp_path / "out3"), "--pack", "off", *flag]) == 0
+        settings = json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]
+        assert set(stores) == {want} and (settings["datastore"] is None) == (want is None)
+        stores.clear()
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():

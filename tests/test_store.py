@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from eagletree.tree_search.store import SEPARATOR, TokenStore
+from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
 
 from helpers import tiny_tokenizer
 
@@ -113,9 +113,10 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
 
 
 def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
-    from eagletree.decoding import generate, resolve_store
+    import numpy as np
+
+    from eagletree.decoding import decode_steps, generate, resolve_store
     from eagletree.draft_heads import EagleHead, load_head
-    from eagletree.train.pretokenized import tokenizer_fingerprint
     from eagletree.tree_search.store import DATASTORE
     from helpers import tiny_model
 
@@ -123,26 +124,41 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
     EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
     head = load_head(tmp_path / "head")
     assert resolve_store("auto", head, tok, copy=True) is None  # the head has no datastore
-    TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, tokenizer_fingerprint(tok))
+    TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, vocab_fingerprint(tok))
     store = resolve_store("auto", head, tok, copy=True)
     assert isinstance(store, TokenStore) and store.tokens.tolist() == [1, 2, 3, 4, 5, 6, SEPARATOR]
     assert resolve_store("auto", head, tok, copy=True) is store  # built once, then reused
     assert resolve_store(str(tmp_path / "head" / DATASTORE), None, tok, copy=True) is not None
     assert resolve_store("auto", head, tok, copy=False) is None and resolve_store(None, head, tok, copy=True) is None
-    with pytest.raises(ValueError, match="store adds retrieved spans to the copied ones: it needs copying on"):
+    with pytest.raises(ValueError, match="store adds retrieved spans to the copied ones, so it needs copying on"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, copy=False, store=store)
     with pytest.raises(ValueError, match="store must be 'auto', None, a TokenStore or a datastore file's path, got 3"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=3)
+    # token ids and no tokenizer: nothing to check the store against
+    assert resolve_store("auto", head, None, copy=True).tokens.tolist() == store.tokens.tolist()
+    assert len([t for step in decode_steps(model, None, head, [1, 2, 3, 4, 5], max_new_tokens=6, budget=8)
+                for t in step]) == 6
+    # A file that does not suit is an error when named, and skipped with a warning when the head's own (auto).
     other = tmp_path / "other.npz"
-    TokenStore([1, 2, SEPARATOR], min_match=1).save(other, "another-tokenizer")
-    with pytest.raises(ValueError, match="other.npz: made with tokenizer another-tokenizer, but the target's is"):
-        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(other))
-    other.write_bytes(b"not a zip")
-    with pytest.raises(ValueError, match="other.npz: not a datastore file"):
-        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=other)
+    np.save(tmp_path / "array.npy", np.arange(3))
+    bad_settings = TokenStore([1, 2, SEPARATOR], min_match=1)
+    bad_settings.min_match = 0
+    cases = [(lambda f: TokenStore([1, 2, SEPARATOR], min_match=1).save(f, "another-tokenizer"),
+              "made with tokenizer another-tokenizer, but the target's is"),
+             (lambda f: TokenStore([1, 200, SEPARATOR], min_match=1).save(f, vocab_fingerprint(tok)),
+              "token id 200 is past the target's vocabulary of 97"),
+             (lambda f: bad_settings.save(f, vocab_fingerprint(tok)), "bad lookup settings in the header"),
+             (lambda f: f.write_bytes((tmp_path / "array.npy").read_bytes()), r"not a datastore file \(a single array, not an .npz archive\)"),
+             (lambda f: f.write_bytes(b"not a zip"), "not a datastore file")]
+    for write, message in cases:
+        write(other)
+        with pytest.raises(ValueError, match=f"other.npz: {message}"):
+            generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(other))
+        write(tmp_path / "head" / DATASTORE)
+        with pytest.warns(UserWarning, match=f"the head's datastore.npz is not used: .*{message}"):
+            assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
     with pytest.raises(ValueError, match="datastore '.*missing.npz' does not exist"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=tmp_path / "missing.npz")
-    assert generate(model, tok, head, [1, 2, 3, 4, 5], max_new_tokens=6, budget=8).stats.new_tokens == 6
 
 
 def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_flag(tmp_path, monkeypatch, capsys):
@@ -172,11 +188,25 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     assert "--from" in capsys.readouterr().err
     assert main(["datastore", "--from", str(answers), "--target", "tiny", "--head", "none"]) == 2
     assert "--head none: a datastore is saved next to a head" in capsys.readouterr().err
+    EagleHead.for_target(tiny_model("qwen2").config).save_pretrained(tmp_path / "other-head")  # another target's head
+    assert main(["datastore", "--from", str(answers), "--target", "tiny", "--head", str(tmp_path / "other-head")]) == 2
+    assert "other-head" in (err := capsys.readouterr().err) and "target" in err
+    assert not (tmp_path / "other-head" / "datastore.npz").exists()
     gen = ["generate", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompt", "an answer", "--max-new-tokens",
            "4", "--json"]
-    for flag in ([], ["--datastore", "none"], ["--datastore", str(tmp_path / "head" / "datastore.npz")]):
+    import eagletree.commands as commands
+
+    stores, real = [], commands.decode_steps
+    monkeypatch.setattr(commands, "decode_steps", lambda *a, **kw: stores.append(kw["store"]) or real(*a, **kw))
+    named = str(tmp_path / "head" / "datastore.npz")
+    for flag in ([], ["--datastore", "none"], ["--datastore", named]):
         assert main(gen + flag) == 0, flag
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_tokens"] == 4
+    assert stores == ["auto", None, named]
+    assert main(gen[:4] + ["none"] + gen[5:] + ["--datastore", named]) == 2  # --head none: plain decoding
+    assert "with --head none, --copy on" in capsys.readouterr().err
+    assert main(gen[:4] + ["none"] + gen[5:] + ["--datastore", named, "--copy", "on"]) == 0  # lookup + retrieval
+    assert stores[-1] == named
     assert main(gen + ["--datastore", str(tmp_path / "x.npz")]) == 2
     assert "--datastore '" in (err := capsys.readouterr().err) and "x.npz': no such file" in err
     assert main(gen + ["--copy", "off", "--datastore", str(tmp_path / "head" / "datastore.npz")]) == 2

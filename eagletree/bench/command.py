@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 from ..decoding import MIN_TEMPERATURE
 from ..files import check_output_folder
@@ -12,13 +13,14 @@ from ..packing import is_packed, kernels_used
 from .inputs import FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .profile import main_profile
 from .report import machine_info, write_outputs
+from ..tree_search.store import DATASTORE
 from .runners import run_bench
 
 
 # flags that only one of the two modes reads: given to the other, they are refused rather than ignored
 PROFILE_ONLY_FLAGS = ("config", "sizes", "reps", "prefix", "tokens_per_pass", "results")
 RUN_ONLY_FLAGS = ("target", "pack", "draft_dtype", "prompts", "max_new_tokens", "methods", "budgets", "temperatures",
-                  "lookup_tokens", "seed", "quick")
+                  "lookup_tokens", "seed", "quick", "datastore")
 
 
 def check_mode_flags(args) -> None:
@@ -63,7 +65,9 @@ def main(args) -> int:
     elif any(m.name == "packed" for m in methods):
         raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
                          "drop it or pass --pack on/auto on a CPU")
-    report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens)
+    store = None if args.datastore == "none" else "auto"
+    report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens,
+                       store=store)
     report.update(command=command, machine=machine_info(model),
                   settings={"target": args.target, "head": str(args.head if head_dir is None else head_dir),
                             "prompts": pick("prompts"),
@@ -71,6 +75,8 @@ def main(args) -> int:
                             "kernels_measured": None if getattr(model, "kernel_choice", None) is None
                             else model.kernel_choice.summary(),
                             "draft_kernels": None if head is None else kernels_used(head),
+                            "datastore": None if store is None or head_dir is None
+                            or not Path(head_dir, DATASTORE).is_file() else str(Path(head_dir, DATASTORE)),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
                             "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,

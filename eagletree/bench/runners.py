@@ -77,14 +77,16 @@ def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_token
 
 
 def run_tree(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed,
-             accept_by_rank=None, record_steps=False) -> Run:
-    """eagletree's speculative decoding with one tree method."""
+             accept_by_rank=None, record_steps=False, store="auto") -> Run:
+    """eagletree's speculative decoding with one tree method; a copying method also copies from `store` (decode_steps':
+    "auto" = the head folder's datastore.npz)."""
     stats = GenerationStats(steps=[] if record_steps else None)
     ids, first = [], None
     for tokens in decode_steps(model, tok, None if method.name in HEADLESS else head, messages,
                                max_new_tokens=max_new_tokens, temperature=temperature, tree=method.tree,
                                budget=method.budget, depth=method.depth, top_k_draft=method.top_k, seed=seed,
-                               accept_by_rank=accept_by_rank, stats=stats, copy=method.copy):
+                               accept_by_rank=accept_by_rank, stats=stats, copy=method.copy,
+                               store=store if method.copy else None):
         first = stats.seconds if first is None else first
         ids += tokens
     return Run(ids, stats.seconds, stats.seconds if first is None else first, list(stats.accepted_lengths),
@@ -92,7 +94,7 @@ def run_tree(model, tok, head, messages, method: Method, max_new_tokens, tempera
 
 
 def run_method(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed, lookup_tokens,
-               accept_by_rank, record_steps=False) -> Run:
+               accept_by_rank, record_steps=False, store="auto") -> Run:
     """One run of `method` (plain, an HF baseline or a tree method) on one prompt."""
     if method.name == "plain":  # the reference: HF generate as it runs without eagletree
         with stock_kernels(model):
@@ -101,7 +103,7 @@ def run_method(model, tok, head, messages, method: Method, max_new_tokens, tempe
         return run_hf(model, tok, messages, max_new_tokens, temperature, seed,
                       lookup_tokens if method.name == "lookup" else None)
     return run_tree(model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank,
-                    record_steps)
+                    record_steps, store=store)
 
 
 def rank_acceptance(steps, k: int) -> list[float] | None:
@@ -162,8 +164,9 @@ def logit_gap(model, tok, messages, want: list[int], got: list[int], k: int) -> 
 
 
 def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_new_tokens=64, seed=0,
-              lookup_tokens=10, progress=True, log=None) -> dict:
-    """Every method on every prompt and temperature, each right after plain decoding; returns the results dict."""
+              lookup_tokens=10, progress=True, log=None, store="auto") -> dict:
+    """Every method on every prompt and temperature, each right after plain decoding; returns the results dict.
+    `store`: what copying methods also copy from ("auto": the head folder's datastore.npz; None: nothing)."""
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
     if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
@@ -187,7 +190,8 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
             for m in everything:
                 bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
                 run = run_method(model, tok, head, messages, m, max_new_tokens, temperature, seed + i, lookup_tokens,
-                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS and not m.copy)
+                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
+                                 store=store)
                 ref = run if ref is None else ref
                 same = run if m.name == "packed" else same
                 row = rows[(m, temperature)]

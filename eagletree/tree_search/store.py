@@ -24,6 +24,15 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: the rolling hash below wraps modul
 _MASK = (1 << 64) - 1
 
 
+def vocab_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (token -> id): a datastore's ids mean the same tokens only under
+    it (the chat template does not matter here, unlike for pre-tokenized training data)."""
+    import hashlib
+
+    blob = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _hash(tokens) -> int:
     """The hash `TokenStore` gives an n-gram (Python ints, wrapped as numpy's uint64 arithmetic wraps)."""
     h = 0
@@ -140,23 +149,38 @@ class TokenStore:
         return header
 
     @classmethod
-    def load(cls, path, tokenizer_id: str | None = None) -> tuple["TokenStore", dict]:
-        """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer."""
+    def load(cls, path, tokenizer_id: str | None = None, vocab_size: int | None = None) -> tuple["TokenStore", dict]:
+        """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer, with
+        `vocab_size`, one holding ids the target does not have. Every problem is a ValueError naming the file."""
         try:
-            with np.load(path, allow_pickle=False) as z:
-                header = json.loads(str(z["header"][()]))
-                tokens = z["tokens"]
+            z = np.load(path, allow_pickle=False)
         except FileNotFoundError:
             raise ValueError(f"datastore {str(path)!r} does not exist") from None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path}: not a datastore file ({e}); make one with `eagletree datastore`") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: not a datastore file (a single array, not an .npz archive); make one with "
+                             "`eagletree datastore`")
+        try:
+            with z:
+                header = json.loads(str(z["header"][()]))
+                tokens = z["tokens"]
         except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             raise ValueError(f"{path}: not a datastore file ({e}); make one with `eagletree datastore`") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
             got = (header.get("format"), header.get("version")) if isinstance(header, dict) else header
             raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r} version {VERSION}")
-        if tokens.ndim != 1 or len(tokens) != header.get("tokens"):
-            raise ValueError(f"{path}: {tokens.shape} tokens, the header says {header.get('tokens')}; make it again")
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != header.get("tokens"):
+            raise ValueError(f"{path}: {tokens.shape} {tokens.dtype} tokens, the header says {header.get('tokens')}; "
+                             "make it again")
         if tokenizer_id is not None and header.get("tokenizer") != tokenizer_id:
             raise ValueError(f"{path}: made with tokenizer {header.get('tokenizer')}, but the target's is {tokenizer_id}; "
                              "make it again with this target (`eagletree datastore`)")
-        settings = {k: header[k] for k in ("min_match", "max_ngram", "max_match")}
-        return cls(tokens, **settings), header
+        if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"{path}: token id {int(tokens.max())} is past the target's vocabulary of {vocab_size}; "
+                             "make it again with this target (`eagletree datastore`)")
+        try:
+            store = cls(tokens, **{k: header[k] for k in ("min_match", "max_ngram", "max_match")})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: bad lookup settings in the header ({e!r}); make it again") from None
+        return store, header
