@@ -505,8 +505,9 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
     return tree not in ("chain", "sequoia") if copy is None else copy
 
 
-_STORES: dict[tuple, tuple] = {}  # (file, its size and time, id(tokenizer)) -> (the store, the tokenizer: kept, so
-# that its id is not reused while the entry lives); the most recently used last
+_STORES: dict[tuple, tuple] = {}  # (file, its size and time, id(tokenizer), vocab size) -> (the store or None, the
+# tokenizer: kept, so that its id is not reused while the entry lives, why the file was refused or None); the most
+# recently used last. A refused file is remembered too: a head's unsuitable datastore warns once, not on every call.
 _STORES_KEPT = 4  # an index is tens of MB
 
 
@@ -534,17 +535,23 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
     key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), id(tokenizer), vocab_size)
     if key in _STORES:
         _STORES[key] = _STORES.pop(key)  # now the most recently used
-        return _STORES[key][0]
+        loaded, _, refused = _STORES[key]
+        if refused is not None and not auto:
+            raise ValueError(refused)
+        return loaded
+    loaded = refused = None
     try:
         loaded = TokenStore.load(path, None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size)[0]
     except ValueError as e:
+        refused = str(e)
+    if stat is not None:  # (a missing file is looked for again next time)
+        _STORES[key] = (loaded, tokenizer, refused)
+        while len(_STORES) > _STORES_KEPT:
+            del _STORES[next(iter(_STORES))]
+    if refused is not None:
         if not auto:
-            raise
-        warnings.warn(f"the head's {DATASTORE} is not used: {e}")
-        return None
-    _STORES[key] = (loaded, tokenizer)
-    while len(_STORES) > _STORES_KEPT:
-        del _STORES[next(iter(_STORES))]
+            raise ValueError(refused)
+        warnings.warn(f"the head's {DATASTORE} is not used: {refused}")
     return loaded
 
 

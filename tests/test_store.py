@@ -2,6 +2,7 @@
 
 import json
 import random
+import warnings
 
 import pytest
 
@@ -157,6 +158,12 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
         write(tmp_path / "head" / DATASTORE)
         with pytest.warns(UserWarning, match=f"the head's datastore.npz is not used: .*{message}"):
             assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
+    # remembered: the same unsuitable file warns once, not on every call; named, it is still an error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
+    with pytest.raises(ValueError, match="datastore.npz: not a datastore file"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(tmp_path / "head" / DATASTORE))
     with pytest.raises(ValueError, match="datastore '.*missing.npz' does not exist"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=tmp_path / "missing.npz")
 
