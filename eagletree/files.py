@@ -271,3 +271,44 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data, indent: int = 2) -> None:
     """`data` as JSON, written under a temporary name and renamed over `path` (following the umask)."""
     write_text_atomic(path, json.dumps(data, indent=indent))
+
+
+def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None, version=None,
+             error: type[Exception] = ValueError) -> tuple[dict, dict]:
+    """(header, arrays) of an .npz archive eagletree wrote: its JSON `header` member and the arrays `names`.
+
+    Whatever is wrong with the file (missing, not an archive, a single .npy array, damaged, no header, or with
+    `kind`/`version` another format's header, which is checked before any array is read) is an `error` that names
+    the file and `what` it should be (e.g. "datastore"); `remedy` says how to make a good one.
+    """
+    import zipfile
+    import zlib
+
+    import numpy as np
+
+    damaged = (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+    try:
+        z = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise error(f"{what} {str(path)!r} does not exist") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise error(f"{path}: not a {what} file ({e}); {remedy}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise error(f"{path}: not a {what} file (a single array, not an .npz archive); {remedy}")
+    with z:
+        try:
+            header = json.loads(str(z["header"][()]))
+        except damaged as e:
+            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from None
+        if not isinstance(header, dict):
+            raise error(f"{path}: not a {what} file (its header is {json.dumps(header)[:40]}, not a JSON object); "
+                        f"{remedy}")
+        if kind is not None and (header.get("format"), header.get("version")) != (kind, version):
+            raise error(f"{path}: format {header.get('format')!r} version {header.get('version')!r}, expected "
+                        f"{kind!r} version {version}; {remedy}")
+        try:
+            arrays = {name: z[name] for name in names}
+        except damaged as e:
+            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from None
+    return header, arrays
+

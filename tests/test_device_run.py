@@ -52,6 +52,21 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(DataError, match="cut.npz"):
         pretokenized.load(cut)
+    # every other way the file can be wrong is a DataError naming it (a single .npy array once escaped as a TypeError)
+    np.save(tmp_path / "array.npy", np.arange(3))
+    (tmp_path / "array.npz").write_bytes((tmp_path / "array.npy").read_bytes())
+    (tmp_path / "text.npz").write_text("not a zip")
+    np.savez_compressed(tmp_path / "store.npz", tokens=np.arange(3), header=np.array(json.dumps(
+        {"format": "eagletree-datastore", "version": 1})))
+    np.savez_compressed(tmp_path / "nohead.npz", ids=np.arange(3))
+    for name, message in [("array.npz", r"not a pre-tokenized data file \(a single array, not an .npz archive\)"),
+                          ("text.npz", "not a pre-tokenized data file"),
+                          ("store.npz", "format 'eagletree-datastore' version 1, expected 'eagletree-pretokenized'"),
+                          ("nohead.npz", "not a pre-tokenized data file \\(no readable header"),
+                          ("missing.npz", "pre-tokenized data '.*missing.npz' does not exist")]:
+        for read in (pretokenized.load, pretokenized.read_header):
+            with pytest.raises(DataError, match=message):
+                read(tmp_path / name)
     big = records[0].__class__(torch.tensor([70_000]), torch.tensor([True]), False)
     with pytest.raises(DataError, match="token id 70000 does not fit the uint16 format"):
         pretokenized.save(tmp_path / "big.npz", [big], tok)

@@ -150,6 +150,9 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
               "token id 200 is past the target's vocabulary of 97"),
              (lambda f: bad_settings.save(f, vocab_fingerprint(tok)), "bad lookup settings in the header"),
              (lambda f: f.write_bytes((tmp_path / "array.npy").read_bytes()), r"not a datastore file \(a single array, not an .npz archive\)"),
+             (lambda f: np.savez_compressed(f, tokens=np.arange(3), header=np.array(json.dumps(
+                 {"format": "eagletree-pretokenized", "version": 1}))),
+              "format 'eagletree-pretokenized' version 1, expected 'eagletree-datastore' version 1"),
              (lambda f: f.write_bytes(b"not a zip"), "not a datastore file")]
     for write, message in cases:
         write(other)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
-import zlib
 
 import torch
 
-from ..files import writing
+from ..files import read_npz, writing
 from .data import DataError
 from .render import MASK_VERSION, Rendered
 
@@ -61,20 +59,15 @@ def save(path: str | os.PathLike, records: list[Rendered], tokenizer, **info) ->
 
 def read_header(path: str | os.PathLike) -> dict:
     """The JSON header of a pre-tokenized file (reads only that member)."""
-    with _open(path) as z:
-        return _header(z, path)
+    return _read(path)[0]
 
 
 def load(path: str | os.PathLike, tokenizer=None) -> tuple[list[Rendered], dict]:
     """(records, header) from a file written by `save`; with `tokenizer`, refuse ids made by another one."""
     import numpy as np
 
-    with _open(path) as z:
-        header = _header(z, path)
-        try:
-            ids, offsets, mask_bits, truncated = z["ids"], z["offsets"], z["mask"], z["truncated"]
-        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-            raise DataError(f"{path}: unreadable pre-tokenized arrays ({e}); pack it again") from None
+    header, arrays = _read(path, ("ids", "offsets", "mask", "truncated"))
+    ids, offsets, mask_bits, truncated = arrays["ids"], arrays["offsets"], arrays["mask"], arrays["truncated"]
     n, total = header["records"], header["tokens"]
     if (ids.dtype != np.uint16 or ids.shape != (total,) or offsets.shape != (n + 1,) or truncated.shape != (n,)
             or mask_bits.shape != ((total + 7) // 8,) or int(offsets[0]) != 0 or int(offsets[-1]) != total
@@ -96,23 +89,6 @@ def load(path: str | os.PathLike, tokenizer=None) -> tuple[list[Rendered], dict]
     return records, header
 
 
-def _open(path):
-    import numpy as np
-
-    try:
-        return np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise DataError(f"pre-tokenized file {str(path)!r} does not exist") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise DataError(f"{path}: not a pre-tokenized .npz file ({e})") from None
-
-
-def _header(z, path) -> dict:
-    try:
-        header = json.loads(str(z["header"][()]))
-    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        raise DataError(f"{path}: no readable header ({e}); expected a file written by eagletree's pre-tokenizer") from None
-    if header.get("format") != FORMAT or header.get("version") != VERSION:
-        raise DataError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}, "
-                        f"expected {FORMAT!r} version {VERSION}")
-    return header
+def _read(path, names=()) -> tuple[dict, dict]:
+    return read_npz(path, names, what="pre-tokenized data", kind=FORMAT, version=VERSION, error=DataError,
+                    remedy="pack it again (scripts/device/pack.py)")

@@ -11,8 +11,6 @@ n-gram length, whatever the corpus size.
 from __future__ import annotations
 
 import json
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -152,24 +150,11 @@ class TokenStore:
     def load(cls, path, tokenizer_id: str | None = None, vocab_size: int | None = None) -> tuple["TokenStore", dict]:
         """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer, with
         `vocab_size`, one holding ids the target does not have. Every problem is a ValueError naming the file."""
-        try:
-            z = np.load(path, allow_pickle=False)
-        except FileNotFoundError:
-            raise ValueError(f"datastore {str(path)!r} does not exist") from None
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{path}: not a datastore file ({e}); make one with `eagletree datastore`") from None
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise ValueError(f"{path}: not a datastore file (a single array, not an .npz archive); make one with "
-                             "`eagletree datastore`")
-        try:
-            with z:
-                header = json.loads(str(z["header"][()]))
-                tokens = z["tokens"]
-        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-            raise ValueError(f"{path}: not a datastore file ({e}); make one with `eagletree datastore`") from None
-        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
-            got = (header.get("format"), header.get("version")) if isinstance(header, dict) else header
-            raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r} version {VERSION}")
+        from ..files import read_npz
+
+        header, arrays = read_npz(path, ("tokens",), what="datastore", kind=FORMAT, version=VERSION,
+                                  remedy="make one with `eagletree datastore`")
+        tokens = arrays["tokens"]
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != header.get("tokens"):
             raise ValueError(f"{path}: {tokens.shape} {tokens.dtype} tokens, the header says {header.get('tokens')}; "
                              "make it again")
