@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func="cmd_calibrate_copy")
 
     p = sub.add_parser("datastore", help="index a corpus of answers for retrieved spans; saved next to the head")
-    p.add_argument("--from", dest="source", required=True,
-                   help="a chat JSONL file whose assistant turns are indexed, e.g. `eagletree distill`'s answers to "
-                        "training prompts (never the prompts you evaluate on)")
+    p.add_argument("--from", dest="source", required=True, nargs="+", metavar="JSONL",
+                   help="chat JSONL files whose assistant turns are indexed, e.g. `eagletree distill`'s answers to "
+                        "training prompts (never the prompts you evaluate on); a record id seen again replaces the "
+                        "earlier answer")
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file (its tokenizer)")
     p.add_argument("--head", default=None, help="the head folder to save it in (default: the head shipped for the "
                                                 "target)")

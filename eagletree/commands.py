@@ -395,9 +395,10 @@ def cmd_datastore(args) -> int:
     """Index the assistant turns of a chat JSONL file for retrieved spans, saved next to the head (datastore.npz)."""
     from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
 
-    source = Path(args.source)
-    if not source.is_file():
-        raise ValueError(f"--from {args.source!r}: no such file")
+    sources = [Path(f) for f in args.source]
+    for source in sources:
+        if not source.is_file():
+            raise ValueError(f"--from {str(source)!r}: no such file")
     if args.out:
         check_output_file(args.out)
         out = Path(args.out)
@@ -418,11 +419,12 @@ def cmd_datastore(args) -> int:
             load_head(out.parent, target_config=model.config)
         except HeadError as e:
             raise ValueError(f"--head {str(out.parent)!r}: {e}") from None
-    store = TokenStore.from_chat_file(source, tok, min_match=args.min_match, max_ngram=max(8, args.min_match),
+    store = TokenStore.from_chat_file(sources, tok, min_match=args.min_match, max_ngram=max(8, args.min_match),
                                       max_match=max(16, args.min_match))
-    header = store.save(out, vocab_fingerprint(tok), source=source.name)
-    print(f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from {source}, matches of "
-          f"{args.min_match}+ tokens")
+    names = [f.name for f in sources]
+    header = store.save(out, vocab_fingerprint(tok), source=names[0] if len(names) == 1 else names)
+    print(f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from "
+          f"{', '.join(map(str, sources))}, matches of {args.min_match}+ tokens")
     return 0
 
 

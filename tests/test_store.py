@@ -75,6 +75,16 @@ def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     first = tok("general kenobi you are a bold one", add_special_tokens=False)["input_ids"]
     second = tok("bold one indeed", add_special_tokens=False)["input_ids"]
     assert store.tokens.tolist() == first + [SEPARATOR] + second + [SEPARATOR]
+    # several files: an id answered again (e.g. at a longer length) replaces the earlier answer, in its place
+    later = tmp_path / "longer.jsonl"
+    ids = [dict(r, id=f"c{i}") for i, r in enumerate(records)]
+    path.write_text("\n".join(json.dumps(r) for r in ids) + "\n")
+    later.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "hello there"},
+                                                           {"role": "assistant", "content": "hello"}]}) + "\n")
+    hello = tok("hello", add_special_tokens=False)["input_ids"]
+    assert TokenStore.from_chat_file([path, later], tok, min_match=2).tokens.tolist() == \
+        second + [SEPARATOR] + hello + [SEPARATOR]
+    assert TokenStore.from_chat_file([later, path], tok, min_match=2).tokens.tolist() == store.tokens.tolist()
     path.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
     with pytest.raises(ValueError, match="no assistant turns to index"):
         TokenStore.from_chat_file(path, tok)
@@ -194,6 +204,15 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     assert header["texts"] == 5 and header["source"] == "answers.jsonl" and header["min_match"] == 5
     assert main(args) == 2 and "exists; pass --overwrite" in capsys.readouterr().err
     assert main(args + ["--overwrite", "--min-match", "3"]) == 0
+    more = tmp_path / "more.jsonl"  # several files, as several distill runs leave them
+    more.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "more"}]}))
+    assert main(["datastore", "--from", str(answers), str(more), "--target", "tiny", "--head", str(tmp_path / "head"),
+                 "--overwrite"]) == 0
+    with np.load(tmp_path / "head" / "datastore.npz") as z:
+        header = json.loads(str(z["header"][()]))
+    assert header["texts"] == 6 and header["source"] == ["answers.jsonl", "more.jsonl"]
+    assert main(["datastore", "--from", str(answers), str(tmp_path / "nope.jsonl"), "--target", "tiny"]) == 2
+    assert "--from '" in (err := capsys.readouterr().err) and "nope.jsonl': no such file" in err
     assert main(["datastore", "--from", str(tmp_path / "nope.jsonl"), "--target", "tiny"]) == 2
     assert "--from" in capsys.readouterr().err
     assert main(["datastore", "--from", str(answers), "--target", "tiny", "--head", "none"]) == 2

@@ -114,24 +114,33 @@ class TokenStore:
 
     @classmethod
     def from_chat_file(cls, path, tokenizer, **kw) -> "TokenStore":
-        """The last assistant turn of each record of a chat JSONL file, tokenized, a separator after each: in
-        `eagletree distill`'s files the target's own answer (the turns before it are the dataset's, the context)."""
+        """The last assistant turn of each record of one or more chat JSONL files (a path or a list of them),
+        tokenized, a separator after each: in `eagletree distill`'s files the target's own answer (the turns before
+        it are the dataset's, the context). A record whose "id" an earlier record had replaces it (the same prompt
+        answered again, e.g. at a longer length), so no answer is indexed twice."""
+        paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+        answers: dict = {}  # id (or, without one, a running number) -> the answer's text
+        for path in paths:
+            with path.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                        turns = [m["content"] for m in record["messages"] if m.get("role") == "assistant"
+                                 and m.get("content") and m.get("weight", 1) != 0]
+                        key = record.get("id")
+                    except (ValueError, KeyError, TypeError, AttributeError) as e:
+                        raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
+                    key = ("id", key) if isinstance(key, str) and key else ("line", str(path), n)
+                    answers.pop(key, None)  # a replaced answer takes the replacement's place in the order
+                    if turns:
+                        answers[key] = turns[-1]
+        if not answers:
+            raise ValueError(f"{', '.join(map(str, paths))}: no assistant turns to index")
         tokens = []
-        path = Path(path)
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    messages = json.loads(line)["messages"]
-                    turns = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")
-                             and m.get("weight", 1) != 0]
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
-                if turns:
-                    tokens += tokenizer(turns[-1], add_special_tokens=False)["input_ids"] + [SEPARATOR]
-        if not tokens:
-            raise ValueError(f"{path}: no assistant turns to index")
+        for ids in tokenizer(list(answers.values()), add_special_tokens=False)["input_ids"]:
+            tokens += ids + [SEPARATOR]
         return cls(tokens, **kw)
 
     def save(self, path, tokenizer_id: str, **info) -> dict:
