@@ -395,10 +395,12 @@ def cmd_datastore(args) -> int:
     """Index the assistant turns of a chat JSONL file for retrieved spans, saved next to the head (datastore.npz)."""
     from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
 
-    sources = [Path(f) for f in args.source]
-    for source in sources:
+    sources = []
+    for source in map(Path, args.source):
         if not source.is_file():
             raise ValueError(f"--from {str(source)!r}: no such file")
+        if source.resolve() not in [s.resolve() for s in sources]:  # a file named twice is read once
+            sources.append(source)
     if args.out:
         check_output_file(args.out)
         out = Path(args.out)

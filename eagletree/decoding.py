@@ -505,9 +505,10 @@ def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
     return tree not in ("chain", "sequoia") if copy is None else copy
 
 
-_STORES: dict[tuple, tuple] = {}  # (file, its size and time, id(tokenizer), vocab size) -> (the store or None, the
-# tokenizer: kept, so that its id is not reused while the entry lives, why the file was refused or None); the most
-# recently used last. A refused file is remembered too: a head's unsuitable datastore warns once, not on every call.
+_STORES: dict[tuple, list] = {}  # (file, its inode, size and times, id(tokenizer), vocab size) -> [the store or None,
+# the tokenizer: kept, so that its id is not reused while the entry lives, why the file was refused or None, whether
+# that was warned about]; the most recently used last. A refused file is remembered too: a head's unsuitable datastore
+# warns once per process, not on every call (a read that failed on an I/O error is tried again next time).
 _STORES_KEPT = 4  # an index is tens of MB
 
 
@@ -532,27 +533,28 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
         raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
     path = Path(store).resolve()
     stat = path.stat() if path.is_file() else None
-    key = (str(path), stat and (stat.st_size, stat.st_mtime_ns), id(tokenizer), vocab_size)
-    if key in _STORES:
-        _STORES[key] = _STORES.pop(key)  # now the most recently used
-        loaded, _, refused = _STORES[key]
-        if refused is not None and not auto:
-            raise ValueError(refused)
-        return loaded
-    loaded = refused = None
-    try:
-        loaded = TokenStore.load(path, None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size)[0]
-    except ValueError as e:
-        refused = str(e)
+    key = (str(path), stat and (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns), id(tokenizer),
+           vocab_size)
+    entry = _STORES.pop(key, None)
+    if entry is None:
+        entry = [None, tokenizer, None, False]
+        try:
+            entry[0] = TokenStore.load(path, None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size)[0]
+        except ValueError as e:
+            entry[2] = str(e)
+            if isinstance(e.__cause__, OSError):  # the file may be fine: not remembered
+                stat = None
     if stat is not None:  # (a missing file is looked for again next time)
-        _STORES[key] = (loaded, tokenizer, refused)
+        _STORES[key] = entry  # now the most recently used
         while len(_STORES) > _STORES_KEPT:
             del _STORES[next(iter(_STORES))]
-    if refused is not None:
+    if entry[2] is not None:
         if not auto:
-            raise ValueError(refused)
-        warnings.warn(f"the head's {DATASTORE} is not used: {refused}")
-    return loaded
+            raise ValueError(entry[2])
+        if not entry[3]:
+            entry[3] = True
+            warnings.warn(f"the head's {DATASTORE} is not used: {entry[2]}")
+    return entry[0]
 
 
 def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:

@@ -286,12 +286,18 @@ def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None,
 
     import numpy as np
 
-    damaged = (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+    # (an OSError is chained as the error's __cause__: the file may be fine and the error pass, e.g. too many open
+    # files, so a caller that remembers bad files can tell; RuntimeError and NotImplementedError: an encrypted member
+    # or an unknown compression)
+    damaged = (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError,
+               NotImplementedError)
     try:
         z = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise error(f"{what} {str(path)!r} does not exist") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} file ({e})") from e
+    except damaged as e:
         raise error(f"{path}: not a {what} file ({e}); {remedy}") from None
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise error(f"{path}: not a {what} file (a single array, not an .npz archive); {remedy}")
@@ -299,7 +305,8 @@ def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None,
         try:
             header = json.loads(str(z["header"][()]))
         except damaged as e:
-            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from None
+            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from \
+                (e if isinstance(e, OSError) else None)
         if not isinstance(header, dict):
             raise error(f"{path}: not a {what} file (its header is {json.dumps(header)[:40]}, not a JSON object); "
                         f"{remedy}")
@@ -309,6 +316,5 @@ def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None,
         try:
             arrays = {name: z[name] for name in names}
         except damaged as e:
-            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from None
+            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from (e if isinstance(e, OSError) else None)
     return header, arrays
-

@@ -59,6 +59,8 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
     np.savez_compressed(tmp_path / "store.npz", tokens=np.arange(3), header=np.array(json.dumps(
         {"format": "eagletree-datastore", "version": 1})))
     np.savez_compressed(tmp_path / "nohead.npz", ids=np.arange(3))
+    np.savez_compressed(tmp_path / "nocounts.npz", **(arrays | {"header": np.array(json.dumps(
+        {"format": "eagletree-pretokenized", "version": 1}))}))
     for name, message in [("array.npz", r"not a pre-tokenized data file \(a single array, not an .npz archive\)"),
                           ("text.npz", "not a pre-tokenized data file"),
                           ("store.npz", "format 'eagletree-datastore' version 1, expected 'eagletree-pretokenized'"),
@@ -67,6 +69,8 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
         for read in (pretokenized.load, pretokenized.read_header):
             with pytest.raises(DataError, match=message):
                 read(tmp_path / name)
+    with pytest.raises(DataError, match="the header's records and tokens must be counts, got None and None"):
+        pretokenized.load(tmp_path / "nocounts.npz")
     big = records[0].__class__(torch.tensor([70_000]), torch.tensor([True]), False)
     with pytest.raises(DataError, match="token id 70000 does not fit the uint16 format"):
         pretokenized.save(tmp_path / "big.npz", [big], tok)

@@ -85,6 +85,23 @@ def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     assert TokenStore.from_chat_file([path, later], tok, min_match=2).tokens.tolist() == \
         second + [SEPARATOR] + hello + [SEPARATOR]
     assert TokenStore.from_chat_file([later, path], tok, min_match=2).tokens.tolist() == store.tokens.tolist()
+    # an integer id is an id too; a record with the id but no answer leaves the earlier answer in place
+    later.write_text(json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "hello"}]}) + "\n" +
+                     json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "bold one indeed"}]}) + "\n" +
+                     json.dumps({"id": "7", "messages": [{"role": "assistant", "content": ""}]}) + "\n")
+    assert TokenStore.from_chat_file(later, tok, min_match=2).tokens.tolist() == second + [SEPARATOR]
+    # a last line cut mid-write (here inside a UTF-8 character) is skipped with a warning; elsewhere it is an error
+    whole = json.dumps({"messages": [{"role": "assistant", "content": "hello"}]}) + "\n"
+    later.write_bytes(whole.encode() + '{"messages": [{"role": "assistant", "content": "caf\u00e9'.encode()[:-1])
+    with pytest.warns(UserWarning, match=r"longer.jsonl:2: the last line is not a whole record"):
+        assert TokenStore.from_chat_file(later, tok, min_match=2).tokens.tolist() == hello + [SEPARATOR]
+    later.write_bytes(b'{"messages": [{"role": "assistant", "content": "caf\xc3' + b'"}]}\n' + whole.encode())
+    with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record with messages"):
+        TokenStore.from_chat_file(later, tok)
+    later.write_text(json.dumps({"messages": [{"role": "assistant", "content": ["parts", "of text"]}]}) + "\n" + whole)
+    with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record with messages \(an assistant turn's "
+                                         r"content is not text\)"):
+        TokenStore.from_chat_file(later, tok)
     path.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
     with pytest.raises(ValueError, match="no assistant turns to index"):
         TokenStore.from_chat_file(path, tok)
@@ -123,7 +140,7 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
         assert with_store.copied_tokens > without.copied_tokens and with_store.passes < without.passes
 
 
-def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
+def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, monkeypatch):
     import numpy as np
 
     from eagletree.decoding import decode_steps, generate, resolve_store
@@ -177,6 +194,24 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path):
         assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
     with pytest.raises(ValueError, match="datastore.npz: not a datastore file"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(tmp_path / "head" / DATASTORE))
+    # a file first named (an error), then the head's own: the warning is still given, once
+    (tmp_path / "head" / DATASTORE).write_bytes(b"not a zip either")
+    with pytest.raises(ValueError, match="datastore.npz: not a datastore file"):
+        generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(tmp_path / "head" / DATASTORE))
+    with pytest.warns(UserWarning, match="the head's datastore.npz is not used"):
+        generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8)
+    # a read that failed on an I/O error (the file may be fine) is not remembered: the next call reads it again
+    TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, vocab_fingerprint(tok))
+    real_load = np.load
+
+    def busy(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(np, "load", busy)
+    with pytest.warns(UserWarning, match=r"cannot read the datastore file \(\[Errno 24\] Too many open files\)"):
+        assert resolve_store("auto", head, tok, copy=True) is None
+    monkeypatch.setattr(np, "load", real_load)
+    assert resolve_store("auto", head, tok, copy=True).tokens.tolist() == [1, 2, 3, 4, 5, 6, SEPARATOR]
     with pytest.raises(ValueError, match="datastore '.*missing.npz' does not exist"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=tmp_path / "missing.npz")
 
@@ -211,6 +246,12 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     with np.load(tmp_path / "head" / "datastore.npz") as z:
         header = json.loads(str(z["header"][()]))
     assert header["texts"] == 6 and header["source"] == ["answers.jsonl", "more.jsonl"]
+    monkeypatch.chdir(tmp_path)  # a file named twice (differently spelled) is read once
+    assert main(["datastore", "--from", str(answers), "answers.jsonl", "--target", "tiny", "--head", "head",
+                 "--overwrite"]) == 0
+    with np.load(tmp_path / "head" / "datastore.npz") as z:
+        header = json.loads(str(z["header"][()]))
+    assert header["texts"] == 5 and header["source"] == "answers.jsonl"
     assert main(["datastore", "--from", str(answers), str(tmp_path / "nope.jsonl"), "--target", "tiny"]) == 2
     assert "--from '" in (err := capsys.readouterr().err) and "nope.jsonl': no such file" in err
     assert main(["datastore", "--from", str(tmp_path / "nope.jsonl"), "--target", "tiny"]) == 2

@@ -116,26 +116,39 @@ class TokenStore:
     def from_chat_file(cls, path, tokenizer, **kw) -> "TokenStore":
         """The last assistant turn of each record of one or more chat JSONL files (a path or a list of them),
         tokenized, a separator after each: in `eagletree distill`'s files the target's own answer (the turns before
-        it are the dataset's, the context). A record whose "id" an earlier record had replaces it (the same prompt
-        answered again, e.g. at a longer length), so no answer is indexed twice."""
+        it are the dataset's, the context). A record whose "id" an earlier record had replaces it when it has an
+        answer (the same prompt answered again, e.g. at a longer length), so no answer is indexed twice. A last line
+        without its newline that is not a whole record (what a distill run killed mid-write leaves) is skipped with
+        a warning; any other bad line is a ValueError naming the file and line."""
+        import warnings
+
         paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
-        answers: dict = {}  # id (or, without one, a running number) -> the answer's text
+        answers: dict = {}  # record id (or, without one, the file and line) -> the answer's text
         for path in paths:
-            with path.open(encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
+            lines = path.read_bytes().split(b"\n")
+            for n, raw in enumerate(lines, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                    turns = [m["content"] for m in record["messages"] if m.get("role") == "assistant"
+                             and m.get("content") and m.get("weight", 1) != 0]
+                    if not all(isinstance(t, str) for t in turns):
+                        raise TypeError("an assistant turn's content is not text")
+                    key = record.get("id")
+                except (ValueError, KeyError, TypeError, AttributeError) as e:  # (UnicodeDecodeError is a ValueError)
+                    if n == len(lines):
+                        warnings.warn(f"{path}:{n}: the last line is not a whole record (a run stopped mid-write?); "
+                                      "skipped")
                         continue
-                    try:
-                        record = json.loads(line)
-                        turns = [m["content"] for m in record["messages"] if m.get("role") == "assistant"
-                                 and m.get("content") and m.get("weight", 1) != 0]
-                        key = record.get("id")
-                    except (ValueError, KeyError, TypeError, AttributeError) as e:
-                        raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
-                    key = ("id", key) if isinstance(key, str) and key else ("line", str(path), n)
-                    answers.pop(key, None)  # a replaced answer takes the replacement's place in the order
-                    if turns:
-                        answers[key] = turns[-1]
+                    raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
+                if isinstance(key, (str, int)) and not isinstance(key, bool) and str(key):
+                    key = ("id", str(key))  # (as the training data reads ids)
+                else:
+                    key = ("line", str(path.resolve()), n)
+                if turns:
+                    answers.pop(key, None)  # the replacement takes the replaced answer's place at the end
+                    answers[key] = turns[-1]
         if not answers:
             raise ValueError(f"{', '.join(map(str, paths))}: no assistant turns to index")
         tokens = []
