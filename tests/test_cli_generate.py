@@ -42,8 +42,36 @@ def test_generate_json_and_compare_plain(tiny_cli, capsys):
     if result["draft_kernels"]["choice"] is not None:
         assert result["draft_kernels"]["choice"]["sizes"] == choice["sizes"]
     assert result["tokens_per_pass"] == pytest.approx(result["new_tokens"] / result["passes"], abs=1e-3)
+    assert result["speedup_basis"] == "end to end" and "decode_tokens_per_s" not in result
     assert cli_main(["generate", *args, "--prompt", "   "]) == 2
     assert "error: --prompt is empty" in capsys.readouterr().err
+
+
+def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cli, capsys, monkeypatch):
+    # Sampled, each run draws its own answer: one that stops early has more of its time in the prefill, so the
+    # speedups compare the rates after each run's first pass (as bench does), and say so.
+    import eagletree.commands as commands
+    from eagletree.bench.runners import Run
+
+    _, _, args = tiny_cli
+    plain = Run(list(range(20)), seconds=3.0, first_seconds=1.0, accepted_lengths=[1] + [1] * 19)  # 19 tokens in 2 s
+    monkeypatch.setattr(commands, "run_hf", lambda *a, **kw: plain)
+    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
+                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["speedup_basis"] == "after the first pass" and "identical_to_plain" not in result
+    assert result["plain_tokens_per_s"] == 9.5 and result["hf_tokens_per_s"] == 9.5  # stock kernels: one run
+    assert result["speedup"] == pytest.approx(result["decode_tokens_per_s"] / 9.5, abs=2e-3)
+    assert result["decode_tokens_per_s"] != result["tokens_per_s"]
+    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12",
+                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    assert "after the first pass (sampled answers differ in length): " in capsys.readouterr().out
+    # a run without tokens after its first pass has no such rate: end to end, as greedy
+    plain = Run([5], seconds=1.0, first_seconds=1.0, accepted_lengths=[1])
+    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
+                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["speedup_basis"] == "end to end" and result["plain_tokens_per_s"] == 1.0
 
 
 def test_generate_streams_then_prints_stats(tiny_cli, capsys):
