@@ -238,8 +238,8 @@ def cmd_generate(args) -> int:
             f"(predicted {result['predicted_tokens_per_pass']})")
     if args.compare_plain:
         if result["speedup_basis"] != "end to end":
-            line += (f" | after the first pass (sampled answers differ in length): {result['decode_tokens_per_s']} "
-                     "tokens/s")
+            line += (f" | rates after the first pass from here on (sampled answers differ in length): "
+                     f"{result['decode_tokens_per_s']} tokens/s")
         line += (f" | plain decoding, same kernels ({result['kernels']['kernels']}): {result['plain_tokens_per_s']} "
                  f"tokens/s | speedup {result['speedup']}x | HF generate, stock kernels: {result['hf_tokens_per_s']} "
                  f"tokens/s | speedup vs HF {result['speedup_vs_hf']}x")
