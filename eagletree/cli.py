@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prompt-tokens", type=at_least(0), default=0,
                    help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
                         "file with a lower --max-prompt-tokens left out")
+    p.add_argument("--match", default=None, metavar="REGEX",
+                   help="answer only the prompts whose user turn this regular expression finds something in (counted; "
+                        "--limit then takes the first N of them), e.g. '(?i)python|```' for a datastore of code answers")
     p.add_argument("--turns", default="first", choices=list(TURNS),
                    help="which user turns to answer: the first, the later ones (after the conversation so far, "
                         "earlier answers as the dataset has them; record ids end in @turn<k>), or all")

@@ -28,7 +28,7 @@ from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
 from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
 from .train.data import load_dataset, split, stats
-from .train.distill import distill, ids_in
+from .train.distill import check_match, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features, check_features_dir
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
@@ -479,6 +479,8 @@ def cmd_distill(args) -> int:
     check_output_file(args.out)
     for other in args.skip_answered:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
+    if args.match is not None:
+        check_match(args.match)  # so does a bad --match
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
@@ -487,6 +489,6 @@ def cmd_distill(args) -> int:
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, limit=args.limit, seed=args.seed,
                      skip_answered=tuple(args.skip_answered), turns=args.turns,
-                     min_prompt_tokens=args.min_prompt_tokens)
+                     min_prompt_tokens=args.min_prompt_tokens, match=args.match)
     print(json.dumps(counts))
     return 0

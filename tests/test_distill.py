@@ -183,7 +183,17 @@ def test_limits_long_prompts_and_bad_values(tmp_path):
                      max_prompt_tokens=64, progress=False)
     assert (counts["answered"], counts["skipped_short_prompt"], counts["skipped_long_prompt"]) == (1, 3, 0)
     assert answered_ids(tmp_path / "long.jsonl") == {"t2"}
+    # Only the prompts a regular expression finds something in (e.g. code questions for a datastore); counted, and
+    # --limit takes the first N of those.
+    counts = distill(model, tok, convs, tmp_path / "m.jsonl", max_new_tokens=4, match="(?i)SEVEN EIGHT$|^red green$",
+                     progress=False)
+    assert answered_ids(tmp_path / "m.jsonl") == {"t2", "with-system"}
+    assert (counts["answered"], counts["skipped_no_match"]) == (2, len(user_turns(convs)) - 2)
+    counts = distill(model, tok, convs, tmp_path / "m1.jsonl", max_new_tokens=4, match="seven eight$|^red green$",
+                     limit=1, progress=False)
+    assert answered_ids(tmp_path / "m1.jsonl") == {"t2"}
     for kw, message in ((dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+                        (dict(match="(unclosed"), r"match must be a regular expression, got '\(unclosed' \(missing \)"),
                         (dict(min_prompt_tokens=300, max_prompt_tokens=256),
                          r"min_prompt_tokens \(300\) must not exceed max_prompt_tokens \(256\)"),
                         (dict(min_prompt_tokens=-1), "min_prompt_tokens must be an integer >= 0, got -1"),
@@ -370,3 +380,13 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
     assert counts["skipped_answered_elsewhere"] == len(records)
     assert counts["answered"] == 4 - len(records) - counts["skipped_long_prompt"]
     assert not {json.loads(line)["id"] for line in short.read_text().splitlines()} & {r["id"] for r in records}
+    # --match: only prompts the regular expression finds something in (here the first about Python)
+    code = tmp_path / "code.jsonl"
+    assert main(["distill", "--out", str(code), "--limit", "1", "--max-new-tokens", "4", "--batch-size", "1",
+                 "--max-prompt-tokens", "2048", "--pack", "off", "--match", "(?i)python"]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [record] = [json.loads(line) for line in code.read_text().splitlines()]
+    assert counts["answered"] == 1 and counts["skipped_no_match"] > 1000
+    assert "python" in record["messages"][-2]["content"].lower()
+    assert main(["distill", "--out", str(tmp_path / "new.jsonl"), "--match", "(unclosed"]) == 2  # before loading
+    assert "match must be a regular expression, got '(unclosed'" in capsys.readouterr().err

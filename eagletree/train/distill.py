@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 import zlib
@@ -187,9 +188,18 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     return results
 
 
+def check_match(match: str) -> re.Pattern:
+    """distill's `match`, compiled; a DistillError naming it when it is not a regular expression."""
+    try:
+        return re.compile(match)
+    except (re.error, TypeError) as e:
+        raise DistillError(f"match must be a regular expression, got {match!r} ({e})") from None
+
+
 def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
             batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
-            skip_answered: tuple = (), progress: bool = True, turns: str = "first", min_prompt_tokens: int = 0) -> dict:
+            skip_answered: tuple = (), progress: bool = True, turns: str = "first", min_prompt_tokens: int = 0,
+            match: str | None = None) -> dict:
     """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
     `user_turns`) with the target; append JSONL records to `out`.
 
@@ -199,7 +209,9 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     (target, precision, temperature, max_new_tokens, seed): resuming with other settings is an error. `limit`
     takes the first N prompts `turns` picks (0 = all; with "first", the first N conversations'); those answered
     in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts
-    outside min_prompt_tokens..max_prompt_tokens are skipped (counted). Returns counts.
+    outside min_prompt_tokens..max_prompt_tokens are skipped (counted). `match`, a regular expression: only the
+    prompts whose user turn it finds something in (`re.search`; e.g. "(?i)python|```" for a datastore of code
+    answers) are answered, the others counted; `limit` then takes the first N of those. Returns counts.
     """
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
                              ("batch_size", batch_size, 1), ("limit", limit, 0),
@@ -226,7 +238,12 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     elsewhere = set().union(*(ids_in(p) for p in skip_answered))
     path.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(path, settings)
+    pattern = None if match is None else check_match(match)
     items = user_turns(conversations, turns)
+    no_match = 0
+    if pattern is not None:
+        kept = [item for item in items if pattern.search(item[1][-1]["content"])]
+        no_match, items = len(items) - len(kept), kept
     if limit:
         items = items[:limit]
     # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
@@ -234,7 +251,7 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     left_out = done | elsewhere
     todo = [b for b in batches if any(r[0] not in left_out for r in b)]
     counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
-              "skipped_long_prompt": long, "skipped_short_prompt": short,
+              "skipped_long_prompt": long, "skipped_short_prompt": short, "skipped_no_match": no_match,
               "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
               "new_tokens": 0, "eos": 0, "length": 0}
     bar = tqdm(total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer",
