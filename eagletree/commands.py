@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import target
-from .bench import load_prompts, measure_drafting, run_hf
+from .bench import Run, load_prompts, measure_drafting, run_hf
 from .bench import main as bench_main
 from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
                        latency_profile)
@@ -192,10 +192,9 @@ def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
     if stream_to is not None:
         stream_to.write("\n")
     d = stats.as_dict()
-    rest = d["new_tokens"] - (stats.accepted_lengths[0] if stats.accepted_lengths else 0)
-    after_first = stats.seconds - first[0] if first else 0.0
+    run = Run(ids, stats.seconds, first[0] if first else stats.seconds, list(stats.accepted_lengths))
     return {"text": decode_text(tok, ids), "token_ids": ids, "new_tokens": d["new_tokens"],
-            "decode_rate": rest / after_first if rest > 0 and after_first > 0 else float("nan"),
+            "decode_rate": run.decode_rate,  # as bench reads a run: the rate after the first pass
             "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
             "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
             "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"],
