@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count "
                                     "it")
-    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped) or a .json/.jsonl path")
+    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped), a .json/.jsonl path, or several "
+                                                         "joined by commas (an id a later one has again is taken from it)")
     p.add_argument("--stats", action="store_true", help="print one JSON object of counts")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     p.set_defaults(func="cmd_data")
@@ -118,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="the target's own answers to the training prompts (self-distillation "
                                        "data; resumable JSONL)")
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped) or a .json/.jsonl path; only its "
-                                                         "training split is read")
+    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped), a .json/.jsonl path or several "
+                                                         "joined by commas; only the training split is read")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
                    help="the training config's heldout_fraction (held-out prompts are never answered)")
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")

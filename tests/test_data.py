@@ -171,6 +171,46 @@ def test_the_data_command_counts_a_file_and_names_bad_input(tmp_path, capsys):
     assert "is a folder; expected a .json or .jsonl file" in capsys.readouterr().err
 
 
+def _chat(conv_id, answer):
+    return json.dumps({"id": conv_id, "messages": [{"role": "user", "content": f"q {conv_id}"},
+                                                   {"role": "assistant", "content": answer}]})
+
+
+def test_several_files_are_one_dataset_a_repeated_id_taken_from_the_later_file(tmp_path, capsys):
+    from eagletree.cli import main
+
+    first, second = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    first.write_text("\n".join([_chat("a", "a1"), _chat("b", "b1"), _chat("c", "c1")]) + "\n")
+    # c twice in one file stays twice; b is answered again: the later file's b replaces it, at its own place
+    second.write_text("\n".join([_chat("d", "d2"), _chat("b", "b2"), _chat("e", "e2"), _chat("e", "e2 again")]) + "\n")
+    data = load_dataset(f"{first},{second}")
+    assert [(c.id, c.messages[-1]["content"]) for c in data.conversations] == [
+        ("a", "a1"), ("c", "c1"), ("d", "d2"), ("b", "b2"), ("e", "e2"), ("e", "e2 again")]
+    assert data.replaced == 1 and data.source == f"{first},{second}"
+    assert data.file_bytes == first.stat().st_size + second.stat().st_size
+    assert stats(data)["replaced"] == 1
+    # the other way round, the first file's b wins; spaces around the commas are allowed
+    assert [c.messages[-1]["content"] for c in load_dataset(f"{second} , {first}").conversations
+            if c.id == "b"] == ["b1"]
+    assert main(["data", "--dataset", f"{first},{second}"]) == 0
+    out = capsys.readouterr().out
+    assert "6 conversations" in out and "1 replaced by a later file's with the same id" in out
+
+
+def test_a_list_of_sources_names_its_bad_entries(tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text(_chat("a", "x") + "\n")
+    with pytest.raises(DataError, match="has an empty entry"):
+        load_dataset(f"{one},")
+    with pytest.raises(DataError, match=f"names '{one}' more than once"):
+        load_dataset(f"{one},{one}")
+    with pytest.raises(DataError, match="missing.jsonl' does not exist"):
+        load_dataset(f"{one},{tmp_path / 'missing.jsonl'}")
+    odd = tmp_path / "a,b.jsonl"  # a file whose name has a comma is one source
+    odd.write_text(_chat("z", "y") + "\n")
+    assert [c.id for c in load_dataset(str(odd)).conversations] == ["z"]
+
+
 def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     # OpenAI's fine-tuning convention, in both formats: weight 0 is kept (not trained on), weight 1 is the default
     path = write_json(tmp_path / "w.json", [

@@ -56,6 +56,7 @@ class Dataset:
     file_bytes: int | None = None
     recovered_until_byte: int | None = None  # end of the last complete record
     skipped_empty: int = 0
+    replaced: int = 0  # of several sources: conversations a later source's with the same id replaced
     notes: list[str] = field(default_factory=list)
 
 
@@ -292,9 +293,13 @@ def _sharegpt_module():
 
 
 def load_dataset(source="sharegpt") -> Dataset:
-    """`sharegpt` (the shipped file), a .json/.jsonl path, or a `datasets.Dataset` -> Dataset."""
+    """`sharegpt` (the shipped file), a .json/.jsonl path, several of them joined by commas, or a `datasets.Dataset`
+    -> Dataset."""
     if not isinstance(source, (str, os.PathLike)):
         return from_hf_dataset(source)
+    parts = dataset_parts(source)
+    if len(parts) > 1:
+        return merge([load_dataset(part) for part in parts])
     if str(source) == "sharegpt":
         # Parsed once per process; the truncation warning is given once with it.
         if "sharegpt" not in _SHAREGPT_CACHE:
@@ -302,6 +307,47 @@ def load_dataset(source="sharegpt") -> Dataset:
                 _SHAREGPT_CACHE["sharegpt"] = read_json_file(path)
         return _SHAREGPT_CACHE["sharegpt"]
     return read_json_file(source)
+
+
+def dataset_parts(source) -> list[str]:
+    """The sources a `dataset` value names: one, or several joined by commas (a path that exists as written is one
+    source even when it holds a comma). Each is named once, in the order given."""
+    text = str(source)
+    if "," not in text or Path(text).exists():
+        return [text]
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise DataError(f"dataset {text!r} has an empty entry; expected sources joined by commas, e.g. "
+                        "'a.jsonl,b.jsonl'")
+    repeated = sorted({part for part in parts if parts.count(part) > 1})
+    if repeated:
+        raise DataError(f"dataset {text!r} names {', '.join(map(repr, repeated))} more than once; name each source once")
+    return parts
+
+
+def merge(datasets: list[Dataset]) -> Dataset:
+    """Several sources as one, in order. A conversation whose id an earlier source has replaces that source's
+    conversation, taking its place at the end (as `eagletree datastore --from` takes several distill files: the
+    same prompt answered again, e.g. at another length, is trained on once); ids repeated within one source stay as
+    that source has them."""
+    kept: list = []  # conversations in order; None where a later source replaced one
+    place: dict[str, list[int]] = {}  # id -> where it is in `kept`
+    for data in datasets:
+        ids = set()
+        for conv in data.conversations:
+            if conv.id not in ids:  # the first time this source has it: earlier sources' copies go
+                ids.add(conv.id)
+                for i in place.pop(conv.id, []):
+                    kept[i] = None
+            place.setdefault(conv.id, []).append(len(kept))
+            kept.append(conv)
+    merged = Dataset([conv for conv in kept if conv is not None], ",".join(d.source for d in datasets),
+                     truncated=any(d.truncated for d in datasets),
+                     file_bytes=sum(d.file_bytes or 0 for d in datasets),
+                     skipped_empty=sum(d.skipped_empty for d in datasets),
+                     notes=[note for d in datasets for note in d.notes])
+    merged.replaced = sum(len(d.conversations) for d in datasets) - len(merged.conversations)
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +394,7 @@ def stats(data: Dataset, fraction: float = HELDOUT_FRACTION) -> dict:
         "file_bytes": data.file_bytes,
         "recovered_until_byte": data.recovered_until_byte,
         "skipped_empty": data.skipped_empty,
+        "replaced": data.replaced,
         "turns": sum(roles.values()),
         "turns_by_role": roles,
     }
