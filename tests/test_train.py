@@ -120,6 +120,33 @@ def test_resume_gives_identical_weights(tmp_path):
         assert (a - b).abs().max() <= 1e-6, name
 
 
+def test_a_micro_batch_without_a_loss_does_not_shrink_the_step(tmp_path, monkeypatch):
+    """The gradient of a step is the mean over the sequences that had a loss: a conversation without an answer
+    among grad_accum micro-batches leaves the same gradient as the others alone; a step with none moves nothing."""
+    from eagletree.train.data import Conversation
+
+    grads = []
+
+    def record(self, *a, **kw):
+        grads.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    answered = tiny_conversations(1)
+    unanswered = [Conversation("u0", [{"role": "user", "content": "alpha beta"}])]
+    go = lambda name, convs, **kw: train(tiny_cfg(tmp_path / name, **({"steps": 1} | kw), save_every=1, noise=0.0,  # noqa: E731
+                                                  clip=0.0), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+                                          conversations=convs, progress=False)
+    go("one", answered, grad_accum=1)
+    go("two", answered + unanswered, grad_accum=2)
+    assert len(grads) == 2 and len(grads[0]) == len(grads[1]) > 0
+    for alone, with_empty in zip(*grads):
+        assert torch.allclose(alone, with_empty, rtol=1e-5, atol=1e-7)
+    go("alternate", answered + unanswered, grad_accum=1, steps=2)  # one step each: the empty one moves nothing
+    assert len(grads) == 3
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "alternate" / "history.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and sum(x is None for x in losses) == 1  # its record says null, not 0
+
+
 def test_training_reduces_the_loss(tmp_path):
     _, summary = run(tiny_cfg(tmp_path, steps=40, save_every=40))
     history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]

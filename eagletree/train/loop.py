@@ -328,13 +328,6 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 stats["acc"] += float(parts["acc"])
                 stats["n"] += 1
                 counters["tokens"] += parts["tokens"]
-            if accelerator.sync_gradients and cfg.clip:
-                accelerator.clip_grad_norm_(params, cfg.clip)
-            lr = scheduler.get_last_lr()[0]  # the rate this step used (after scheduler.step() it is the next one's)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
             # Sum over processes, so the logged numbers are those of the global batch (and every process learns
             # of a signal any of them got, so that all stop after the same step).
             totals = torch.tensor([stats[k] for k in ("loss", "l1", "ce", "acc", "n")] + [float(bool(signals))],
@@ -343,6 +336,18 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
                 totals = accelerator.reduce(totals, reduction="sum")
             stopping = bool(totals[5] > 0)
             n = int(totals[4])  # sequences with assistant tokens in the global batch
+            if 0 < n < cfg.grad_accum * world:  # the gradient is the mean over the sequences that had a loss
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(cfg.grad_accum * world / n)
+            if accelerator.sync_gradients and cfg.clip:
+                accelerator.clip_grad_norm_(params, cfg.clip)
+            lr = scheduler.get_last_lr()[0]  # the rate this step used (after scheduler.step() it is the next one's)
+            if n:  # a step without a loss leaves the weights (and AdamW's moments) as they are
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
             # a step where none had any (all cut, dropped or without an answer) has no loss: null, not 0
             record = {k: float(v) / n if n else None for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
                 "lr": lr, "step": step, "sequences": n}
