@@ -255,6 +255,13 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
         settings = json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]
         assert set(stores) == {want} and (settings["datastore"] is None) == (want is None)
         stores.clear()
+    # a store made for another tokenizer is refused by decoding (a warning), and the settings do not name it
+    TokenStore([5, 6, 7, 8, 9, 10, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", "another-tokenizer")
+    with pytest.warns(UserWarning, match="made with tokenizer another-tokenizer"):
+        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
+                         str(tmp_path / "p.jsonl"), "--methods", "eagle2+copy", "--budgets", "4", "--temperatures", "0",
+                         "--max-new-tokens", "6", "-o", str(tmp_path / "out3"), "--pack", "off"]) == 0
+    assert json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]["datastore"] is None
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():

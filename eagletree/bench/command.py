@@ -6,14 +6,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..decoding import MIN_TEMPERATURE
+from ..decoding import MIN_TEMPERATURE, resolve_store
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
+from ..tree_search.store import DATASTORE
 from .inputs import FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .profile import main_profile
 from .report import machine_info, write_outputs
-from ..tree_search.store import DATASTORE
 from .runners import run_bench
 
 
@@ -66,6 +66,10 @@ def main(args) -> int:
         raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
                          "drop it or pass --pack on/auto on a CPU")
     store = None if args.datastore == "none" else "auto"
+    # the file the +copy rows read, as decoding resolves it (a head's store that does not suit the target is refused
+    # there with a warning, and is not named here)
+    used = None if store is None or head is None else resolve_store(store, head, tok, True,
+                                                                      model.get_input_embeddings().num_embeddings)
     report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens,
                        store=store)
     report.update(command=command, machine=machine_info(model),
@@ -75,8 +79,7 @@ def main(args) -> int:
                             "kernels_measured": None if getattr(model, "kernel_choice", None) is None
                             else model.kernel_choice.summary(),
                             "draft_kernels": None if head is None else kernels_used(head),
-                            "datastore": None if store is None or head_dir is None
-                            or not Path(head_dir, DATASTORE).is_file() else str(Path(head_dir, DATASTORE)),
+                            "datastore": None if used is None else str(Path(head.source_dir, DATASTORE)),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
                             "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,

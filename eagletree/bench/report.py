@@ -200,7 +200,10 @@ def write_plots(report: dict, out: Path) -> list[str]:
         a1.plot([0, 1], [0, 1], color="black", lw=0.8)
         a1.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance of a node", ylabel="measured acceptance",
                title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)")
-        a1.legend(fontsize=8)
+        if cal["bins"] or cal.get("calibrated_bins"):
+            a1.legend(fontsize=8)
+        else:  # (an empty legend is a matplotlib warning, and an empty panel says nothing)
+            a1.text(0.5, 0.5, "no drafted node was tried", ha="center", va="center", transform=a1.transAxes)
         a1.grid(alpha=0.3)
         labelled = set()
         for r in greedy:
