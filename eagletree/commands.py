@@ -48,7 +48,9 @@ def cmd_data(args) -> int:
     else:
         print(f"{counts['source']}: {counts['conversations']:,} conversations ({counts['train']:,} for training, "
               f"{counts['heldout']:,} held out at {counts['heldout_fraction']}), {counts['turns']:,} turns"
-              + (", the file was cut off (recovered up to its last complete record)" if counts["truncated"] else "")
+              + ((", a file was cut off (recovered up to its last complete record; the warning names it)"
+                  if "," in counts["source"] else ", the file was cut off (recovered up to its last complete record)")
+                 if counts["truncated"] else "")
               + (f", {counts['replaced']:,} replaced by a later file's with the same id" if counts["replaced"] else "")
               + "; --stats for every count as JSON")
     return 0

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -262,6 +263,15 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
                          str(tmp_path / "p.jsonl"), "--methods", "eagle2+copy", "--budgets", "4", "--temperatures", "0",
                          "--max-new-tokens", "6", "-o", str(tmp_path / "out3"), "--pack", "off"]) == 0
     assert json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]["datastore"] is None
+    # without a copying row the store is not read at all: no warning (the file written again, so that a refusal
+    # remembered from above would not hide one), and not named
+    TokenStore([5, 6, 7, 8, 9, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", "another-tokenizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
+                         str(tmp_path / "p.jsonl"), "--methods", "eagle2", "--budgets", "4", "--temperatures", "0",
+                         "--max-new-tokens", "6", "-o", str(tmp_path / "out4"), "--pack", "off"]) == 0
+    assert json.loads((tmp_path / "out4" / "results.json").read_text())["settings"]["datastore"] is None
 
 
 def test_rank_acceptance_counts_accepted_sibling_ranks():

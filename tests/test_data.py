@@ -183,16 +183,20 @@ def test_several_files_are_one_dataset_a_repeated_id_taken_from_the_later_file(t
     first.write_text("\n".join([_chat("a", "a1"), _chat("b", "b1"), _chat("c", "c1")]) + "\n")
     # c twice in one file stays twice; b is answered again: the later file's b replaces it, at its own place
     second.write_text("\n".join([_chat("d", "d2"), _chat("b", "b2"), _chat("e", "e2"), _chat("e", "e2 again")]) + "\n")
-    data = load_dataset(f"{first},{second}")
+    with pytest.warns(DataWarning, match=rf"1 conversations replaced by a later source's with the same id "
+                                         rf"\({second} replaced 1\)"):
+        data = load_dataset(f"{first},{second}")
     assert [(c.id, c.messages[-1]["content"]) for c in data.conversations] == [
         ("a", "a1"), ("c", "c1"), ("d", "d2"), ("b", "b2"), ("e", "e2"), ("e", "e2 again")]
     assert data.replaced == 1 and data.source == f"{first},{second}"
     assert data.file_bytes == first.stat().st_size + second.stat().st_size
     assert stats(data)["replaced"] == 1
     # the other way round, the first file's b wins; spaces around the commas are allowed
-    assert [c.messages[-1]["content"] for c in load_dataset(f"{second} , {first}").conversations
-            if c.id == "b"] == ["b1"]
-    assert main(["data", "--dataset", f"{first},{second}"]) == 0
+    with pytest.warns(DataWarning, match=rf"\({first} replaced 1\)"):
+        assert [c.messages[-1]["content"] for c in load_dataset(f"{second} , {first}").conversations
+                if c.id == "b"] == ["b1"]
+    with pytest.warns(DataWarning):
+        assert main(["data", "--dataset", f"{first},{second}"]) == 0
     out = capsys.readouterr().out
     assert "6 conversations" in out and "1 replaced by a later file's with the same id" in out
 
@@ -202,13 +206,28 @@ def test_a_list_of_sources_names_its_bad_entries(tmp_path):
     one.write_text(_chat("a", "x") + "\n")
     with pytest.raises(DataError, match="has an empty entry"):
         load_dataset(f"{one},")
-    with pytest.raises(DataError, match=f"names '{one}' more than once"):
+    with pytest.raises(DataError, match=f"names '{one}': the same source more than once"):
         load_dataset(f"{one},{one}")
+    with pytest.raises(DataError, match="the same source more than once"):  # one file, however it is written
+        load_dataset(f"{one},{tmp_path}/./one.jsonl")
     with pytest.raises(DataError, match="missing.jsonl' does not exist"):
         load_dataset(f"{one},{tmp_path / 'missing.jsonl'}")
     odd = tmp_path / "a,b.jsonl"  # a file whose name has a comma is one source
     odd.write_text(_chat("z", "y") + "\n")
     assert [c.id for c in load_dataset(str(odd)).conversations] == ["z"]
+
+
+def test_sharegpt_among_several_sources_is_read_for_training_without_its_known_cut_warned(tmp_path):
+    from eagletree.train.data import load_training_data
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(_chat("m0", "x") + "\n" + _chat("m1", "y")[:30])  # cut: this one is warned about
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = load_training_data(f"sharegpt,{mine}")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "mine.jsonl: the last line is cut off" in said[0]
+    assert data.conversations[-1].id == "m0" and len(data.conversations) == len(load_dataset("sharegpt").conversations) + 1
 
 
 def test_an_assistant_turn_of_weight_0_is_context(tmp_path):

@@ -68,8 +68,9 @@ def main(args) -> int:
     store = None if args.datastore == "none" else "auto"
     # the file the +copy rows read, as decoding resolves it (a head's store that does not suit the target is refused
     # there with a warning, and is not named here)
-    used = None if store is None or head is None else resolve_store(store, head, tok, True,
-                                                                      model.get_input_embeddings().num_embeddings)
+    copying = any(m.copy for m in methods)
+    used = None if store is None or head is None or not copying else \
+        resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
     report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens,
                        store=store)
     report.update(command=command, machine=machine_info(model),

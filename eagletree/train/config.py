@@ -129,7 +129,7 @@ class TrainConfig:
         for key in ("out_dir", "dataset", "target"):
             if key in values and not str(values[key]).strip():
                 raise TrainingError(f"config key {key!r} is empty; expected "
-                                    + {"out_dir": "the run's folder", "dataset": "'sharegpt' or a data file",
+                                    + {"out_dir": "the run's folder", "dataset": "'sharegpt', a data file or several joined by commas",
                                        "target": "a target alias, HF model folder or .gguf file"}[key])
         if values.get("ttt_steps", 0) < 0:
             raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "

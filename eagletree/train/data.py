@@ -309,6 +309,16 @@ def load_dataset(source="sharegpt") -> Dataset:
     return read_json_file(source)
 
 
+def load_training_data(source) -> Dataset:
+    """`load_dataset` for training and evaluation: the shipped ShareGPT file's known cut (and its empty records) are
+    not warned about, also where it is one of several sources; what is wrong with a user's file is."""
+    if isinstance(source, (str, os.PathLike)) and "sharegpt" in dataset_parts(source):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_dataset("sharegpt")  # read once per process: the later reads below take it as it is, silently
+    return load_dataset(source)
+
+
 def dataset_parts(source) -> list[str]:
     """The sources a `dataset` value names: one, or several joined by commas (a path that exists as written is one
     source even when it holds a comma). Each is named once, in the order given."""
@@ -319,19 +329,22 @@ def dataset_parts(source) -> list[str]:
     if not all(parts):
         raise DataError(f"dataset {text!r} has an empty entry; expected sources joined by commas, e.g. "
                         "'a.jsonl,b.jsonl'")
-    repeated = sorted({part for part in parts if parts.count(part) > 1})
+    names = [part if part == "sharegpt" else str(Path(part).resolve()) for part in parts]
+    repeated = sorted({part for part, name in zip(parts, names) if names.count(name) > 1})
     if repeated:
-        raise DataError(f"dataset {text!r} names {', '.join(map(repr, repeated))} more than once; name each source once")
+        raise DataError(f"dataset {text!r} names {' and '.join(map(repr, repeated))}: the same source more than once; "
+                        "name each source once")
     return parts
 
 
 def merge(datasets: list[Dataset]) -> Dataset:
     """Several sources as one, in order. A conversation whose id an earlier source has replaces that source's
-    conversation, taking its place at the end (as `eagletree datastore --from` takes several distill files: the
-    same prompt answered again, e.g. at another length, is trained on once); ids repeated within one source stay as
-    that source has them."""
+    conversation, in the later source's place (several distill runs that answered one prompt, e.g. at different
+    lengths: it is trained on once, with the later answer); ids repeated within one source stay as that source has
+    them. Replacements are counted (`replaced`) and warned about, naming the sources that replaced."""
     kept: list = []  # conversations in order; None where a later source replaced one
     place: dict[str, list[int]] = {}  # id -> where it is in `kept`
+    replacing = {}  # source -> how many earlier conversations it replaced
     for data in datasets:
         ids = set()
         for conv in data.conversations:
@@ -339,6 +352,7 @@ def merge(datasets: list[Dataset]) -> Dataset:
                 ids.add(conv.id)
                 for i in place.pop(conv.id, []):
                     kept[i] = None
+                    replacing[data.source] = replacing.get(data.source, 0) + 1
             place.setdefault(conv.id, []).append(len(kept))
             kept.append(conv)
     merged = Dataset([conv for conv in kept if conv is not None], ",".join(d.source for d in datasets),
@@ -346,7 +360,11 @@ def merge(datasets: list[Dataset]) -> Dataset:
                      file_bytes=sum(d.file_bytes or 0 for d in datasets),
                      skipped_empty=sum(d.skipped_empty for d in datasets),
                      notes=[note for d in datasets for note in d.notes])
-    merged.replaced = sum(len(d.conversations) for d in datasets) - len(merged.conversations)
+    merged.replaced = sum(replacing.values())
+    if replacing:
+        note = "; ".join(f"{source} replaced {n:,}" for source, n in replacing.items())
+        merged.notes.append(f"{merged.replaced:,} conversations replaced by a later source's with the same id ({note})")
+        warnings.warn(merged.notes[-1], DataWarning, stacklevel=3)
     return merged
 
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import shutil
 import sys
-import warnings
 from copy import deepcopy
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..prompts import by_category, mtbench_subset
 from ..tree_search import Calibrator, acceptance_pairs, calibration_report
 from ..tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 from .config import TrainConfig, TrainingError
-from .data import DataError, load_dataset, split
+from .data import DataError, load_training_data, split
 from .distill import first_turns
 from .loop import has_assistant_text
 from .render import RenderError, render
@@ -169,10 +168,7 @@ def evaluation_conversations(cfg) -> list:
     """
     source = cfg.eval_dataset or cfg.dataset
     try:
-        with warnings.catch_warnings():
-            if source == "sharegpt":  # its known cut; a user's file's is warned about
-                warnings.simplefilter("ignore")
-            _, heldout = split(load_dataset(source), cfg.heldout_fraction)
+        _, heldout = split(load_training_data(source), cfg.heldout_fraction)  # (ShareGPT's known cut: not warned)
     except DataError as e:
         raise TrainingError(f"eval_dataset: {e}") from e
     if len(heldout) <= cfg.eval_conversations:

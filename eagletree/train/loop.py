@@ -28,7 +28,7 @@ from ..target import checked_device, load_target
 from .checkpoints import (HEAD_DEFINING, append_history, apply_changes, changed_run_keys, check_run_dir, clear_run,
                           keep_history, resume_point, save_checkpoint, set_rng_state)
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
-from .data import load_dataset, split
+from .data import load_training_data, split
 from .features import FeatureStore
 from .render import RenderError, render_item
 
@@ -345,7 +345,10 @@ def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conv
             lr = scheduler.get_last_lr()[0]  # the rate this step used (after scheduler.step() it is the next one's)
             if n:  # a step without a loss leaves the weights (and AdamW's moments) as they are
                 optimizer.step()
-            scheduler.step()
+            with warnings.catch_warnings():  # (after a first step without a loss torch warns that the schedule's
+                # first value was skipped; LambdaLR counts steps, so nothing is)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             # a step where none had any (all cut, dropped or without an answer) has no loss: null, not 0
@@ -420,10 +423,7 @@ def _initial_head(cfg: TrainConfig, target_config):
 def training_conversations(cfg: TrainConfig):
     """The training side of the held-out split, cut to max_conversations. What was recovered or skipped reading a
     data file is warned about; the shipped ShareGPT file's known cut is not."""
-    with warnings.catch_warnings():
-        if cfg.dataset == "sharegpt":
-            warnings.simplefilter("ignore")
-        train_convs, _ = split(load_dataset(cfg.dataset), cfg.heldout_fraction)
+    train_convs, _ = split(load_training_data(cfg.dataset), cfg.heldout_fraction)
     return train_convs[: cfg.max_conversations] if cfg.max_conversations else train_convs
 
 
