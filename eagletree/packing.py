@@ -206,7 +206,8 @@ KERNEL_SIZES = (1, 4, 8, 16, 32, 64)  # row counts `pack_target(..., "auto")` me
 def cpu_model() -> str:
     """This CPU's model name (/proc/cpuinfo), or the platform's processor string."""
     try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:  # (closed at once, not when the generator is collected)
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine() or "unknown CPU"
 
@@ -216,13 +217,14 @@ def cpu_generation() -> str:
     often name a CPU only 'AMD EPYC', which its family and model tell apart (Zen 2, 3, 4 ...)."""
     fields = {}
     try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = value.strip()
-            if not line.strip():
-                break  # the first processor's block is enough
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
     except OSError:
         return ""
     family, model = fields.get("cpu family", ""), fields.get("model", "")

@@ -79,6 +79,11 @@ def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch
     monkeypatch.setattr(packing, "open", lambda *a, **k: io.StringIO("model name\t: Some CPU\n"), raising=False)
     assert packing.cpu_generation() == ""
     assert packing.machine_key(nn.Linear(1, 1)).startswith(f"Some-CPU-{torch.get_num_threads()}t-")
+    # /proc/cpuinfo is closed when read (it was left to the collector: a ResourceWarning)
+    opened = []
+    monkeypatch.setattr(packing, "open", lambda *a, **k: opened.append(io.StringIO(info)) or opened[-1], raising=False)
+    packing.cpu_model(), packing.cpu_generation()
+    assert len(opened) == 2 and all(f.closed for f in opened)
 
 def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     # Packed only at 2-8 rows (as if one-row and large products were faster with the stock kernel here): the
