@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count "
                                     "it")
-    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped), a .json/.jsonl path, or several "
-                                                         "joined by commas (an id a later one has again is taken from it)")
+    p.add_argument("--dataset", default="sharegpt",
+                   help="'sharegpt' (shipped), a .json/.jsonl path, or several joined by commas (an id a later one has "
+                        "again is taken from it)")
     p.add_argument("--stats", action="store_true", help="print one JSON object of counts")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     p.set_defaults(func="cmd_data")
@@ -136,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
                         "file with a lower --max-prompt-tokens left out")
     p.add_argument("--match", default=None, metavar="REGEX",
-                   help="answer only the prompts whose user turn this regular expression finds something in (counted; "
-                        "--limit then takes the first N of them), e.g. '(?i)python|```' for a datastore of code answers")
+                   help="answer only the prompts whose user turn this regular expression finds something in "
+                        "(counted; --limit then takes the first N of them), e.g. '(?i)python|```' for a datastore of "
+                        "code answers")
     p.add_argument("--turns", default="first", choices=list(TURNS),
                    help="which user turns to answer: the first, the later ones (after the conversation so far, "
                         "earlier answers as the dataset has them; record ids end in @turn<k>), or all")
