@@ -275,26 +275,36 @@ class _Table:
         (`_exclusive`). ids/values: the head's new children at this level (a contiguous id range). Returns the
         level's (ids, values) with the new copied nodes appended, and the copied nodes the head can
         expand next (those under this level's frontier: the drafter has their parents' state).
-        A few host reads per level, none per node.
+        The bookkeeping runs on host lists read once (a handful of tensor operations per call, none per node:
+        on a CPU each small tensor operation costs more than the Python it replaces); the arithmetic is the
+        same float64 products, so the values are bitwise those of the per-node tensor updates.
         """
         device = self.tokens.device
         none = torch.zeros(0, dtype=torch.long, device=device)
         level_nodes = [c for c in copies.by_level(level) if copies.parents[c] in placed]
-        parents = [placed[copies.parents[c]] for c in level_nodes]
-        if parents and floor > -math.inf:
-            keep = (self.values[torch.tensor(parents, device=device)] >= floor).tolist()
-            level_nodes = [c for c, ok in zip(level_nodes, keep) if ok]
-            parents = [u for u, ok in zip(parents, keep) if ok]
         if not level_nodes:
             return ids, values, none
-        head_child = {}
+        parents = [placed[copies.parents[c]] for c in level_nodes]
+        parent_value = dict(zip(parents, self.values[torch.tensor(parents, device=device)].tolist()))
+        if floor > -math.inf:
+            keep = [parent_value[u] >= floor for u in parents]
+            level_nodes = [c for c, ok in zip(level_nodes, keep) if ok]
+            parents = [u for u, ok in zip(parents, keep) if ok]
+            if not level_nodes:
+                return ids, values, none
+        # This level's nodes so far (the head's children, then copies grafted by earlier tries), as host lists.
+        start = int(ids[0]) if ids.numel() else 0
         if ids.numel():
-            mine = ids[torch.isin(self.parents[ids], torch.tensor(parents, device=device))
-                       & torch.isfinite(self.values[ids])]  # a head child of probability 0 proposes nothing
-            if mine.numel():
-                table = torch.stack([mine, self.parents[mine], self.tokens[mine]]).tolist()
-                head_child = {(u, t): v for v, u, t in zip(*table)}
-        start, expanded = int(ids[0]) if ids.numel() else 0, set(frontier.tolist())
+            level_parents, level_tokens, level_probs = torch.stack(
+                [self.parents[ids].double(), self.tokens[ids].double(), self.probs[ids]]).tolist()
+            level_parents, level_tokens = [int(u) for u in level_parents], [int(t) for t in level_tokens]
+            level_values = values.tolist()
+        else:
+            level_parents, level_tokens, level_probs, level_values = [], [], [], []
+        with_copies = set(parents)
+        head_child = {(u, t): start + i for i, (u, t, x) in enumerate(zip(level_parents, level_tokens, level_values))
+                      if u in with_copies and x > -math.inf}  # a head child of probability 0 proposes nothing
+        expanded, f64 = set(frontier.tolist()), dict(dtype=torch.float64, device=device)
         new_tokens, new_parents, new_probs, can_expand, merged = [], [], [], [], []
         next_id = self.tokens.numel()
         for c, u in zip(level_nodes, parents):
@@ -312,29 +322,29 @@ class _Table:
                 merged.append((v, u, a))
                 self.copy_info[v] = copies.info[c] + (True,)  # the head proposed it too
             placed[c] = v
-        f64 = dict(dtype=torch.float64, device=device)
-        head_q = self.probs[torch.tensor([v for v, _, _ in merged], device=device)].tolist() if merged else []
+        head_q = [level_probs[v - start] for v, _, _ in merged]
         merged_p = [agreed(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the head and a copy agree
         copy_scale, head_scale = _exclusive(new_parents + [u for _, u, _ in merged], new_probs + merged_p,
                                             [u for _, u, _ in merged], head_q)
         new_probs = [p * copy_scale.get(u, 1.0) for u, p in zip(new_parents, new_probs)]
-        merged_p = [p * copy_scale.get(u, 1.0) for (_, u, _), p in zip(merged, merged_p)]
-        if merged:
-            vs = torch.tensor([v for v, _, _ in merged], device=device)
-            self.probs[vs] = torch.tensor(merged_p, **f64)
-            self.values[vs] = self.values[self.parents[vs]] * self.probs[vs]
-            values[vs - start] = self.values[vs]
-        if head_scale:  # the head's other children of a parent with copies share what the copies leave
-            copied = torch.tensor([v for v, _, _ in merged] or [-1], device=device)
-            for u, r in head_scale.items():
-                own = (self.parents[ids] == u) & ~torch.isin(ids, copied) & torch.isfinite(values)
-                vs = ids[own]
-                self.probs[vs] *= r
-                self.values[vs] = self.values[u] * self.probs[vs]
-                values[own] = self.values[vs]
+        changed = {v: p * copy_scale.get(u, 1.0) for (v, u, _), p in zip(merged, merged_p)}  # node -> new prob
+        # The head's other children of a parent with copies share what the copies leave.
+        for i, (u, x) in enumerate(zip(level_parents, level_values)):
+            v = start + i
+            if u in head_scale and v not in changed and x > -math.inf:
+                changed[v] = level_probs[i] * head_scale[u]
+        if changed:
+            vs = list(changed)
+            probs = [changed[v] for v in vs]
+            # (every changed node's parent has copied children, so its value was read above)
+            at = torch.tensor(vs, device=device)
+            self.probs[at] = torch.tensor(probs, **f64)
+            self.values[at] = torch.tensor([parent_value[level_parents[v - start]] * p for v, p in zip(vs, probs)],
+                                           **f64)
+            values[at - start] = self.values[at]
         if not new_tokens:
             return ids, values, none
-        new_values = (self.values[torch.tensor(new_parents, device=device)] * torch.tensor(new_probs, **f64))
+        new_values = torch.tensor([parent_value[u] * p for u, p in zip(new_parents, new_probs)], **f64)
         self.tokens = torch.cat([self.tokens, torch.tensor(new_tokens, device=device)])
         self.parents = torch.cat([self.parents, torch.tensor(new_parents, device=device)])
         self.probs = torch.cat([self.probs, torch.tensor(new_probs, **f64)])
