@@ -65,6 +65,7 @@ def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
     md = (out / "results.md").read_text()
     assert md.count("| method | budget |") == 2 and "## Temperature 0 (greedy)" in md
     assert md.count("\n| eagle2 | 8 |") == 2 and "| plain | - | 1.00 |" in md and "NO" not in md
+    assert "Plots: [tokens_per_pass.png](tokens_per_pass.png), [speedup.png](speedup.png)" in md  # linked once written
 
 
 def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):

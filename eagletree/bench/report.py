@@ -237,5 +237,6 @@ def write_outputs(report: dict, out) -> Path:
     write_text_atomic(out / "results.md", markdown_report(report))
     report["plots"] = write_plots(report, out)
     write_json_atomic(out / "results.json", report)
+    write_text_atomic(out / "results.md", markdown_report(report))  # now with the plots it links
     return out
 
