@@ -212,23 +212,46 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_generation() -> str:
-    """This CPU's family and model numbers as 'f25m17' (/proc/cpuinfo), or '' where not listed: virtual machines
-    often name a CPU only 'AMD EPYC', which its family and model tell apart (Zen 2, 3, 4 ...)."""
+def _first_cpu(keys: tuple[str, ...]) -> dict[str, str] | None:
+    """These keys of /proc/cpuinfo's first processor block (those it lists), or None where it cannot be read."""
     fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo") as f:  # (closed at once, not when the generator is collected)
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("cpu family", "model") and key not in fields:
+                if key in keys and key not in fields:
                     fields[key] = value.strip()
                 if not line.strip():
                     break  # the first processor's block is enough
     except OSError:
-        return ""
+        return None
+    return fields
+
+
+def cpu_generation() -> str:
+    """This CPU's family and model numbers as 'f25m17' (/proc/cpuinfo), or '' where not listed: virtual machines
+    often name a CPU only 'AMD EPYC', which its family and model tell apart (Zen 2, 3, 4 ...)."""
+    fields = _first_cpu(("cpu family", "model")) or {}
     family, model = fields.get("cpu family", ""), fields.get("model", "")
     return f"f{family}m{model}" if family.isdigit() and model.isdigit() else ""
+
+
+def cpu_features() -> str:
+    """What this CPU's matrix products can use, as a reader of a measurement needs it: its family and model numbers,
+    its widest vector instructions and whether it multiplies bf16 natively, e.g. 'family 25 model 1; AVX2; no native
+    bf16' (/proc/cpuinfo's first processor; '' where it lists none of these)."""
+    fields = _first_cpu(("cpu family", "model", "flags", "Features")) or {}  # (Arm lists Features)
+    parts = []
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        parts.append(f"family {fields['cpu family']} model {fields['model']}")
+    if "flags" in fields or "Features" in fields:
+        flags = set(fields.get("flags", fields.get("Features", "")).split())
+        widest = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+                                                ("asimd", "NEON")) if flag in flags), "no AVX")
+        bf16 = [name for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+        parts += [widest, f"native bf16 ({', '.join(bf16)})" if bf16 else "no native bf16"]
+    return "; ".join(parts)
 
 
 def machine_key(model) -> str:

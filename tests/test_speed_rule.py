@@ -85,6 +85,39 @@ def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch
     packing.cpu_model(), packing.cpu_generation()
     assert len(opened) == 2 and all(f.closed for f in opened)
 
+def test_bench_names_the_cpus_vector_instructions_and_native_bf16(monkeypatch):
+    # "AMD EPYC" alone does not say why two machines' ratios differ: the family/model, the widest vector
+    # instructions and native bf16 do, and bench's machine line carries them.
+    import io
+
+    from eagletree.bench.report import markdown_report
+
+    cpus = {"cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 avx512f avx512_bf16\n":
+            "family 25 model 17; AVX-512; native bf16 (AVX512-BF16)",
+            "cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nflags\t: avx512f\n":
+            "family 25 model 1; AVX2; no native bf16",  # the first processor's block only
+            "cpu family\t: 6\nmodel\t\t: 143\nflags\t\t: avx2 avx512f amx_bf16 amx_tile\n":
+            "family 6 model 143; AVX-512; native bf16 (AMX-BF16)",
+            "processor\t: 0\nFeatures\t: fp asimd\n": "NEON; no native bf16",
+            "model name\t: Some CPU\n": ""}
+    for info, want in cpus.items():
+        monkeypatch.setattr(packing, "open", lambda *a, info=info, **k: io.StringIO(info), raising=False)
+        assert packing.cpu_features() == want, info
+    report = {"command": "eagletree bench", "prompts": 1, "results": [], "temperatures": [], "max_new_tokens": 8,
+              "lookup_tokens": 10, "accept_by_rank_source": "default", "seconds": 1.0,
+              "machine": {"cpu": "AMD EPYC", "cpu_features": "family 25 model 1; AVX2; no native bf16", "cores": 2,
+                          "torch_threads": 2, "python": "3.11", "torch": "2", "transformers": "5", "device": "cpu",
+                          "dtype": "float32"},
+              "settings": {"target": "t", "head": "h", "prompts": "p", "depth": 6, "top_k_draft": 10}}
+    assert "Machine: AMD EPYC (family 25 model 1; AVX2; no native bf16), 2 cores" in markdown_report(report)
+
+    def unreadable(*a, **k):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(packing, "open", unreadable, raising=False)
+    assert packing.cpu_features() == "" and packing.cpu_generation() == ""
+
+
 def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     # Packed only at 2-8 rows (as if one-row and large products were faster with the stock kernel here): the
     # head's Linears and its lm_head slice run packed at those row counts only, like the target's.

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from ..files import write_json_atomic, write_text_atomic
-from ..packing import cpu_model
+from ..packing import cpu_features, cpu_model
 from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
 
 
 def machine_info(model) -> dict:
     """Where the numbers come from."""
     device = next(model.parameters()).device
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
             "device": device.type, "dtype": str(model.dtype).removeprefix("torch.")}
     if device.type == "cuda":
@@ -55,7 +55,7 @@ def vocab_words(size) -> str:
 
 def markdown_report(report: dict) -> str:
     m, s = report["machine"], report["settings"]
-    machine = f"{m['cpu']}, {m['cores']} cores, {m.get('torch_threads', '?')} torch threads" + (
+    machine = f"{m['cpu']}" + (f" ({m['cpu_features']})" if m.get("cpu_features") else "") + f", {m['cores']} cores, {m.get('torch_threads', '?')} torch threads" + (
         f", {m['gpu']}" if "gpu" in m else "")
     out = [f"# eagletree bench\n\n`{report['command']}`\n",
            f"Machine: {machine}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
