@@ -8,7 +8,9 @@ Two forms of each method:
 - reference (`eagle2_tree`, `optimal_tree`): `child_probs(path) -> [vocab]`, plain Python, for
   tests and analysis;
 - batched (`eagle2_search`, `optimal_search`): one `expand` call per depth level for the whole
-  frontier, tensors on the drafter's device, no Python loop per node. Both build the same trees.
+  frontier, the distributions on the drafter's device and read back once per level as their top-k; the
+  node table is host lists (tens to hundreds of nodes a step, where tensor operations per node or per
+  parent would cost more than the Python). Both build the same trees.
 """
 
 from __future__ import annotations
@@ -240,139 +242,130 @@ class Expand(Protocol):
 
 
 class _Table:
-    """Node table of the batched searches, as growing tensors on one device."""
+    """Node table of the batched searches: host lists (a step's tree has tens to hundreds of nodes, and on a CPU
+    each small tensor operation costs more than the Python it replaces); the drafter's distributions stay tensors
+    on its device, read back once per level as their top-k."""
 
     def __init__(self, root_token, device):
-        self.tokens = torch.tensor([int(root_token)], device=device)
-        self.parents = torch.tensor([-1], device=device)
-        self.probs = torch.ones(1, dtype=torch.float64, device=device)
-        self.values = torch.ones(1, dtype=torch.float64, device=device)
+        self.device = device
+        self.tokens, self.parents, self.probs, self.values = [int(root_token)], [-1], [1.0], [1.0]
         self.copy_info: dict[int, tuple[int, int]] = {}
 
-    def grow(self, expand, frontier, top_k, level, token_map=None):
-        """Draft top_k children for every frontier node; return (new ids, their values; -inf = none)."""
-        probs = expand(frontier, self.tokens[frontier], self.parents[frontier], level)
+    def grow(self, expand, frontier: list[int], top_k, level, token_map=None) -> list[int]:
+        """Draft top_k children for every frontier node; return their ids (value -inf: probability 0)."""
+        on = dict(device=self.device)
+        probs = expand(torch.tensor(frontier, **on), torch.tensor([self.tokens[u] for u in frontier], **on),
+                       torch.tensor([self.parents[u] for u in frontier], **on), level)
         check_distribution(probs, f"drafter output at level {level}")
         q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
-        q = q.double()  # path products in float64; the [F, V] table stays in the drafter's precision
         if token_map is not None:  # a draft vocabulary: its ids -> target ids
             tok = token_map.to(tok.device)[tok]
-        value = torch.where(q > 0, self.values[frontier, None] * q, -math.inf)
-        start = self.tokens.numel()
-        self.tokens = torch.cat([self.tokens, tok.flatten()])
-        self.parents = torch.cat([self.parents, frontier.repeat_interleave(q.shape[1])])
-        self.probs = torch.cat([self.probs, q.flatten()])
-        self.values = torch.cat([self.values, value.flatten()])
-        ids = torch.arange(start, self.tokens.numel(), device=frontier.device)
-        return ids, value.flatten()
+        # path products in float64; the [F, V] table stays in the drafter's precision (token ids < 2^53: exact)
+        q, tok = torch.stack([q.double(), tok.double()]).tolist()
+        start = len(self.tokens)
+        for u, qs, ts in zip(frontier, q, tok):
+            for p, t in zip(qs, ts):
+                self.tokens.append(int(t))
+                self.parents.append(u)
+                self.probs.append(p)
+                self.values.append(self.values[u] * p if p > 0 else -math.inf)
+        return list(range(start, len(self.tokens)))
 
-    def graft(self, copies, level, placed, frontier, ids, values, floor=-math.inf):
+    def graft(self, copies, level, placed, frontier, nodes: "_Level", floor=-math.inf) -> list[int]:
         """Add the copy trie's nodes at depth `level` under their placed parents, merging with equal head children.
 
         Parents worth less than `floor` get none (nothing under them can be chosen), nor do unplaced ones.
 
         Where a parent gets copied children, its children are revalued to sum to at most 1
-        (`_exclusive`). ids/values: the head's new children at this level (a contiguous id range). Returns the
-        level's (ids, values) with the new copied nodes appended, and the copied nodes the head can
-        expand next (those under this level's frontier: the drafter has their parents' state).
-        The bookkeeping runs on host lists read once (a handful of tensor operations per call, none per node:
-        on a CPU each small tensor operation costs more than the Python it replaces); the arithmetic is the
-        same float64 products, so the values are bitwise those of the per-node tensor updates.
+        (`_exclusive`). `nodes`: this level's nodes so far (the head's new children, then copies grafted by earlier
+        tries), extended in place with the new copied nodes. Returns the copied nodes the head can expand next
+        (those under this level's frontier: the drafter has their parents' state).
         """
-        device = self.tokens.device
-        none = torch.zeros(0, dtype=torch.long, device=device)
         level_nodes = [c for c in copies.by_level(level) if copies.parents[c] in placed]
-        if not level_nodes:
-            return ids, values, none
         parents = [placed[copies.parents[c]] for c in level_nodes]
-        parent_value = dict(zip(parents, self.values[torch.tensor(parents, device=device)].tolist()))
         if floor > -math.inf:
-            keep = [parent_value[u] >= floor for u in parents]
+            keep = [self.values[u] >= floor for u in parents]
             level_nodes = [c for c, ok in zip(level_nodes, keep) if ok]
             parents = [u for u, ok in zip(parents, keep) if ok]
-            if not level_nodes:
-                return ids, values, none
-        # This level's nodes so far (the head's children, then copies grafted by earlier tries), as host lists.
-        start = int(ids[0]) if ids.numel() else 0
-        if ids.numel():
-            level_parents, level_tokens, level_probs = torch.stack(
-                [self.parents[ids].double(), self.tokens[ids].double(), self.probs[ids]]).tolist()
-            level_parents, level_tokens = [int(u) for u in level_parents], [int(t) for t in level_tokens]
-            level_values = values.tolist()
-        else:
-            level_parents, level_tokens, level_probs, level_values = [], [], [], []
-        with_copies = set(parents)
-        head_child = {(u, t): start + i for i, (u, t, x) in enumerate(zip(level_parents, level_tokens, level_values))
-                      if u in with_copies and x > -math.inf}  # a head child of probability 0 proposes nothing
-        expanded, f64 = set(frontier.tolist()), dict(dtype=torch.float64, device=device)
-        new_tokens, new_parents, new_probs, can_expand, merged = [], [], [], [], []
-        next_id = self.tokens.numel()
+        if not level_nodes:
+            return []
+        expanded = set(frontier)
+        new, can_expand, merged = [], [], []  # new: (parent, token, estimate) of each new copied node
+        next_id = len(self.tokens)
         for c, u in zip(level_nodes, parents):
             t, a = copies.tokens[c], copies.factors[c]
-            v = head_child.get((u, t))
+            v = nodes.child.get((u, t))
+            if v is not None and self.values[v] == -math.inf:
+                v = None  # a head child of probability 0 proposes nothing: the copy is a node of its own
             if v is None:
-                v = next_id
-                next_id += 1
-                new_tokens.append(t)
-                new_parents.append(u)
-                new_probs.append(a)
-                can_expand.append(u in expanded)
+                v = next_id + len(new)
+                new.append((u, t, a))
+                if u in expanded:
+                    can_expand.append(v)
                 self.copy_info[v] = copies.info[c]
             else:
                 merged.append((v, u, a))
                 self.copy_info[v] = copies.info[c] + (True,)  # the head proposed it too
             placed[c] = v
-        head_q = [level_probs[v - start] for v, _, _ in merged]
+        head_q = [self.probs[v] for v, _, _ in merged]
         merged_p = [agreed(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the head and a copy agree
-        copy_scale, head_scale = _exclusive(new_parents + [u for _, u, _ in merged], new_probs + merged_p,
-                                            [u for _, u, _ in merged], head_q)
-        new_probs = [p * copy_scale.get(u, 1.0) for u, p in zip(new_parents, new_probs)]
-        changed = {v: p * copy_scale.get(u, 1.0) for (v, u, _), p in zip(merged, merged_p)}  # node -> new prob
-        # The head's other children of a parent with copies share what the copies leave.
-        for i, (u, x) in enumerate(zip(level_parents, level_values)):
-            v = start + i
-            if u in head_scale and v not in changed and x > -math.inf:
-                changed[v] = level_probs[i] * head_scale[u]
-        if changed:
-            vs = list(changed)
-            probs = [changed[v] for v in vs]
-            # (every changed node's parent has copied children, so its value was read above)
-            at = torch.tensor(vs, device=device)
-            self.probs[at] = torch.tensor(probs, **f64)
-            self.values[at] = torch.tensor([parent_value[level_parents[v - start]] * p for v, p in zip(vs, probs)],
-                                           **f64)
-            values[at - start] = self.values[at]
-        if not new_tokens:
-            return ids, values, none
-        new_values = torch.tensor([parent_value[u] * p for u, p in zip(new_parents, new_probs)], **f64)
-        self.tokens = torch.cat([self.tokens, torch.tensor(new_tokens, device=device)])
-        self.parents = torch.cat([self.parents, torch.tensor(new_parents, device=device)])
-        self.probs = torch.cat([self.probs, torch.tensor(new_probs, **f64)])
-        self.values = torch.cat([self.values, new_values])
-        new = torch.arange(next_id - len(new_tokens), next_id, device=device)
-        return (torch.cat([ids, new]), torch.cat([values, new_values]),
-                new[torch.tensor(can_expand, device=device)])
+        copy_scale, head_scale = _exclusive([u for u, _, _ in new] + [u for _, u, _ in merged],
+                                            [a for _, _, a in new] + merged_p, [u for _, u, _ in merged], head_q)
+        for (v, u, _), p in zip(merged, merged_p):
+            self.probs[v] = p * copy_scale.get(u, 1.0)
+            nodes.set_value(v, self.values[u] * self.probs[v])
+        done = {v for v, _, _ in merged}
+        for u, r in head_scale.items():  # the head's other children of a parent with copies share what copies leave
+            for v in nodes.children.get(u, ()):
+                if v not in done and self.values[v] > -math.inf:
+                    self.probs[v] *= r
+                    nodes.set_value(v, self.values[u] * self.probs[v])
+        for u, t, a in new:
+            self.tokens.append(t)
+            self.parents.append(u)
+            self.probs.append(a * copy_scale.get(u, 1.0))
+            self.values.append(self.values[u] * self.probs[-1])
+            nodes.add(len(self.tokens) - 1)
+        return can_expand
 
-    def best(self, ids, values, count):
+    def best(self, ids: list[int], count: int) -> list[int]:
         """The `count` best of `ids` by value (stable: earlier ids win ties), dropping -inf."""
-        order = torch.sort(values, descending=True, stable=True).indices[:count]
-        order = order[torch.isfinite(values[order])]
-        return ids[order]
+        order = sorted(ids, key=lambda v: -self.values[v])[:count]  # (ids ascend, so stable = earlier first)
+        return [v for v in order if self.values[v] > -math.inf]
 
-    def tree(self, drafted_ids, with_copies=False) -> DraftTree:
-        tokens, parents = self.tokens.tolist(), self.parents.tolist()
-        probs, values = self.probs.tolist(), self.values.tolist()
-        return _tree_from_selection(tokens, parents, probs, values, drafted_ids.tolist(),
+    def tree(self, drafted_ids: list[int], with_copies=False) -> DraftTree:
+        return _tree_from_selection(self.tokens, self.parents, self.probs, self.values, drafted_ids,
                                     self.copy_info if with_copies else None)
+
+
+class _Level:
+    """One search level's nodes (a contiguous id range) with their values as the grafts leave them, indexed by parent
+    and (parent, token), so that each graft costs its own nodes, not the level's."""
+
+    def __init__(self, table: _Table, ids: list[int]):
+        self.table, self.ids, self.values = table, [], []
+        self.children: dict[int, list[int]] = {}
+        self.child: dict[tuple[int, int], int] = {}
+        for v in ids:
+            self.add(v)
+
+    def add(self, v: int) -> None:
+        u = self.table.parents[v]
+        self.ids.append(v)
+        self.values.append(self.table.values[v])
+        self.children.setdefault(u, []).append(v)
+        self.child[(u, self.table.tokens[v])] = v
+
+    def set_value(self, v: int, value: float) -> None:
+        self.table.values[v] = self.values[v - self.ids[0]] = value
 
 
 def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None,
             min_gain=0.0, copies=None) -> DraftTree:
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
-    frontier = torch.zeros(1 if expand is not None else 0, dtype=torch.long, device=device)  # None: copies only
-    none = (torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.float64, device=device))
-    drafted, drafted_values = [], []
+    frontier = [0] if expand is not None else []  # None: copies only
+    drafted = []
     # Copy tries being grafted: (trie, trie node -> table node, the level of its root). The root's
     # trie first; with `copies.lookup`, one more under each of a level's best nodes not on a copied path.
     tries = [(copies, {0: 0}, 0)] if copies is not None else []
@@ -381,56 +374,50 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
     # The budget-1 best values of the finished levels (they never change once a level is done): a node
     # worth less than the last of them is never chosen, nor is anything below it (a child is worth at
     # most its parent), so nothing is drafted, looked up or grafted under it. The tree is the same.
-    best_kept, floor = none[1], -math.inf
+    best_kept, floor = [], -math.inf
     level = 0
     while True:
         level += 1
         # The head drafts to `depth` under the frontier; copied spans go on to their own depth.
-        ids, values = table.grow(expand, frontier, top_k, level, token_map) if frontier.numel() else none
-        head_ids = ids  # and the copied nodes the head can expand
+        nodes = _Level(table, table.grow(expand, frontier, top_k, level, token_map) if frontier else [])
+        head_ids = list(nodes.ids)  # and the copied nodes the head can expand
         live = []
         for trie, placed, start in tries:
             if start < level <= start + trie.depth:
-                ids, values, copied = table.graft(trie, level - start, placed, frontier, ids, values, floor)
-                head_ids = torch.cat([head_ids, copied])
+                head_ids += table.graft(trie, level - start, placed, frontier, nodes, floor)
                 if not any(c in placed for c in trie.by_level(level - start)):
                     continue  # nothing of this trie placed at this level: nothing deeper can be
             live.append((trie, placed, start))
         tries = live
-        drafted.append(ids)
-        drafted_values.append(values)
-        best_kept = torch.cat([best_kept, values[torch.isfinite(values)]])
-        best_kept = torch.topk(best_kept, min(budget - 1, best_kept.numel())).values
-        if best_kept.numel() == budget - 1 > 0:
-            floor = float(best_kept[-1])
-        best = table.best(head_ids, table.values[head_ids], width)  # values as the grafts left them
-        worth = best[table.values[best] >= floor]
+        drafted += nodes.ids
+        best_kept = heapq.nlargest(budget - 1, best_kept + [x for x in nodes.values if x > -math.inf])
+        if len(best_kept) == budget - 1 > 0:
+            floor = best_kept[-1]
+        best = table.best(head_ids, width)  # values as the grafts left them
+        worth = [v for v in best if table.values[v] >= floor]
         if lookup is not None:
             tries += _look_up(table, lookup, worth, on_copy, level)
-        frontier = worth if level < depth else none[0]
+        frontier = worth if level < depth else []
         # A child is worth at most its parent times its probability, so the next level can add at
         # most the best nodes' total value: stop once that is below what drafting a level costs.
-        if min_gain > 0 and frontier.numel() and float(table.values[best].sum()) < min_gain:
-            frontier = none[0]
-        if frontier.numel() == 0 and not any(level < start + trie.depth for trie, _, start in tries):
+        if min_gain > 0 and frontier and sum(table.values[v] for v in best) < min_gain:
+            frontier = []
+        if not frontier and not any(level < start + trie.depth for trie, _, start in tries):
             break
-    ids, values = torch.cat(drafted), torch.cat(drafted_values)
-    return table.tree(table.best(ids, values, budget - 1), with_copies=copies is not None)
+    return table.tree(table.best(drafted, budget - 1), with_copies=copies is not None)
 
 
-def _look_up(table: _Table, lookup, nodes: torch.Tensor, on_copy: set, level: int) -> list:
+def _look_up(table: _Table, lookup, nodes: list[int], on_copy: set, level: int) -> list:
     """The copy tries of the context extended by each of `nodes`' paths, for nodes not on a copied path."""
     on_copy.update(table.copy_info)
-    todo = [v for v in nodes.tolist() if v not in on_copy]
-    if not todo:
-        return []
-    tokens, parents = table.tokens.tolist(), table.parents.tolist()
     found = []
-    for v in todo:
+    for v in nodes:
+        if v in on_copy:
+            continue
         path, u = [], v
         while u > 0:
-            path.append(tokens[u])
-            u = parents[u]
+            path.append(table.tokens[u])
+            u = table.parents[u]
         trie = lookup(tuple(reversed(path)))
         on_copy.add(v)
         if trie is not None:
