@@ -313,13 +313,13 @@ class _Table:
                                             [a for _, _, a in new] + merged_p, [u for _, u, _ in merged], head_q)
         for (v, u, _), p in zip(merged, merged_p):
             self.probs[v] = p * copy_scale.get(u, 1.0)
-            nodes.set_value(v, self.values[u] * self.probs[v])
+            self.values[v] = self.values[u] * self.probs[v]
         done = {v for v, _, _ in merged}
         for u, r in head_scale.items():  # the head's other children of a parent with copies share what copies leave
             for v in nodes.children.get(u, ()):
                 if v not in done and self.values[v] > -math.inf:
                     self.probs[v] *= r
-                    nodes.set_value(v, self.values[u] * self.probs[v])
+                    self.values[v] = self.values[u] * self.probs[v]
         for u, t, a in new:
             self.tokens.append(t)
             self.parents.append(u)
@@ -339,11 +339,11 @@ class _Table:
 
 
 class _Level:
-    """One search level's nodes (a contiguous id range) with their values as the grafts leave them, indexed by parent
-    and (parent, token), so that each graft costs its own nodes, not the level's."""
+    """One search level's nodes (a contiguous id range), indexed by parent and (parent, token), so that each graft
+    costs its own nodes, not the level's."""
 
     def __init__(self, table: _Table, ids: list[int]):
-        self.table, self.ids, self.values = table, [], []
+        self.table, self.ids = table, []
         self.children: dict[int, list[int]] = {}
         self.child: dict[tuple[int, int], int] = {}
         for v in ids:
@@ -352,13 +352,8 @@ class _Level:
     def add(self, v: int) -> None:
         u = self.table.parents[v]
         self.ids.append(v)
-        self.values.append(self.table.values[v])
         self.children.setdefault(u, []).append(v)
         self.child[(u, self.table.tokens[v])] = v
-
-    def set_value(self, v: int, value: float) -> None:
-        self.table.values[v] = self.values[v - self.ids[0]] = value
-
 
 def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None,
             min_gain=0.0, copies=None) -> DraftTree:
@@ -390,7 +385,8 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
             live.append((trie, placed, start))
         tries = live
         drafted += nodes.ids
-        best_kept = heapq.nlargest(budget - 1, best_kept + [x for x in nodes.values if x > -math.inf])
+        best_kept = heapq.nlargest(budget - 1, best_kept + [x for x in (table.values[v] for v in nodes.ids)
+                                                             if x > -math.inf])
         if len(best_kept) == budget - 1 > 0:
             floor = best_kept[-1]
         best = table.best(head_ids, width)  # values as the grafts left them
