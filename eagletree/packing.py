@@ -93,11 +93,14 @@ class KernelChoice:
 
     def use_packed(self, rows: int) -> bool:
         """The decision for a product of `rows` rows: that of the smallest measured size >= rows (the largest's
-        beyond it, e.g. a prefill)."""
-        for size, packed in zip(self.sizes, self.packed):
-            if rows <= size:
-                return packed
-        return self.packed[-1]
+        beyond it, e.g. a prefill). Remembered per row count: a pass asks once per Linear."""
+        decisions = self.__dict__.setdefault("_decisions", {})
+        decision = decisions.get(rows)
+        if decision is None:
+            packed = self.packed
+            decision = next((p for size, p in zip(self.sizes, packed) if rows <= size), packed[-1])
+            decisions[rows] = decision
+        return decision
 
     def summary(self) -> str:
         """One line: each size's decision with both timings."""

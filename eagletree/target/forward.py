@@ -70,6 +70,17 @@ def mask_for_config(config, allowed: torch.Tensor, dtype: torch.dtype) -> torch.
     return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def is_causal(allowed: torch.Tensor) -> bool:
+    """Whether an [n, kv] mask is plain left-to-right attention: every cached entry, then the new ones causally."""
+    if allowed.dim() != 2:
+        return False  # a batch's per-row masks (padding)
+    n, kv = allowed.shape
+    if n == 1:
+        return bool(allowed.all())
+    return bool(allowed[:, : kv - n].all()) and torch.equal(allowed[:, kv - n:].cpu(),
+                                                            torch.ones(n, n, dtype=torch.bool).tril())
+
+
 @torch.inference_mode()
 def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, logits=True) -> TreeForwardOutput:
     """Run `input_ids` [B, n] on top of `cache` with a [n, cache_len + n] (or [B, n, kv]) bool mask.
@@ -94,7 +105,9 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, lo
     if any(not 0 <= i < n_layers - 1 for i in layers):
         raise ValueError(f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
                          f"(the last layer's output is `hidden`, after the final norm)")
-    mask = mask_for_model(model, allowed.to(input_ids.device), model.dtype)
+    # A left-to-right mask (a one-node tree, a prompt) is the model's own causal attention: without a mask the
+    # model takes its unmasked fast path (SDPA's causal kernel; no per-head copies of grouped key/value heads).
+    mask = None if is_causal(allowed) else mask_for_model(model, allowed.to(input_ids.device), model.dtype)
     extra = {} if logits or not _takes(model, "logits_to_keep") else {"logits_to_keep": 1}
     out = model(
         input_ids=input_ids,

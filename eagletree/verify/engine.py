@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..target import TreeForwardOutput, cache_length, keep_cache_positions, tree_forward
+from ..target import TreeForwardOutput, cache_length, keep_cache_positions, tree_forward, truncate_cache
 from .accept import accept_tree
 from .tree import DraftTree
 
@@ -54,7 +54,10 @@ def verify_tree(model, cache, tree: DraftTree, layers=None) -> TreeForwardOutput
 
 def commit(cache, prefix_len: int, accepted: list[int]) -> None:
     """Keep the prefix plus the accepted path's KV entries, contiguously; drop the rest of the tree."""
-    keep_cache_positions(cache, prefix_len, torch.tensor(accepted, dtype=torch.long))
+    if accepted == list(range(len(accepted))):  # already in place (a one-node tree, a chain's accepted start)
+        truncate_cache(cache, prefix_len + len(accepted))
+    else:
+        keep_cache_positions(cache, prefix_len, torch.tensor(accepted, dtype=torch.long))
 
 
 def emitted_tokens(tree: DraftTree, accepted: list[int], next_token: int, stop_ids=()) -> tuple[list[int], bool]:
