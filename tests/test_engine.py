@@ -121,3 +121,47 @@ def test_verify_step_stops_at_an_accepted_stop_token():
     step = verify_step(model, cache, tree, stop_ids=[ref[2]])
     assert step.stopped and step.tokens == ref[: ref.index(ref[2]) + 1]
     assert step.hidden.shape == (6, model.config.hidden_size)
+
+
+def test_a_left_to_right_mask_is_the_models_own_causal_attention():
+    from eagletree.target import tree_forward
+    from eagletree.target.forward import is_causal
+    from eagletree.verify.engine import causal_mask
+
+    assert is_causal(torch.ones(1, 9, dtype=torch.bool)) and is_causal(causal_mask(4, 5))
+    assert not is_causal(torch.ones(2, 7, dtype=torch.bool))  # two new rows that see each other: not causal
+    tree = DraftTree([3, 4, 5], [-1, 0, 0])  # siblings do not see each other
+    assert not is_causal(tree.attention_mask(5)) and not is_causal(torch.ones(2, 1, 6, dtype=torch.bool))
+    model = tiny_model("llama")
+    prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    # The same pass with no mask (causal) and with a mask the causal check does not recognise (all-true in a
+    # batch's per-row form) gives the same logits and features.
+    outs = []
+    for allowed in (causal_mask(4, 8), causal_mask(4, 8)[None]):
+        cache = new_cache(model)
+        prefill(model, cache, prompt[:8])
+        outs.append(tree_forward(model, prompt[8:], cache, allowed, torch.arange(8, 12)))
+        assert cache_length(cache) == 12
+    assert torch.allclose(outs[0].logits, outs[1].logits, atol=1e-5)
+    assert torch.allclose(outs[0].hidden, outs[1].hidden, atol=1e-5)
+
+
+def test_an_accepted_path_in_place_is_committed_like_a_gathered_one():
+    from eagletree.target import keep_cache_positions
+    from eagletree.verify.engine import commit, verify_tree
+
+    model = tiny_model("llama")
+    prompt = torch.randint(0, model.config.vocab_size, (10,), generator=torch.Generator().manual_seed(1))
+    caches = []
+    for fast in (True, False):
+        cache = new_cache(model)
+        prefill(model, cache, prompt)
+        verify_tree(model, cache, DraftTree([1, 2, 3, 4], [-1, 0, 1, 0]))  # grows by 4 entries
+        if fast:
+            commit(cache, 10, [0, 1, 2])  # the path 0-1-2 is already in place: truncated
+        else:
+            keep_cache_positions(cache, 10, torch.tensor([0, 1, 2]))
+        caches.append(cache)
+    assert cache_length(caches[0]) == cache_length(caches[1]) == 13
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
