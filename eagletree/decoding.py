@@ -210,6 +210,11 @@ def hf_generation_config(max_new_tokens: int, temperature: float, eos_token_id, 
 # A cached profile whose one-token pass is this many times slower than a fresh probe was measured
 # while something else loaded the machine; it would keep `auto` from drafting where trees pay.
 STALE_PROFILE = 2.0
+# Tree sizes the cached profile measures. 2 and 4 are there because t(N) is not linear between 1 and 8: the
+# one-token pass takes the model's causal fast path and, where `--pack auto` chose so, the stock kernels, while
+# every tree pays for a mask (and the packed kernels) from N = 2 on; on an Intel Xeon t(2) was 1.2-1.4 t(1), where
+# a line from t(1) to t(8) says 1.07, and `auto` drafted two- and three-node trees that lost to plain passes.
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def latency_profile(target, path=None):
@@ -218,11 +223,12 @@ def latency_profile(target, path=None):
     The cached profile (no `path`) is measured once and checked by each process that loads it, against a
     quick probe of the one-token pass (about 0.1-0.5 s): one measured while the machine was busy (t(1)
     more than STALE_PROFILE times the probe's) is measured again and replaced, and `notes` says so. A
-    cached profile slower than the probe by less, or faster (this run is the busy one), is kept.
+    cached profile slower than the probe by less, or faster (this run is the busy one), is kept; one measured
+    at other sizes than PROFILE_SIZES (an older version's) is measured again.
     """
     device = next(target.parameters()).device
 
-    def measure(sizes=(1, 8, 16, 32, 64), reps=3):
+    def measure(sizes=PROFILE_SIZES, reps=3):
         return LatencyProfile.from_measurements(
             measure_verify(target, sizes=sizes, prefix=128, reps=reps, progress=False),
             device=device.type, model=target.config.model_type)
@@ -248,6 +254,8 @@ def _checked_profile(path, measure) -> LatencyProfile:
     try:
         cached = LatencyProfile.load(path) if path.is_file() else None
     except ValueError:  # a damaged cache file is measured again
+        cached = None
+    if cached is not None and tuple(cached.sizes) != PROFILE_SIZES:
         cached = None
     if cached is not None:
         probe = float(measure(sizes=(1,), reps=2).verify(1))

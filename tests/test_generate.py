@@ -313,6 +313,7 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     import json
 
     import eagletree.decoding as decoding
+    from eagletree.decoding import PROFILE_SIZES
 
     model = tiny_model("llama")
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
@@ -326,7 +327,7 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     monkeypatch.setattr(decoding, "measure_verify", fake_measure)
     monkeypatch.setattr(decoding, "_CHECKED_PROFILES", {})
     first = decoding.latency_profile(model)  # nothing cached: measured once and cached
-    assert calls == [(1, 8, 16, 32, 64)] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
+    assert calls == [PROFILE_SIZES] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
     (cached,) = (tmp_path / "profiles").glob("*.json")
     saved = cached.read_text()
     # Within one process the checked profile is reused as it is (a copy: auto updates its drafting cost).
@@ -345,7 +346,7 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     calls.clear()
     decoding._CHECKED_PROFILES.clear()
     fresh = decoding.latency_profile(model)
-    assert calls == [(1,), (1, 8, 16, 32, 64)]
+    assert calls == [(1,), PROFILE_SIZES]
     assert float(fresh.verify(1)) == pytest.approx(0.01 * 17 / 16) and "busy machine" in fresh.notes["remeasured"]
     assert json.loads(cached.read_text())["verify_s"] == fresh.verify_s
     # A damaged cache file is measured again too, and a profile passed as a file is never probed.
@@ -353,9 +354,15 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     calls.clear()
     decoding._CHECKED_PROFILES.clear()
     decoding.latency_profile(model)
-    assert calls == [(1, 8, 16, 32, 64)]
+    assert calls == [PROFILE_SIZES]
     calls.clear()
     assert decoding.latency_profile(model, cached).verify_s == fresh.verify_s and calls == []
+    # One cached by a version that measured other sizes (no t(2): a line from t(1) to t(8)) is measured again.
+    decoding.LatencyProfile([1, 8, 16, 32, 64], [0.03, 0.04, 0.05, 0.06, 0.08]).save(cached)
+    calls.clear()
+    decoding._CHECKED_PROFILES.clear()
+    assert decoding.latency_profile(model).sizes == list(PROFILE_SIZES) and calls == [PROFILE_SIZES]
+    assert json.loads(cached.read_text())["sizes"] == list(PROFILE_SIZES)
 
 
 def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for_an_fp32_target():
