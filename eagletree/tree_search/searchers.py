@@ -90,8 +90,10 @@ class AutoSearcher(Searcher):
 
     After drafting, the optimal tree's prefix with the most expected tokens per second is kept
     (latency profile of the device, drafting time measured so far, calibrated acceptance). When
-    even that is slower than a plain one-token pass, the next steps skip drafting (4, then 8, ...
-    up to 64 steps; x4 while a tree would lose more than 10%) before probing again, so on a device where
+    the running estimate of that gain (from break-even, a quarter of the way to each step's; the first
+    step decides nothing) says trees are slower than a plain one-token pass, the next steps skip drafting
+    (4, then 8, ... up to 64 steps; x4 while a tree would lose more than 10%; each pause halves the
+    estimate's distance from break-even) before probing again, so on a device where
     trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
     pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
     follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
@@ -105,6 +107,11 @@ class AutoSearcher(Searcher):
     """
 
     LOAD_SMOOTHING = 0.2  # weight of each new pass in the running verify-time ratio
+    # The running gain starts at break-even (1) and each drafted step moves it a quarter of the way to that step's
+    # estimate: one step's tree says little (on the Intel Xeon one answer's estimates ranged 0.75-2.5, and the mean
+    # of the last two paused drafting through most of answers that trees sped up by 1.07-1.16x).
+    GAIN_SMOOTHING = 0.25
+    PAUSE_MEMORY = 0.5  # the share of the running gain's distance from 1 left after a pause: the text has moved on
     VALUE_PRIOR = 8.0  # drafted tokens the prior value scale of 1 is worth
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
@@ -117,7 +124,8 @@ class AutoSearcher(Searcher):
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.search_budget = budget
         self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
-        self.gain = None  # running estimate of a tree step's tokens/s over a plain pass's
+        self.gain = 1.0  # running estimate of a tree step's tokens/s over a plain pass's
+        self.searched = 0  # drafted steps so far
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
         self.predicted = self.accepted = 0.0  # drafted tokens the verified trees' values predicted, and accepted
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
@@ -193,10 +201,15 @@ class AutoSearcher(Searcher):
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
         n, expected, rate = choose_budget(self._scaled(values), self.measured, spent[1] + 1,
                                           max_budget=self.search_budget)
-        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes.
-        gain = rate * t_one
-        self.gain = gain if self.gain is None else 0.5 * (self.gain + gain)
-        if self.gain < 1.0:
+        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
+        # tree of a generation decides nothing: its first token, the answer's first, is the least predictable
+        # (its estimate was the lowest of the answer on each of 4 prompts measured, 0.69-0.84 against means of
+        # 0.97-1.16), and its drafting cost is the first measured.
+        if self.wait:  # the first tree after a pause
+            self.gain = 1.0 - (1.0 - self.gain) * self.PAUSE_MEMORY
+        self.gain += self.GAIN_SMOOTHING * (rate * t_one - self.gain)
+        self.searched += 1
+        if self.searched > 1 and self.gain < 1.0:
             self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
             self.skip = self.wait
         else:
