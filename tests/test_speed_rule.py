@@ -267,8 +267,9 @@ def test_default_tree_is_never_slower_than_plain_and_takes_the_gain_where_trees_
 def test_on_text_whose_trees_vary_auto_takes_most_of_the_gain_and_never_loses():
     # As on the Intel Xeon: the answer's first tree is weak (its first token is the least predictable) and later
     # ones vary from step to step around a level where trees pay. A pause decided on the first tree or on the mean
-    # of the last two, doubled while trees lost by a few percent, took a third of what a tree that never pauses
-    # gains over 8 such texts; the rule takes half of it, and none of the texts decodes below 0.97x plain.
+    # of the last two took a third of what a tree that never pauses gains over 8 such texts; the rule (a slower
+    # running estimate from break-even, the first tree deciding nothing, pauses forgetting half of it) takes half,
+    # and none of the texts decodes below 0.97x plain.
     import random
     import statistics
 
