@@ -21,6 +21,7 @@ from tqdm import tqdm
 from eagletree.bench import load_prompts
 from eagletree.decoding import GenerationStats, decode_steps
 from eagletree.loading import SHIPPED_HEADS, load_models
+from eagletree.tree_search.copy import copy_only
 
 TARGET = "smollm2-135m"
 
@@ -38,10 +39,10 @@ def node_rows(tree, accepted) -> list[tuple[str, float, bool]]:
         depth = int(tree.depths[v])
         if info is None:
             row = f"head only, depth {depth}" if depth < 4 else "head only, depth 4+"
-        elif len(info) > 2:
-            row = "both agree, depth 1" if depth == 1 else "both agree, depth 2+"
-        else:
+        elif copy_only(info):
             row = "copied only, factor < 0.5" if factors[v] < 0.5 else "copied only, factor >= 0.5"
+        else:
+            row = "both agree, depth 1" if depth == 1 else "both agree, depth 2+"
         rows.append((row, factors[v], v in on_path))
     return rows
 
