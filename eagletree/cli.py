@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "data; resumable JSONL)")
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
     p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped), a .json/.jsonl path or several "
-                                                         "joined by commas; only the training split is read")
+                                                         "joined by commas; only the training split is read. Or "
+                                                         "humaneval:A-B: HumanEval problems A to B, all answered "
+                                                         "(evaluate on other problems)")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
                    help="the training config's heldout_fraction (held-out prompts are never answered)")
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")

@@ -18,6 +18,7 @@ import torch
 
 from . import target
 from .bench import Run, load_prompts, measure_drafting, run_hf
+from .bench.inputs import humaneval_range
 from .bench import main as bench_main
 from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
                        latency_profile)
@@ -27,7 +28,8 @@ from .files import check_output_dir, check_output_file, check_output_folder, wri
 from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
 from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
-from .train.data import load_dataset, split, stats
+from .prompts import humaneval_prompts
+from .train.data import Conversation, load_dataset, split, stats
 from .train.distill import check_match, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features, check_features_dir
@@ -476,6 +478,20 @@ def cmd_features(args) -> int:
     return 0
 
 
+def distill_prompts(dataset: str, heldout_fraction: float) -> list[Conversation]:
+    """The conversations `distill` answers: a dataset's training split, or the HumanEval problems `humaneval:A-B`
+    names, all of them (problem ids `HumanEval/<A-1>` ..), for a head that sees the evaluation's wording of code
+    questions; the evaluation must then use other problems (the README's code rows use problems 1-80)."""
+    if dataset == "humaneval" or dataset.startswith("humaneval:"):
+        count, offset = humaneval_range(dataset, flag="--dataset")  # ValueError naming the spec
+        return [Conversation(f"HumanEval/{offset + i}", messages)
+                for i, messages in enumerate(humaneval_prompts(count, offset))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_convs, _ = split(load_dataset(dataset), heldout_fraction)  # a bad fraction: ValueError
+    return train_convs
+
+
 def cmd_distill(args) -> int:
     """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
     check_output_file(args.out)
@@ -483,9 +499,7 @@ def cmd_distill(args) -> int:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     if args.match is not None:
         check_match(args.match)  # so does a bad --match
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train_convs, _ = split(load_dataset(args.dataset), args.heldout_fraction)  # a bad fraction: ValueError
+    train_convs = distill_prompts(args.dataset, args.heldout_fraction)
     model, tok, _, _ = load_models(args.target, device=args.device, dtype=args.dtype, pack=args.pack)
     counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,

@@ -390,3 +390,25 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
     assert "python" in record["messages"][-2]["content"].lower()
     assert main(["distill", "--out", str(tmp_path / "new.jsonl"), "--match", "(unclosed"]) == 2  # before loading
     assert "match must be a regular expression, got '(unclosed'" in capsys.readouterr().err
+
+
+def test_distill_answers_named_humaneval_problems_with_their_task_ids(tmp_path):
+    from eagletree.commands import distill_prompts
+    from eagletree.prompts import CODE_INSTRUCTION
+
+    convs = distill_prompts("humaneval:101-103", 0.02)  # problems 101-103 are HumanEval/100 .. HumanEval/102
+    assert [c.id for c in convs] == ["HumanEval/100", "HumanEval/101", "HumanEval/102"]
+    for conv in convs:
+        [message] = conv.messages
+        assert message["role"] == "user"
+        assert message["content"].startswith(CODE_INSTRUCTION.split("{")[0]) and "def " in message["content"]
+    assert distill_prompts("humaneval:101-103", 0.02)[1].messages != convs[0].messages  # distinct problems
+    with pytest.raises(ValueError, match=r"--dataset 'humaneval:9-3': expected humaneval, humaneval:N"):
+        distill_prompts("humaneval:9-3", 0.02)
+    with pytest.raises(ValueError, match="HumanEval has 164 problems; problems 160 to 169 asked for"):
+        distill_prompts("humaneval:160-169", 0.02)
+    # The records train like any other distilled file: their ids are what a later run skips.
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    counts = distill(model, tok, convs[:1], tmp_path / "he.jsonl", max_new_tokens=3, max_prompt_tokens=4096,
+                     progress=False)
+    assert counts["answered"] == 1 and answered_ids(tmp_path / "he.jsonl") == {"HumanEval/100"}

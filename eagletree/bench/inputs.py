@@ -100,9 +100,9 @@ def spec_count(spec: str, name: str) -> int | None:
     return int(n) if n else None
 
 
-def humaneval_range(spec: str) -> tuple[int | None, int]:
+def humaneval_range(spec: str, flag: str = "--prompts") -> tuple[int | None, int]:
     """(count, offset) of `humaneval`, `humaneval:N` (the first N problems) or `humaneval:A-B` (problems A to B,
-    counted from 1, so `humaneval:21-40` is HumanEval/20 .. HumanEval/39); ValueError naming the spec."""
+    counted from 1, so `humaneval:21-40` is HumanEval/20 .. HumanEval/39); ValueError naming the flag and spec."""
     rest = spec.removeprefix("humaneval").removeprefix(":")
     first, dash, last = rest.partition("-")
     if not rest:
@@ -110,7 +110,7 @@ def humaneval_range(spec: str) -> tuple[int | None, int]:
     if not dash and rest.isdigit() and int(rest) >= 1:
         return int(rest), 0
     if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(f"--prompts {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B "
+        raise ValueError(f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B "
                          f"(problems A to B, 1 <= A <= B)")
     return int(last) - int(first) + 1, int(first) - 1
 
