@@ -4,17 +4,18 @@
     .venv/bin/python benchmarks/heads.py eagletree/heads/smollm2-135m --prompts mtbench:40 --copy both
 
 --prompts N takes held-out ShareGPT prompts (below); mtbench[:N] MT-bench first turns (with a table per
-category) and humaneval[:N] or humaneval:A-B HumanEval problems. --copy off|on|both: decode with the head alone, with copied
-spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with the first row).
+category) and humaneval[:N] or humaneval:A-B HumanEval problems. --copy off|on|both: decode with the head
+alone, with copied spans of earlier text in the tree too, or both (each head twice, "+copy" rows paired with
+the first row).
 --datastore auto|none|both: copied rows also copy from the head folder's datastore.npz (retrieved spans; auto,
 "+copy+store" rows where the head has one), never (none), or both (each copied row twice).
 --draft-vocab head|full|both: each head drafts over its own draft vocabulary, over the target's whole
 vocabulary, or both ("full vocab" rows).
 
 Every head decodes every prompt (greedy unless --temperature, EAGLE-2 tree of --budget nodes unless --tree);
-decoding is lossless, so at T = 0 the heads' answers must be the same token for token, which is checked (against each other; the tests compare decoding
-with plain greedy decoding). A head's tokens/pass is its total new tokens
-over its total target passes. The difference to the first head is paired by prompt, with a 95% bootstrap
+decoding is lossless, so at T = 0 the heads' answers must be the same token for token, which is checked
+(against each other; the tests compare decoding with plain greedy decoding). A head's tokens/pass is its total
+new tokens over its total target passes. The difference to the first head is paired by prompt, with a 95% bootstrap
 interval over prompts: 30 prompts of 64 tokens leave a few percent of noise, which this makes visible.
 The prompts are the first user turns of held-out ShareGPT conversations after the first --offset ones, less
 the first --skip-prompts of them: `python -m eagletree.train.evaluate` uses 20 conversations for agreement,
@@ -43,6 +44,32 @@ from eagletree.tree_search.store import DATASTORE
 
 
 def main(argv=None) -> int:
+    """Decode the prompts with every head row, print the tables (and -o the JSON); 1 when answers differ."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    benchmark = _check_args(ap, args)
+    prompts, categories = _prompts(ap, args, benchmark)
+    target, tok, _, _ = load_models(args.target, pack="auto")
+    configs = _configs(args, _load_heads(ap, args, target))
+    labels = [row_label(path, vocab, copy, store) for path, _, vocab, copy, store in configs]
+    earlier = _earlier_run(ap, args, benchmark, prompts) if args.pair_with else None
+    if earlier is not None:
+        labels.insert(0, row_label(*_config_of(earlier["heads"][0])) + " (earlier run)")
+    decoded = _decode(args, target, tok, prompts, configs, labels, earlier)
+    if decoded is None:
+        return 1
+    rows, hashes = decoded
+    report = _print_table(args, benchmark, prompts, configs, labels, rows, earlier)
+    if categories is not None:
+        print(category_table(categories, rows, labels))
+    if args.out:
+        write_json_atomic(Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes,
+                                           "heads": report})
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line (its description is this module's docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="head folders; the first is the baseline")
     ap.add_argument("--target", default="smollm2-135m")
@@ -74,7 +101,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pair-with", default=None,
                     help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
                          "becomes the baseline row, paired by prompt (answers checked identical by hash)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check_args(ap, args) -> str | None:
+    """Refuse values out of range (ap.error); returns the benchmark --prompts names, or None for N held-out
+    prompts (then args.prompts becomes that number)."""
     benchmark = None if args.prompts.isdigit() else args.prompts
     if benchmark is None:
         args.prompts = int(args.prompts)
@@ -91,7 +123,11 @@ def main(argv=None) -> int:
     missing = [h for h in args.heads if not Path(h, "config.json").is_file()]
     if missing:
         ap.error(f"not a saved head (no config.json): {', '.join(missing)}")
+    return benchmark
 
+
+def _prompts(ap, args, benchmark):
+    """(prompts, MT-bench category per prompt or None)."""
     categories = None
     if benchmark is not None:
         try:
@@ -106,10 +142,14 @@ def main(argv=None) -> int:
         if len(prompts) < args.prompts:
             ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
                      f"and --skip-prompts {args.skip_prompts}")
-    target, tok, _, _ = load_models(args.target, pack="auto")
+    return prompts, categories
+
+
+def _load_heads(ap, args, target) -> list[tuple]:
+    """(path, head, vocab) per head and --draft-vocab vocabulary ("head" or "full")."""
     device = next(target.parameters()).device
     vocabs = {"head": ["head"], "full": ["full"], "both": ["head", "full"]}[args.draft_vocab]
-    heads = []  # (path, head, vocab) per head and vocabulary
+    heads = []
     for path in args.heads:
         for vocab in vocabs:
             try:
@@ -128,38 +168,52 @@ def main(argv=None) -> int:
                 else:
                     head.widen_vocab()
             heads.append((path, head, vocab))
-    options = dict(budget=args.budget, depth=args.depth, top_k_draft=args.top_k, tree=args.tree,
-                   temperature=args.temperature)
-    sampled = args.temperature > 0
+    return heads
+
+
+def _configs(args, heads) -> list[tuple]:
+    """The rows to decode: (path, head, vocab, copy, datastore) per head and --copy / --datastore setting."""
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
     stores = {"auto": ["auto"], "none": [None], "both": [None, "auto"]}[args.datastore]
     configs = [(path, head, vocab, copy, store if copy and Path(path, DATASTORE).is_file() else None)
                for path, head, vocab in heads for copy in copies for store in (stores if copy else [None])]
-    configs = list(dict.fromkeys(configs))  # a head without a datastore: one copied row
-    labels = [row_label(path, vocab, copy, store) for path, _, vocab, copy, store in configs]
-    earlier = None
-    if args.pair_with:
-        earlier = json.loads(Path(args.pair_with).read_text())
-        defaults = {"temperature": 0.0, "seed": 0, "tree": "eagle2"}  # for files written without these settings
-        same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget",
-                                                                         "depth", "top_k", "offset", "skip_prompts",
-                                                                         "target", "temperature", "seed", "tree")}
-        if not sampled:
-            same.pop("seed")  # greedy decoding does not use it
-        if benchmark is not None:  # MT-bench, HumanEval or a file: the held-out offsets choose nothing
-            same.pop("offset")
-            same.pop("skip_prompts")
-        if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
-            ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
-        first_row = earlier["heads"][0]
-        labels.insert(0, row_label(first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"],
-                                   first_row.get("datastore")) + " (earlier run)")
-    rows, hashes = [], []  # per prompt: [(new, passes)] per config; the answer's hash
+    return list(dict.fromkeys(configs))  # a head without a datastore: one copied row
+
+
+def _earlier_run(ap, args, benchmark, prompts) -> dict:
+    """The --pair-with file, refused (ap.error) when made with other settings or on another number of prompts."""
+    earlier = json.loads(Path(args.pair_with).read_text())
+    defaults = {"temperature": 0.0, "seed": 0, "tree": "eagle2"}  # for files written without these settings
+    same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget",
+                                                                     "depth", "top_k", "offset", "skip_prompts",
+                                                                     "target", "temperature", "seed", "tree")}
+    if not args.temperature > 0:  # (as `sampled` in _decode)
+        same.pop("seed")  # greedy decoding does not use it
+    if benchmark is not None:  # MT-bench, HumanEval or a file: the held-out offsets choose nothing
+        same.pop("offset")
+        same.pop("skip_prompts")
+    if same != {k: getattr(args, k) for k in same} or len(earlier["answers"]) != len(prompts):
+        ap.error(f"--pair-with {args.pair_with}: made with other settings {same}")
+    return earlier
+
+
+def _config_of(row: dict) -> tuple:
+    """(head, draft_vocab, copy, datastore) of a row of an earlier run's file."""
+    return row["head"], row.get("draft_vocab", "head"), row["copy"], row.get("datastore")
+
+
+def _decode(args, target, tok, prompts, configs, labels, earlier):
+    """(rows, hashes): per prompt, (new tokens, passes) of every row (the earlier run's first) and the hash of
+    its answer; None (said on stderr) when greedy rows decoded different answers."""
+    options = {"budget": args.budget, "depth": args.depth, "top_k_draft": args.top_k, "tree": args.tree,
+               "temperature": args.temperature}
+    sampled = args.temperature > 0
+    rows, hashes = [], []
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
         if earlier is not None:
-            row.append((first_row["new_tokens"][i], first_row["passes"][i]))
-        for label, (path, head, _, copy, store) in zip(labels[len(labels) - len(configs):], configs):
+            row.append((earlier["heads"][0]["new_tokens"][i], earlier["heads"][0]["passes"][i]))
+        for label, (_, head, _, copy, store) in zip(labels[len(labels) - len(configs):], configs):
             answers = []
             r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy,
                                 store=store, seed=args.seed + i if sampled else None, **options)
@@ -169,16 +223,21 @@ def main(argv=None) -> int:
             elif not sampled and not torch.equal(first, answer):
                 print(f"error: prompt {i}: {label} decoded another answer than {labels[0]}; decoding must be "
                       "lossless", file=sys.stderr)
-                return 1
+                return None
             row.append((r["new_tokens"], r["passes"]))
         digest = hashlib.sha1(first.numpy().tobytes()).hexdigest()
         if earlier is not None and not sampled and earlier["answers"][i] != digest:
             print(f"error: prompt {i}: the answer differs from the one in {args.pair_with} (same settings and "
                   "prompts: decoding must be lossless, or the target or its kernels changed)", file=sys.stderr)
-            return 1
+            return None
         hashes.append(digest)
         rows.append(row)
+    return rows, hashes
 
+
+def _print_table(args, benchmark, prompts, configs, labels, rows, earlier) -> list[dict]:
+    """Print tokens/pass per row with the paired difference to the first; returns the rows for the JSON file."""
+    sampled = args.temperature > 0
     base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
     source = benchmark or "held-out ShareGPT"
     tree = {"eagle2": "EAGLE-2", "optimal": "optimal", "auto": "auto (cost-aware) up to"}[args.tree]
@@ -199,23 +258,19 @@ def main(argv=None) -> int:
             versus = f"{tpp / (sum(base_new) / sum(base_passes)) - 1:+.1%} ({spread})"
         print(f"| {label} | {tpp:.3f} | {versus} |")
         if earlier is not None and j == 0:
-            config = (first_row["head"], first_row.get("draft_vocab", "head"), first_row["copy"],
-                      first_row.get("datastore"))
+            config = _config_of(earlier["heads"][0])
         else:
             path, _, vocab, copy, store = configs[j - (earlier is not None)]
             config = (path, vocab, copy, store)
         report.append({"head": config[0], "draft_vocab": config[1], "copy": config[2], "datastore": config[3],
                        "tokens_per_pass": tpp, "new_tokens": new, "passes": passes})
-    if categories is not None:
-        print(category_table(categories, rows, labels))
-    if args.out:
-        write_json_atomic(Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes,
-                                           "heads": report})
-    return 0
+    return report
 
 
 def row_label(path: str, vocab: str, copy: bool, store=None) -> str:
-    return path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "") + ("+store" if store else "")
+    """A row's name in the tables: the head folder and what it drafts with."""
+    return (path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "")
+            + ("+store" if store else ""))
 
 
 def category_table(categories, rows, labels) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 
 from .errors import EagletreeError
 from .files import write_json_atomic
-from .target import cache_dir, cpu_has_bf16
+from .target import cache_dir, cpu_has_bf16, target_identity
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -318,9 +318,8 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, e
 
 def kernel_choice_path(model) -> Path:
     """Where this model's kernel choice on this machine is cached (next to the latency profiles)."""
-    from .draft_heads import target_identity  # not at the top: draft_heads' drafter imports this module
-
-    return cache_dir() / "profiles" / f"kernels-{target_identity(model.config)['fingerprint']}-{machine_key(model)}.json"
+    fingerprint = target_identity(model.config)["fingerprint"]
+    return cache_dir() / "profiles" / f"kernels-{fingerprint}-{machine_key(model)}.json"
 
 
 def load_or_measure_kernels(model, path=None, **measure) -> KernelChoice:
@@ -349,8 +348,6 @@ def draft_kernel_choice(head, target_model, lm_weight=None, lm_bias=None) -> Ker
     dtype = next(head.parameters()).dtype
     if choice is None or dtype == next(target_model.parameters()).dtype:
         return choice
-    from .draft_heads import target_identity  # not at the top: draft_heads' drafter imports this module
-
     vocab = "own" if lm_weight is None else lm_weight.shape[0]
     path = (cache_dir() / "profiles" / f"kernels-{target_identity(target_model.config)['fingerprint']}-draft-"
                                        f"{head.config.head_type}-{vocab}-{machine_key(head)}.json")

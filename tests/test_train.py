@@ -66,8 +66,9 @@ def test_config_errors(tmp_path):
     cfg = TrainConfig.from_sources(path, ["init_head=", "out_dir=2024"])
     assert (cfg.init_head, cfg.out_dir) == ("", "2024")
     # a key the head type never reads is refused, not silently ignored; its default value is harmless
-    with pytest.raises(TrainingError, match=r"noise=0.1, ttt_steps=3: have no effect on 'medusa' heads \(it ignores "
-                                            r"noise, ttt_steps, ttt_decay, l1_weight, ce_weight, fc_bias\); remove them"):
+    ignored = (r"noise=0.1, ttt_steps=3: have no effect on 'medusa' heads \(it ignores noise, ttt_steps, ttt_decay, "
+               r"l1_weight, ce_weight, fc_bias\); remove them")
+    with pytest.raises(TrainingError, match=ignored):
         TrainConfig.from_sources(None, ["head_type=medusa", "noise=0.1", "ttt_steps=3"])
     with pytest.raises(TrainingError, match=r"^l1_weight=0.5: has no effect on 'eagle3' heads"):
         TrainConfig.from_sources(None, ["head_type=eagle3", "l1_weight=0.5"])
@@ -81,6 +82,11 @@ def tiny_cfg(tmp_path, **kw):
     base = dict(out_dir=str(tmp_path), report_to="none", steps=8, grad_accum=2, save_every=2, warmup_steps=2,
                 max_len=40, lr=1e-3, device="cpu")
     return TrainConfig(**(base | kw))
+
+
+def _records(folder):
+    """The run's history.jsonl records."""
+    return [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
 
 
 def run(cfg, resume=False):
@@ -100,8 +106,8 @@ def test_resume_gives_identical_weights(tmp_path):
 
     steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
     assert steps == list(range(1, 9))
-    losses = lambda run: [json.loads(line)["loss"] for line in (tmp_path / run / "history.jsonl").read_text().splitlines()]  # noqa: E731
-    assert max(abs(a - b) for a, b in zip(losses("a"), losses("b"))) < 1e-6
+    losses = {name: [r["loss"] for r in _records(tmp_path / name)] for name in ("a", "b")}
+    assert max(abs(a - b) for a, b in zip(losses["a"], losses["b"])) < 1e-6
     # each record's lr is the one its step used: warm-up 1/2, 2/2, then the cosine (it was the next step's)
     cfg = tiny_cfg(tmp_path / "a")
     logged = [json.loads(line)["lr"] for line in history.read_text().splitlines()]
@@ -113,8 +119,9 @@ def test_resume_gives_identical_weights(tmp_path):
     with pytest.raises(TrainingError, match=r"training data changed since the checkpoint \(12 -> 14 conversations\)"
                                             r".*pass --allow-changes"):
         train(tiny_cfg(tmp_path / "c"), **grown)
-    with pytest.warns(UserWarning, match="training data changed"):
+    with pytest.warns(UserWarning, match="training data changed") as caught:
         _, summary = train(tiny_cfg(tmp_path / "c"), allow_changes=True, **grown)
+    assert {w.filename for w in caught if "training data changed" in str(w.message)} == {__file__}  # train()'s caller
     assert summary["steps"] == 8
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert (a - b).abs().max() <= 1e-6, name
@@ -133,9 +140,11 @@ def test_a_micro_batch_without_a_loss_does_not_shrink_the_step(tmp_path, monkeyp
     monkeypatch.setattr(torch.optim.AdamW, "step", record)
     answered = tiny_conversations(1)
     unanswered = [Conversation("u0", [{"role": "user", "content": "alpha beta"}])]
-    go = lambda name, convs, **kw: train(tiny_cfg(tmp_path / name, **({"steps": 1} | kw), save_every=1, noise=0.0,  # noqa: E731
-                                                  clip=0.0), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                                          conversations=convs, progress=False)
+    def go(name, convs, **kw):
+        cfg = tiny_cfg(tmp_path / name, **({"steps": 1} | kw), save_every=1, noise=0.0, clip=0.0)
+        return train(cfg, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=convs,
+                     progress=False)
+
     go("one", answered, grad_accum=1)
     go("two", answered + unanswered, grad_accum=2)
     assert len(grads) == 2 and len(grads[0]) == len(grads[1]) > 0
@@ -149,7 +158,7 @@ def test_a_micro_batch_without_a_loss_does_not_shrink_the_step(tmp_path, monkeyp
 
 def test_training_reduces_the_loss(tmp_path):
     _, summary = run(tiny_cfg(tmp_path, steps=40, save_every=40))
-    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    history = [r["loss"] for r in _records(tmp_path)]
     assert sum(history[-5:]) / 5 < 0.8 * sum(history[:5]) / 5
 
 
@@ -168,7 +177,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*step-0000002"):
         run(tiny_cfg(tmp_path))
     # the history of the checkpointed steps is on disk too
-    assert [line.split('"step": ')[1][0] for line in (tmp_path / "history.jsonl").read_text().splitlines()] == ["1", "2"]
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2]
     from eagletree.draft_heads import EagleHead
 
     assert EagleHead.from_pretrained(tmp_path / "checkpoints" / "step-0000002" / "head") is not None
@@ -196,7 +205,8 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     residual, normed, feature = _last_layer_scales(model, None)
     assert first["mlp.down_proj.weight"] == pytest.approx(feature / residual, rel=1e-5) and feature / residual < 0.9
     assert first["self_attn.q_proj.weight"] == pytest.approx(normed / feature, rel=1e-5)
-    with pytest.raises(HeadError, match=r"probe_tokens must be one sequence of at least 32 token ids, got shape \(2, 40\)"):
+    with pytest.raises(HeadError, match=r"probe_tokens must be one sequence of at least 32 token ids, got shape "
+                                        r"\(2, 40\)"):
         _last_layer_scales(model, torch.zeros(2, 40, dtype=torch.long))
     assert set(last) - set(head.layer.state_dict()) == {"input_layernorm.weight"}  # the head's layer has no input norm
     h = model.config.hidden_size
@@ -224,7 +234,7 @@ def test_draft_vocab_head_trains(tmp_path):
 
 def test_medusa_heads_train(tmp_path):
     head, summary = run(tiny_cfg(tmp_path, head_type="medusa", medusa_heads=2, steps=20, save_every=20, lr=3e-3))
-    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    history = [r["loss"] for r in _records(tmp_path)]
     assert head.num_heads == 2 and history[-1] < history[0]
 
 
@@ -395,8 +405,9 @@ def test_precision_key(tmp_path, monkeypatch):
     assert 0 < max(diffs) < 0.05
     # Resuming in another precision than the checkpoint's says so.
     run(tiny_cfg(tmp_path / "mixed", steps=4, stop_after=2, precision="fp32"))
-    with pytest.warns(UserWarning, match=r"was trained in fp32 and continues in bf16"):
+    with pytest.warns(UserWarning, match=r"was trained in fp32 and continues in bf16") as caught:
         run(tiny_cfg(tmp_path / "mixed", steps=4, precision="bf16"), resume=True)
+    assert {w.filename for w in caught if "continues in bf16" in str(w.message)} == {__file__}  # train()'s caller
 
 
 def test_unrolled_steps_equal_sequential_drafting():
@@ -420,7 +431,8 @@ def test_unrolled_steps_equal_sequential_drafting():
             for p in range(k - 1, t):
                 root = p - k + 1
                 cache = head.new_cache()
-                out = head(feats[None, : root + 1], tokens[None, : root + 1], torch.arange(root + 1), embed, cache=cache)[0]
+                out = head(feats[None, : root + 1], tokens[None, : root + 1], torch.arange(root + 1), embed,
+                           cache=cache)[0]
                 for pos in range(root + 1, p + 1):
                     out = head(out[None, -1:], tokens[None, pos : pos + 1], torch.tensor([pos]), embed, cache=cache)[0]
                 assert torch.allclose(unrolled[k][p], out[-1], rtol=1e-4, atol=1e-4), (k, p)
@@ -449,7 +461,7 @@ def test_eagle_head_trains_with_the_training_time_test(tmp_path):
     finally:
         objectives.unroll_drafts = real
     assert set(seen) == {3}
-    history = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "c" / "history.jsonl").read_text().splitlines()]
+    history = [r["loss"] for r in _records(tmp_path / "c")]
     assert sum(history[-5:]) < 0.8 * sum(history[:5])
     with pytest.raises(TrainingError, match="'ttt_steps' must be >= 0"):
         TrainConfig.from_sources(None, ["ttt_steps=-1"])
@@ -457,7 +469,8 @@ def test_eagle_head_trains_with_the_training_time_test(tmp_path):
 
 def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
     run(tiny_cfg(tmp_path, steps=6))
-    with pytest.raises(TrainingError, match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"):
+    with pytest.raises(TrainingError,
+                       match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"):
         run(tiny_cfg(tmp_path, steps=6, stop_after=2))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
     # --overwrite with an input that fails to load (a mistyped init_head) leaves the old run as it was (it was
@@ -471,7 +484,8 @@ def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
         train(tiny_cfg(tmp_path, steps=6), resume=True, overwrite=True, progress=False)
     with pytest.raises(TrainingError, match="report_to must be 'wandb' or 'none', got 'tensorboard'"):
         TrainConfig.from_sources(None, ["report_to=tensorboard"])
-    _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2), model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+    _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2),
+                       model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
                        conversations=tiny_conversations(12), progress=False, overwrite=True)
     assert summary["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000002"]  # the old run's are gone

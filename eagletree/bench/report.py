@@ -17,9 +17,10 @@ from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
 def machine_info(model) -> dict:
     """Where the numbers come from."""
     device = next(model.parameters()).device
-    info = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": version("transformers"),
-            "device": device.type, "dtype": str(model.dtype).removeprefix("torch.")}
+    info = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": version("transformers"), "device": device.type,
+            "dtype": str(model.dtype).removeprefix("torch.")}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -32,9 +33,9 @@ def _x(v, fmt="{:.2f}") -> str:
 def markdown_table(report: dict, temperature: float) -> str:
     """The results table of one temperature."""
     rows = [r for r in report["results"] if r["temperature"] == temperature]
-    lines = ["| method | budget | tokens/pass | predicted | tokens/s (median) | speedup vs plain, same kernels "
-             "(median, range) | speedup vs plain HF generate, stock kernels (median, range) "
-             "| first pass s (median) | identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| method | budget | tokens/pass | predicted | tokens/s (median) | speedup vs plain, same kernels "
+              "(median, range) | speedup vs plain HF generate, stock kernels (median, range) "
+              "| first pass s (median) | identical to plain |"), "|---|---|---|---|---|---|---|---|---|"]
 
     def spread(s):
         return "-" if not s or s["median"] is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
@@ -55,8 +56,9 @@ def vocab_words(size) -> str:
 
 def markdown_report(report: dict) -> str:
     m, s = report["machine"], report["settings"]
-    machine = f"{m['cpu']}" + (f" ({m['cpu_features']})" if m.get("cpu_features") else "") + f", {m['cores']} cores, {m.get('torch_threads', '?')} torch threads" + (
-        f", {m['gpu']}" if "gpu" in m else "")
+    machine = (f"{m['cpu']}" + (f" ({m['cpu_features']})" if m.get("cpu_features") else "")
+               + f", {m['cores']} cores, {m.get('torch_threads', '?')} torch threads"
+               + (f", {m['gpu']}" if "gpu" in m else ""))
     out = [f"# eagletree bench\n\n`{report['command']}`\n",
            f"Machine: {machine}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
            f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}"
@@ -68,10 +70,10 @@ def markdown_report(report: dict) -> str:
               if s.get("packed") else "PyTorch's stock kernels in every row (the same kernels as plain)"
               + (f"; packing was measured slower here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
               + ".\n"),
-           f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
-           f"{report['max_new_tokens']} new tokens each; depth {s['depth']}, top-k {s['top_k_draft']}; "
-           f"prompt lookup {report['lookup_tokens']} tokens; Sequoia acceptance by rank "
-           f"{report['accept_by_rank_source']}; {report['seconds']:.0f} s in all.\n"]
+           (f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
+            f"{report['max_new_tokens']} new tokens each; depth {s['depth']}, top-k {s['top_k_draft']}; "
+            f"prompt lookup {report['lookup_tokens']} tokens; Sequoia acceptance by rank "
+            f"{report['accept_by_rank_source']}; {report['seconds']:.0f} s in all.\n")]
     for t in report["temperatures"]:
         plain = next(r for r in report["results"] if r["temperature"] == t and r["method"] == "plain")
         out.append(f"## Temperature {t:g}{' (greedy)' if not t else ''}\n\nplain decoding: "
@@ -105,6 +107,10 @@ def _families(report, temperature):
     return fam
 
 
+MARKER = dict(zip(TREE_METHODS, "s^oDv<>PX"))
+COLOR = {name: f"C{i}" for i, name in enumerate(METHODS)}  # one color per method in every plot
+
+
 def write_plots(report: dict, out: Path) -> list[str]:
     """tokens/pass and speedup vs budget, accepted-length histogram, calibration; returns the file names."""
     import matplotlib  # only here: the plots are the one use, and it is slow to import
@@ -112,120 +118,145 @@ def write_plots(report: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = []
+    if any(r["budget"] for r in report["results"]):  # (--methods lookup or packed alone: no budget axis)
+        names.append(_by_budget(plt, report, out, "tokens_per_pass.png", "tokens per target pass",
+                                lambda r: r["tokens_per_pass"], baseline=1.0))
+        names.append(_by_budget(plt, report, out, "speedup.png", "speedup over plain decoding",
+                                lambda r: like_for_like(r)["median"],
+                                spread=lambda r: (like_for_like(r)["min"], like_for_like(r)["max"]), baseline=1.0,
+                                title="speedup over plain decoding, same kernels (median, range over prompts)"))
+    for plot in (_accepted_lengths, _calibration):
+        name = plot(plt, report, out)
+        if name is not None:
+            names.append(name)
+    return names
+
+
+def _by_budget(plt, report: dict, out: Path, fname: str, ylabel: str, value, spread=None, baseline=None,
+               title=None) -> str:
+    """`value` of every tree method against the budget, a panel per temperature (`spread`: (low, high) error bars;
+    the lookup and packed baselines as lines); returns the file name."""
     temps = report["temperatures"]
     budgets = sorted({r["budget"] for r in report["results"] if r["budget"]})
-    names = []
-    marker = dict(zip(TREE_METHODS, "s^oDv<>PX"))
-    color = {name: f"C{i}" for i, name in enumerate(METHODS)}  # one color per method in every plot
+    fig, axes = plt.subplots(1, len(temps), figsize=(max(5.5 * len(temps), 7.5), 4.2), squeeze=False, sharey=True)
+    for ax, t in zip(axes[0], temps):
+        families = _families(report, t)
+        for j, (name, rs) in enumerate(families.items()):
+            rs = [r for r in rs if value(r) is not None]
+            if not rs:
+                continue
+            if name in BASELINE_LABELS:
+                ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
+                           label=BASELINE_LABELS[name])
+                continue
+            # Methods side by side at each budget (a small shift on the log axis), so points never hide.
+            shift = 2 ** (0.05 * (j - (len(families) - 1) / 2))
+            xs, ys = [r["budget"] * shift for r in rs], [value(r) for r in rs]
+            style = {"marker": MARKER[name], "color": COLOR[name], "label": name}
+            if spread:
+                lo, hi = zip(*(spread(r) for r in rs))
+                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                            capsize=3, **style)
+            else:
+                ax.plot(xs, ys, **style)
+        if baseline is not None:
+            ax.axhline(baseline, color="black", lw=0.8, label="plain decoding")
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(budgets[0] / 1.25, budgets[-1] * 1.25)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("budget (tree nodes per pass)")
+        ax.set_title(f"temperature {t:g}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle(f"{title or ylabel}\n{where(report)}", fontsize=10)
+    return _save(plt, fig, out, fname)
 
-    def by_budget(fname, ylabel, value, spread=None, baseline=None, title=None):
-        fig, axes = plt.subplots(1, len(temps), figsize=(max(5.5 * len(temps), 7.5), 4.2), squeeze=False,
-                                 sharey=True)
-        for ax, t in zip(axes[0], temps):
-            families = _families(report, t)
-            for j, (name, rs) in enumerate(families.items()):
-                rs = [r for r in rs if value(r) is not None]
-                if not rs:
-                    continue
-                if name in BASELINE_LABELS:
-                    ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
-                               label=BASELINE_LABELS[name])
-                    continue
-                # Methods side by side at each budget (a small shift on the log axis), so points never hide.
-                shift = 2 ** (0.05 * (j - (len(families) - 1) / 2))
-                xs, ys = [r["budget"] * shift for r in rs], [value(r) for r in rs]
-                style = dict(marker=marker[name], color=color[name], label=name)
-                if spread:
-                    lo, hi = zip(*(spread(r) for r in rs))
-                    ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
-                                capsize=3, **style)
-                else:
-                    ax.plot(xs, ys, **style)
-            if baseline is not None:
-                ax.axhline(baseline, color="black", lw=0.8, label="plain decoding")
-            ax.set_xscale("log", base=2)
-            ax.set_xlim(budgets[0] / 1.25, budgets[-1] * 1.25)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.minorticks_off()
-            ax.set_xlabel("budget (tree nodes per pass)")
-            ax.set_title(f"temperature {t:g}")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-        fig.suptitle(f"{title or ylabel}\n{where(report)}", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-        names.append(fname)
 
-    if budgets:  # (--methods lookup or packed alone: no budget axis)
-        by_budget("tokens_per_pass.png", "tokens per target pass", lambda r: r["tokens_per_pass"], baseline=1.0)
-        by_budget("speedup.png", "speedup over plain decoding", lambda r: like_for_like(r)["median"],
-                  spread=lambda r: (like_for_like(r)["min"], like_for_like(r)["max"]), baseline=1.0,
-                  title="speedup over plain decoding, same kernels (median, range over prompts)")
-
-    # Accepted lengths: each tree method at its largest budget, greedy (or the first temperature).
+def _accepted_lengths(plt, report: dict, out: Path) -> str | None:
+    """Accepted lengths: each tree method at its largest budget, greedy (or the first temperature); None when no
+    method has a histogram."""
+    temps = report["temperatures"]
     shown_t = 0.0 if 0.0 in temps else temps[0]
     fam = {k: v for k, v in _families(report, shown_t).items() if k not in BASELINE_LABELS}
     shown = [rs[-1] for rs in fam.values() if rs[-1]["accepted_histogram"]]
-    if shown:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        lengths = sorted({int(k) for r in shown for k in r["accepted_histogram"]})
-        width = 0.8 / len(shown)
-        for j, r in enumerate(shown):
-            hist = {int(k): v for k, v in r["accepted_histogram"].items()}
-            total = sum(hist.values())
-            ax.bar([n + (j - (len(shown) - 1) / 2) * width for n in lengths], [hist.get(n, 0) / total for n in lengths],
-                   width, color=color[r["method"]], label=f"{r['label']} (mean {r['tokens_per_pass']:.2f})")
-        ax.set_xticks(lengths)
-        ax.set_xlabel("tokens emitted per target pass")
-        ax.set_ylabel("share of passes")
-        ax.set_title(f"accepted lengths, temperature {shown_t:g}\n{where(report)}", fontsize=10)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        fig.savefig(out / "accepted_lengths.png", dpi=110)
-        plt.close(fig)
-        names.append("accepted_lengths.png")
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    lengths = sorted({int(k) for r in shown for k in r["accepted_histogram"]})
+    width = 0.8 / len(shown)
+    for j, r in enumerate(shown):
+        hist = {int(k): v for k, v in r["accepted_histogram"].items()}
+        total = sum(hist.values())
+        ax.bar([n + (j - (len(shown) - 1) / 2) * width for n in lengths], [hist.get(n, 0) / total for n in lengths],
+               width, color=COLOR[r["method"]], label=f"{r['label']} (mean {r['tokens_per_pass']:.2f})")
+    ax.set_xticks(lengths)
+    ax.set_xlabel("tokens emitted per target pass")
+    ax.set_ylabel("share of passes")
+    ax.set_title(f"accepted lengths, temperature {shown_t:g}\n{where(report)}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(plt, fig, out, "accepted_lengths.png")
 
+
+def _calibration(plt, report: dict, out: Path) -> str | None:
+    """Predicted against measured acceptance per node and tokens/pass per method (greedy); None when there is
+    neither."""
     cal = report["calibration"]
     greedy = [r for r in report["results"] if not r["temperature"] and r["predicted_tokens_per_pass"] is not None]
-    if cal["bins"] or greedy:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-        for key, label in (("bins", "draft probability"), ("calibrated_bins", f"calibrated ({cal.get('calibrator')})")):
-            bins = cal.get(key) or []
-            if bins:
-                a1.scatter([b["predicted"] for b in bins], [b["measured"] for b in bins],
-                           s=[20 + 200 * b["nodes"] / cal["nodes"] for b in bins], label=label, alpha=0.8)
-        a1.plot([0, 1], [0, 1], color="black", lw=0.8)
-        a1.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance of a node", ylabel="measured acceptance",
-               title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)")
-        if cal["bins"] or cal.get("calibrated_bins"):
-            a1.legend(fontsize=8)
-        else:  # (an empty legend is a matplotlib warning, and an empty panel says nothing)
-            a1.text(0.5, 0.5, "no drafted node was tried", ha="center", va="center", transform=a1.transAxes)
-        a1.grid(alpha=0.3)
-        labelled = set()
-        for r in greedy:
-            name, xy = r["method"], (r["predicted_tokens_per_pass"], r["tokens_per_pass"])
-            hollow = name == "optimal"  # often on top of eagle2
-            a2.scatter(*xy, label=None if name in labelled else name, marker=marker[name], s=80 if hollow else 36,
-                       facecolors="none" if hollow else color[name], edgecolors=color[name])
-            a2.annotate(str(r["budget"]), xy, xytext=(-14, 4) if hollow else (5, -3), textcoords="offset points",
-                        fontsize=7)
-            labelled.add(name)
-        top = max([1.5] + [max(r["predicted_tokens_per_pass"], r["tokens_per_pass"]) * 1.1 for r in greedy])
-        a2.plot([1, top], [1, top], color="black", lw=0.8)
-        a2.set(xlim=(1, top), ylim=(1, top), xlabel="predicted tokens/pass", ylabel="measured tokens/pass",
-               title="per method and budget, greedy")
-        a2.legend(fontsize=7, ncol=2)
-        a2.grid(alpha=0.3)
-        fig.suptitle(where(report), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / "calibration.png", dpi=110)
-        plt.close(fig)
-        names.append("calibration.png")
-    return names
+    if not (cal["bins"] or greedy):
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    _node_calibration(a1, cal)
+    _method_calibration(a2, greedy)
+    fig.suptitle(where(report), fontsize=10)
+    return _save(plt, fig, out, "calibration.png")
+
+
+def _node_calibration(ax, cal: dict) -> None:
+    """Measured acceptance of drafted nodes per bin of predicted acceptance (raw and calibrated)."""
+    for key, label in (("bins", "draft probability"), ("calibrated_bins", f"calibrated ({cal.get('calibrator')})")):
+        bins = cal.get(key) or []
+        if bins:
+            ax.scatter([b["predicted"] for b in bins], [b["measured"] for b in bins],
+                       s=[20 + 200 * b["nodes"] / cal["nodes"] for b in bins], label=label, alpha=0.8)
+    ax.plot([0, 1], [0, 1], color="black", lw=0.8)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance of a node", ylabel="measured acceptance",
+           title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)")
+    if cal["bins"] or cal.get("calibrated_bins"):
+        ax.legend(fontsize=8)
+    else:  # (an empty legend is a matplotlib warning, and an empty panel says nothing)
+        ax.text(0.5, 0.5, "no drafted node was tried", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(alpha=0.3)
+
+
+def _method_calibration(ax, greedy: list[dict]) -> None:
+    """Measured against predicted tokens/pass of each greedy result, labelled with its budget."""
+    labelled = set()
+    for r in greedy:
+        name, xy = r["method"], (r["predicted_tokens_per_pass"], r["tokens_per_pass"])
+        hollow = name == "optimal"  # often on top of eagle2
+        ax.scatter(*xy, label=None if name in labelled else name, marker=MARKER[name], s=80 if hollow else 36,
+                   facecolors="none" if hollow else COLOR[name], edgecolors=COLOR[name])
+        ax.annotate(str(r["budget"]), xy, xytext=(-14, 4) if hollow else (5, -3), textcoords="offset points",
+                    fontsize=7)
+        labelled.add(name)
+    top = max([1.5] + [max(r["predicted_tokens_per_pass"], r["tokens_per_pass"]) * 1.1 for r in greedy])
+    ax.plot([1, top], [1, top], color="black", lw=0.8)
+    ax.set(xlim=(1, top), ylim=(1, top), xlabel="predicted tokens/pass", ylabel="measured tokens/pass",
+           title="per method and budget, greedy")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, out: Path, fname: str) -> str:
+    """Lay out, write and close a figure; returns its file name."""
+    fig.tight_layout()
+    fig.savefig(out / fname, dpi=110)
+    plt.close(fig)
+    return fname
 
 
 def write_outputs(report: dict, out) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,12 +13,11 @@ from torch import nn
 
 from ..errors import EagletreeError
 from ..files import building, publish
+from ..target import target_identity
 from .vocab import check_draft_vocab
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-_IDENTITY_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "intermediate_size", "rope_theta", "max_position_embeddings")
 _REGISTRY: dict[str, type] = {}  # head_type -> DraftHead subclass, filled by the package (draft_heads/__init__.py)
 
 
@@ -35,14 +33,6 @@ def rope_base(config) -> float | None:
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     theta = get("rope_theta") if theta is None else theta
     return float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
-
-
-def target_identity(config) -> dict:
-    """What a head must match: model type, sizes, and a fingerprint of the architecture config."""
-    values = {k: getattr(config, k, None) for k in _IDENTITY_KEYS}
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"model_type": config.model_type, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "fingerprint": digest}
 
 
 @dataclass
@@ -89,6 +79,9 @@ class DraftHead(nn.Module):
     # Whether drafting a node reads the head's own prediction at its parent (EAGLE), so a chain of drafts can be
     # followed step by step; Medusa's heads read only the committed feature.
     drafts_from_own_features = True
+    folder: Path | None = None  # the folder the head was loaded from, where its companion files live; None: built here
+    widened = False  # `widen_vocab` made it draft over the target's whole vocabulary
+    _lm_slice = None  # the drafter's cached rows of the target's lm_head (drafter.sliced_lm_head), with their key
 
     @classmethod
     def create(cls, target_model, cfg, draft_tokens: torch.Tensor | None = None) -> "DraftHead":
@@ -126,11 +119,20 @@ class DraftHead(nn.Module):
 
     def is_widened(self) -> bool:
         """Whether `widen_vocab` made this head draft over more tokens than the draft vocabulary it was saved with."""
-        return bool(getattr(self, "widened", False))
+        return self.widened
 
     def has_own_lm_head(self) -> bool:
         """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the target's."""
-        return bool(getattr(self, "own_lm_head", False)) or hasattr(self, "draft_logits")
+        return False
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target features the head reads [m, H] from what decoding hands it (EAGLE-3 fuses several layers)."""
+        return features
+
+    def companion_file(self, name: str) -> Path | None:
+        """The file `name` saved next to the head (e.g. calibration.json), or None when there is none."""
+        path = None if self.folder is None else self.folder / name
+        return path if path is not None and path.is_file() else None
 
     def can_widen_vocab(self) -> bool:
         """Whether `widen_vocab` would add tokens: a draft vocabulary, scored with the target's lm_head."""
@@ -208,7 +210,7 @@ class DraftHead(nn.Module):
         if "d2t" in state:
             head.d2t = state["d2t"].clone()
         head.load_state_dict(state)
-        head.source_dir = str(directory)  # where companion files (e.g. calibration.json) live
+        head.folder = directory
         head = head.to(device=device) if device is not None else head
         if dtype is not None:
             head = head.to(dtype)

@@ -51,7 +51,7 @@ def sliced_lm_head(head, target_model, dtype=None):
     if head.config.draft_vocab_size is None and dtype == weight.dtype:
         return weight, bias
     key = (weight.data_ptr(), weight.dtype, weight.device, head.d2t.data_ptr(), dtype)
-    cached = getattr(head, "_lm_slice", None)
+    cached = head._lm_slice
     if cached is None or cached[0] != key:
         rows = slice(None) if head.config.draft_vocab_size is None else head.d2t.to(weight.device)
         cached = (key, weight[rows].to(dtype).contiguous(), None if bias is None else bias[rows].to(dtype))
@@ -69,7 +69,7 @@ class TreeDrafter:
         # target's own pass decides): target features are cast to it on the way in.
         self.dtype = next(head.parameters()).dtype
         full = head.config.draft_vocab_size is None
-        self.own_lm_head = hasattr(head, "draft_logits")  # EAGLE-3: its own norm and lm_head
+        self.own_lm_head = head.has_own_lm_head()  # EAGLE-3: its own norm and lm_head
         self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
                                                                                                self.dtype)
         self.lm_packed, self.kernel_choice = None, None
@@ -84,9 +84,8 @@ class TreeDrafter:
             if self.lm_weight is not None:
                 self.lm_packed = packed_weight(head, self.lm_weight)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
-        if hasattr(head, "layer"):
-            # On CPU each level's rows read the cached grouped key/value heads in place (bitwise the same outputs).
-            use_gqa_sdpa_layer(head.layer, head.layer_config)
+        # On CPU each level's rows read the cached grouped key/value heads in place (bitwise the same outputs).
+        use_gqa_sdpa_layer(head.layer, head.layer_config)
         self.cache = head.new_cache()
         self.committed = 0
         self.root_probs = None
@@ -116,9 +115,7 @@ class TreeDrafter:
         layers' outputs, [m, 3H].)
         """
         self._truncate(self.committed)
-        features = features.to(self.dtype)
-        if hasattr(self.head, "fuse"):
-            features = self.head.fuse(features)
+        features = self.head.fuse(features.to(self.dtype))
         m = features.shape[0]
         positions = torch.arange(self.committed, self.committed + m, device=features.device)
         out = self.head(features[None], next_tokens[None], positions, self.embed, cache=self.cache)[0]

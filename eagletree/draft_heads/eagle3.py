@@ -99,6 +99,9 @@ class Eagle3Head(DraftHead):
         h = hidden + attn
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
+    def has_own_lm_head(self) -> bool:
+        return True
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V'] draft logits."""
         return self.lm_head(self.norm(hidden))

@@ -200,7 +200,7 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
     "eagle3", whose export carries the target's embedding.
     """
     out = Path(out_dir)
-    source = getattr(head, "source_dir", None)
+    source = head.folder
     check_output_dir(out, overwrite, sources=[source] if source else [])
     if target is not None:
         head.check_target(target.config)

@@ -40,6 +40,9 @@ class MedusaHead(DraftHead):
         self.lm_heads = nn.ModuleList(nn.Linear(h, vocab, bias=False) for _ in range(k)) if self.own_lm_head else None
         self.register_buffer("d2t", torch.arange(vocab), persistent=True)
 
+    def has_own_lm_head(self) -> bool:
+        return self.own_lm_head
+
     @classmethod
     def for_target(cls, target_config, draft_tokens=None, num_heads: int = 4, num_layers: int = 1,
                    own_lm_head: bool = False) -> "MedusaHead":

@@ -7,16 +7,24 @@ head itself (`getattr(head, "module", head)`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # (the training config imports the heads, whose modules import these objectives)
-    from ..train.config import TrainConfig
+
+class LossSettings(Protocol):
+    """The run's settings an objective reads (a `train.config.TrainConfig` has them; the heads sit below training,
+    so they name only these)."""
+
+    noise: float  # uniform noise on input features: U(-noise/2, noise/2)
+    ttt_steps: int  # drafting steps unrolled per position; 0 = the head type's default
+    ttt_decay: float  # weight of step k is ttt_decay ** (k - 1)
+    l1_weight: float
+    ce_weight: float
 
 
-def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: LossSettings, generator=None):
     """EAGLE-1/2 objective on one sequence: smooth-L1 to the next feature + w x CE to the target's distribution.
 
     features [T, H]: the target's post-norm features; ids [T]; mask [T] bool (assistant tokens).
@@ -55,7 +63,7 @@ def eagle_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, ge
     return total / weights, first
 
 
-def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+def medusa_loss(head, target_lm, embed, features, ids, mask, cfg: LossSettings, generator=None):
     """Medusa: head k at position t matches the target's distribution k steps later (soft labels)."""
     weight, bias = target_lm
     t_len = features.shape[0]
@@ -100,6 +108,7 @@ def unroll_drafts(head, hidden, tokens, embed, steps: int):
     t = hidden.shape[0]
     positions = torch.arange(t, device=hidden.device)
     cache = getattr(head, "module", head).new_cache() if steps > 1 else None
+    out = None  # step k's output, read by step k+1
     for k in range(1, steps + 1):
         if k > 1:  # step k at position p continues from step k-1's prediction at p-1
             hidden = torch.cat([out[:1], out[:-1]])
@@ -108,7 +117,7 @@ def unroll_drafts(head, hidden, tokens, embed, steps: int):
         yield k, out
 
 
-def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: TrainConfig, generator=None):
+def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: LossSettings, generator=None):
     """EAGLE-3 training-time test: unroll `ttt_steps` drafting steps; step k reads step k-1's outputs.
 
     features [T, H + 3H]: the target's final hidden state and its three fused layers, concatenated.

@@ -9,6 +9,7 @@ import pickle
 import random
 import shutil
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def set_rng_state(state, noise_gen) -> None:
 def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
                     precision: str = "fp32", data: dict | None = None):
     """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones. `data`: what the run
-    trains on (`loop.data_fingerprint`), so that a resume notices a changed dataset."""
+    trains on (`inputs.data_fingerprint`), so that a resume notices a changed dataset."""
     root = folder / "checkpoints"
     final = root / f"step-{step:07d}"
     with building(final) as tmp:  # also removes what a killed save left in `root`
@@ -93,7 +94,8 @@ def resume_point(folder: Path, target_config, set_aside: bool = True):
                 raise ValueError("trainer.pt lacks the trainer state")
         except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
             damaged.append((ckpt, f"{ckpt.name} ({' '.join(str(e).split())[:160]})"))
-            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it", file=sys.stderr)
+            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it",
+                  file=sys.stderr)
             continue
         head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
         if damaged and set_aside:
@@ -108,6 +110,57 @@ def resume_point(folder: Path, target_config, set_aside: bool = True):
         raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: "
                             f"{'; '.join(text for _, text in damaged)}")
     return None, None, None, None
+
+
+def check_resume(ckpt: Path, head, state: dict, changes: dict, data: dict, cfg: TrainConfig,
+                 allow_changes: bool) -> None:
+    """Refuse to resume from `ckpt` (its `head` and trainer `state`) a run that the config would change: another
+    head type or a head-defining key always; run-defining keys that differ (`changes`) or other training data
+    (`data`, `inputs.data_fingerprint`) unless `allow_changes` (then a changed dataset is warned about)."""
+    if head.config.head_type != cfg.head_type:  # no flag changes this
+        raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
+                            f"head_type {cfg.head_type!r}")
+    fixed = {k: v for k, v in changes.items() if k in HEAD_DEFINING}
+    if fixed:  # the checkpoint's head already has its shape and start: no flag changes these either
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fixed.items())
+        raise TrainingError(f"--resume from {ckpt}: {listed} would change the head's shape or start, which the "
+                            "checkpoint fixes; keep the checkpoint's values, or start a new run in another out_dir")
+    saved_data = state.get("data")  # (checkpoints before this key record none)
+    if saved_data is not None and saved_data != data:
+        before, now = saved_data["conversations"], data["conversations"]
+        counts = f"{before} -> {now} conversations" if before != now else f"{now} conversations, other ones"
+        what = (f"the training data changed since the checkpoint ({counts}), so the rest of the run takes them in "
+                "another order than a straight run")
+        if not allow_changes:
+            raise TrainingError(f"--resume from {ckpt}: {what}; pass --allow-changes to continue on the new data, "
+                                "or give the run another out_dir")
+        warnings.warn(f"--resume from {ckpt}: {what}", stacklevel=5)  # (at train()'s caller)
+    if changes and not allow_changes:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
+                            "--allow-changes to continue with the new values, or give the run another out_dir")
+
+
+def restore_trainer(accelerator, ckpt: Path, state: dict, changes: dict, optimizer, scheduler, noise_gen,
+                    cfg: TrainConfig, precision: str) -> tuple[int, dict]:
+    """Load a checkpoint's trainer `state` into the optimizer, the schedule (then the `changes` that
+    `check_resume` allowed) and the random generators; returns (step, counters) to go on from."""
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if changes:
+        apply_changes(optimizer, scheduler, cfg)
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        accelerator.print(f"resuming with changed keys: {listed}")
+    # the checkpoint holds the whole run's counts: the main process carries them on, the others count afresh
+    step, counters = state["step"], (state["counters"] if accelerator.is_main_process
+                                     else dict.fromkeys(state["counters"], 0))
+    set_rng_state(state["rng"], noise_gen)
+    if state.get("precision", precision) != precision:  # (checkpoints before the precision key record none)
+        warnings.warn(f"{ckpt} was trained in {state['precision']} and continues in {precision} (precision="
+                      f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
+                      "run exactly; pass precision=... to keep it", stacklevel=4)  # (at train()'s caller)
+    accelerator.print(f"resumed from {ckpt} at step {step}")
+    return step, counters
 
 
 RUN_FILES = ("checkpoints", "head", "history.jsonl", "metrics.json")  # what a run writes in its out_dir

@@ -68,103 +68,13 @@ class TrainConfig:
     precision: str = "auto"
 
     @classmethod
-    def from_sources(cls, path=None, overrides=()) -> "TrainConfig":
+    def from_sources(cls, path=None, overrides=()) -> TrainConfig:
         """Defaults, then a YAML file, then key=value overrides; an unknown key is an error listing valid keys."""
-        valid = {f.name: f for f in fields(cls)}
-        values = {}
-        if path:
-            try:
-                loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-            except (OSError, UnicodeDecodeError) as e:
-                raise TrainingError(f"config file {str(path)!r} cannot be read ({e})") from e
-            except yaml.YAMLError as e:
-                raise TrainingError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from e
-            if not isinstance(loaded, dict):
-                raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
-            values.update(loaded)
-        for item in overrides:
-            if "=" not in item:
-                raise TrainingError(f"override {item!r} must look like key=value")
-            key, raw = item.split("=", 1)
-            # a text key takes the text as written (`init_head=` clears it; `out_dir=2024` stays a name)
-            try:
-                values[key] = raw if key in valid and isinstance(getattr(cls(), key), str) else yaml.safe_load(raw)
-            except yaml.YAMLError:
-                values[key] = raw  # not YAML: the type check below names the key and the value
-        unknown = sorted(set(values) - set(valid), key=str)  # (a YAML key may be a number)
-        if unknown:
-            raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
-        for key, value in values.items():
-            kind = type(getattr(cls(), key))
-            if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-                try:  # YAML reads 1e-4 (no dot) as text: take every number float() takes
-                    values[key] = value = float(value)
-                except ValueError:
-                    raise TrainingError(f"config key {key!r} must be a number, got {value!r}") from None
-                if not math.isfinite(value):
-                    raise TrainingError(f"config key {key!r} must be a finite number, got {value!r}")
-            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
-        kinds = head_types()
-        if values.get("head_type", "eagle") not in kinds:
-            listed = ", ".join(repr(k) for k in kinds[:-1]) + f" or {kinds[-1]!r}"
-            raise TrainingError(f"head_type must be {listed}, got {values['head_type']!r}")
-        positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads")
-        for key in positive:
-            if key in values and isinstance(values[key], int) and values[key] < 1:
-                raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
-        ranges = {"lr": (0.0, False), "weight_decay": (0.0, True), "noise": (0.0, True), "clip": (0.0, True),
-                  "l1_weight": (0.0, True), "ce_weight": (0.0, True), "ttt_decay": (0.0, False),
-                  "warmup_steps": (0, True), "max_conversations": (0, True), "draft_vocab": (0, True),
-                  "draft_vocab_sample": (1, True), "eval_conversations": (1, True), "stop_after": (0, True),
-                  "seed": (0, True)}
-        for key, (low, inclusive) in ranges.items():
-            if key in values and (values[key] < low if inclusive else values[key] <= low):
-                raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
-        if "min_lr_ratio" in values and not 0.0 <= values["min_lr_ratio"] <= 1.0:
-            raise TrainingError(f"config key 'min_lr_ratio' must be in [0, 1], got {values['min_lr_ratio']}")
-        if "heldout_fraction" in values and not 0.0 < values["heldout_fraction"] < 1.0:
-            raise TrainingError(f"config key 'heldout_fraction' must be in (0, 1): the held-out conversations are never "
-                                f"trained on and evaluation needs some, got {values['heldout_fraction']}")
-        for key in ("out_dir", "dataset", "target"):
-            if key in values and not str(values[key]).strip():
-                raise TrainingError(f"config key {key!r} is empty; expected "
-                                    + {"out_dir": "the run's folder", "dataset": "'sharegpt', a data file or several joined by commas",
-                                       "target": "a target alias, HF model folder or .gguf file"}[key])
-        if values.get("ttt_steps", 0) < 0:
-            raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
-                                f"got {values['ttt_steps']}")
-        if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
-            raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
-        if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
-            raise TrainingError(f"precision must be 'auto', 'bf16' or 'fp32', got {values['precision']!r}")
-        if values.get("init_from_target") and values.get("head_type", "eagle") != "eagle":
-            raise TrainingError(f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
-                                f"head_type is {values['head_type']!r}")
-        if values.get("init_from_target") and values.get("init_head"):
-            raise TrainingError(f"init_from_target and init_head {values['init_head']!r} both say where the head "
-                                "starts: set one")
-        if values.get("widen_vocab") and not values.get("init_head"):
-            raise TrainingError("widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
-                                "head drafts over the full vocabulary with draft_vocab=0)")
-        if values.get("widen_vocab") and values.get("head_type", "eagle") == "eagle3":
-            raise TrainingError("widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
-                                "vocabulary, so it cannot be widened; drop widen_vocab")
-        if values.get("widen_vocab") and values.get("draft_vocab"):
-            raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
-                                f"{values['draft_vocab']}: set draft_vocab=0")
-        head_type = values.get("head_type", "eagle")
-        ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(cls(), k)
-                   and not (k == "noise" and values[k] == 0)]  # no noise: what such a head does anyway
-        if ignored:
-            raise TrainingError(f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
-                                f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
-                                f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
-                                f"{'it' if len(ignored) == 1 else 'them'} from the config")
-        if values.get("report_to", "wandb") not in ("wandb", "none"):
-            raise TrainingError(f"report_to must be 'wandb' or 'none', got {values['report_to']!r}")
-        if values.get("long", "truncate") not in ("truncate", "drop"):
-            raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
+        defaults = cls()
+        values = _read_values(path, overrides, defaults)
+        _check_types(values, defaults)
+        _check_ranges(values)
+        _check_choices(values, defaults)
         return cls(**values)
 
 
@@ -172,6 +82,122 @@ class TrainConfig:
 IGNORED_BY = {"eagle": ("medusa_heads",),
               "eagle3": ("l1_weight", "ce_weight", "fc_bias", "medusa_heads"),
               "medusa": ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias")}
+
+
+def _read_values(path, overrides, defaults: TrainConfig) -> dict:
+    """The keys a YAML file (`path`, optional) and then key=value `overrides` set, not yet checked."""
+    valid = {f.name for f in fields(defaults)}
+    values = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainingError(f"config file {str(path)!r} cannot be read ({e})") from e
+        except yaml.YAMLError as e:
+            raise TrainingError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from e
+        if not isinstance(loaded, dict):
+            raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise TrainingError(f"override {item!r} must look like key=value")
+        key, raw = item.split("=", 1)
+        # a text key takes the text as written (`init_head=` clears it; `out_dir=2024` stays a name)
+        try:
+            values[key] = raw if key in valid and isinstance(getattr(defaults, key), str) else yaml.safe_load(raw)
+        except yaml.YAMLError:
+            values[key] = raw  # not YAML: the type check below names the key and the value
+    return values
+
+
+def _check_types(values: dict, defaults: TrainConfig) -> None:
+    """Every key is a config key, of its default's type (a whole number or a number in text is taken as a float
+    where one is expected: `values` is updated)."""
+    valid = {f.name for f in fields(defaults)}
+    unknown = sorted(set(values) - set(valid), key=str)  # (a YAML key may be a number)
+    if unknown:
+        raise TrainingError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
+    for key, value in values.items():
+        kind = type(getattr(defaults, key))
+        if kind is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:  # YAML reads 1e-4 (no dot) as text: take every number float() takes
+                values[key] = value = float(value)
+            except ValueError:
+                raise TrainingError(f"config key {key!r} must be a number, got {value!r}") from None
+            if not math.isfinite(value):
+                raise TrainingError(f"config key {key!r} must be a finite number, got {value!r}")
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TrainingError(f"config key {key!r} must be {kind.__name__}, got {value!r}")
+
+
+def _check_ranges(values: dict) -> None:
+    """Each key's value is one it can take."""
+    kinds = head_types()
+    if values.get("head_type", "eagle") not in kinds:
+        listed = ", ".join(repr(k) for k in kinds[:-1]) + f" or {kinds[-1]!r}"
+        raise TrainingError(f"head_type must be {listed}, got {values['head_type']!r}")
+    positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads")
+    for key in positive:
+        if key in values and isinstance(values[key], int) and values[key] < 1:
+            raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
+    ranges = {"lr": (0.0, False), "weight_decay": (0.0, True), "noise": (0.0, True), "clip": (0.0, True),
+              "l1_weight": (0.0, True), "ce_weight": (0.0, True), "ttt_decay": (0.0, False),
+              "warmup_steps": (0, True), "max_conversations": (0, True), "draft_vocab": (0, True),
+              "draft_vocab_sample": (1, True), "eval_conversations": (1, True), "stop_after": (0, True),
+              "seed": (0, True)}
+    for key, (low, inclusive) in ranges.items():
+        if key in values and (values[key] < low if inclusive else values[key] <= low):
+            raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
+    if "min_lr_ratio" in values and not 0.0 <= values["min_lr_ratio"] <= 1.0:
+        raise TrainingError(f"config key 'min_lr_ratio' must be in [0, 1], got {values['min_lr_ratio']}")
+    if "heldout_fraction" in values and not 0.0 < values["heldout_fraction"] < 1.0:
+        raise TrainingError(f"config key 'heldout_fraction' must be in (0, 1): the held-out conversations are "
+                            f"never trained on and evaluation needs some, got {values['heldout_fraction']}")
+    for key in ("out_dir", "dataset", "target"):
+        if key in values and not str(values[key]).strip():
+            expected = {"out_dir": "the run's folder",
+                        "dataset": "'sharegpt', a data file or several joined by commas",
+                        "target": "a target alias, HF model folder or .gguf file"}[key]
+            raise TrainingError(f"config key {key!r} is empty; expected {expected}")
+    if values.get("ttt_steps", 0) < 0:
+        raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
+                            f"got {values['ttt_steps']}")
+    if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
+        raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
+    if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
+        raise TrainingError(f"precision must be 'auto', 'bf16' or 'fp32', got {values['precision']!r}")
+
+
+def _check_choices(values: dict, defaults: TrainConfig) -> None:
+    """The keys that depend on one another agree (where the head starts, its vocabulary, what its type reads), and
+    the keys naming a choice name a known one."""
+    if values.get("init_from_target") and values.get("head_type", "eagle") != "eagle":
+        raise TrainingError(f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
+                            f"head_type is {values['head_type']!r}")
+    if values.get("init_from_target") and values.get("init_head"):
+        raise TrainingError(f"init_from_target and init_head {values['init_head']!r} both say where the head "
+                            "starts: set one")
+    if values.get("widen_vocab") and not values.get("init_head"):
+        raise TrainingError("widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
+                            "head drafts over the full vocabulary with draft_vocab=0)")
+    if values.get("widen_vocab") and values.get("head_type", "eagle") == "eagle3":
+        raise TrainingError("widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
+                            "vocabulary, so it cannot be widened; drop widen_vocab")
+    if values.get("widen_vocab") and values.get("draft_vocab"):
+        raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
+                            f"{values['draft_vocab']}: set draft_vocab=0")
+    head_type = values.get("head_type", "eagle")
+    ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(defaults, k)
+               and not (k == "noise" and values[k] == 0)]  # no noise: what such a head does anyway
+    if ignored:
+        raise TrainingError(f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
+                            f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
+                            f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
+                            f"{'it' if len(ignored) == 1 else 'them'} from the config")
+    if values.get("report_to", "wandb") not in ("wandb", "none"):
+        raise TrainingError(f"report_to must be 'wandb' or 'none', got {values['report_to']!r}")
+    if values.get("long", "truncate") not in ("truncate", "drop"):
+        raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
 
 
 def lr_lambda(cfg: TrainConfig):

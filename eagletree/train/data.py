@@ -85,7 +85,8 @@ def to_messages(record, where: str) -> list[dict] | None:
     messages = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise DataError(f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r:.120}")
+            raise DataError(f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, "
+                            f"got {turn!r:.120}")
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise DataError(

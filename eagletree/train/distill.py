@@ -213,19 +213,7 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     prompts whose user turn it finds something in (`re.search`; e.g. "(?i)python|```" for a datastore of code
     answers) are answered, the others counted; `limit` then takes the first N of those. Returns counts.
     """
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
-                             ("batch_size", batch_size, 1), ("limit", limit, 0),
-                             ("min_prompt_tokens", min_prompt_tokens, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise DistillError(f"{name} must be an integer >= {low}, got {value!r}")
-    if min_prompt_tokens > max_prompt_tokens:
-        raise DistillError(f"min_prompt_tokens ({min_prompt_tokens}) must not exceed max_prompt_tokens "
-                           f"({max_prompt_tokens}): no prompt would be answered")
-    if not temperature >= 0:
-        raise DistillError(f"temperature must be >= 0, got {temperature!r}")
-    if getattr(tok, "chat_template", None) is None:
-        raise DistillError(f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no chat template: there is no "
-                           "prompt format to answer in")
+    _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens)
     settings = {"target": target_identity(model.config)["fingerprint"], "dtype": str(model.dtype).removeprefix("torch."),
                 "temperature": float(temperature), "max_new_tokens": max_new_tokens,
                 **({"seed": seed} if temperature > 0 else {}), **({"turns": turns} if turns != "first" else {})}
@@ -256,6 +244,30 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
               "new_tokens": 0, "eos": 0, "length": 0}
     bar = tqdm(total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer",
                disable=not progress)
+    _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
+    return counts
+
+
+def _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens):
+    """DistillError naming the first setting outside its range, or a tokenizer without a chat template."""
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
+                             ("batch_size", batch_size, 1), ("limit", limit, 0),
+                             ("min_prompt_tokens", min_prompt_tokens, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise DistillError(f"{name} must be an integer >= {low}, got {value!r}")
+    if min_prompt_tokens > max_prompt_tokens:
+        raise DistillError(f"min_prompt_tokens ({min_prompt_tokens}) must not exceed max_prompt_tokens "
+                           f"({max_prompt_tokens}): no prompt would be answered")
+    if not temperature >= 0:
+        raise DistillError(f"temperature must be >= 0, got {temperature!r}")
+    if getattr(tok, "chat_template", None) is None:
+        raise DistillError(f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no chat template: there is no "
+                           "prompt format to answer in")
+
+
+def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed):
+    """Answer the batches' prompts not in `left_out`, appending whole records to `path` batch by batch; counts
+    what was written into `counts` (and the seconds it took)."""
     t0 = time.perf_counter()
     with open(path, "a", encoding="utf-8") as f:
         for batch in todo:
@@ -281,4 +293,3 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)
-    return counts

@@ -70,7 +70,8 @@ def load(path: str | os.PathLike, tokenizer=None) -> tuple[list[Rendered], dict]
     ids, offsets, mask_bits, truncated = arrays["ids"], arrays["offsets"], arrays["mask"], arrays["truncated"]
     n, total = header.get("records"), header.get("tokens")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (n, total)):
-        raise DataError(f"{path}: the header's records and tokens must be counts, got {n!r} and {total!r}; pack it again")
+        raise DataError(f"{path}: the header's records and tokens must be counts, got {n!r} and {total!r}; "
+                        "pack it again")
     if (ids.dtype != np.uint16 or ids.shape != (total,) or offsets.shape != (n + 1,) or truncated.shape != (n,)
             or mask_bits.shape != ((total + 7) // 8,) or int(offsets[0]) != 0 or int(offsets[-1]) != total
             or bool((np.diff(offsets) < 0).any())):
