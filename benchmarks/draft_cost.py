@@ -26,7 +26,8 @@ from eagletree.loading import head_to_load, load_models
 from eagletree.packing import kernels_used
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The flags, checked; the head folder to measure."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--head", default=None, help="default: the head shipped for --target")
@@ -49,11 +50,14 @@ def main(argv=None):
         ap.error(str(e))
     if head_dir is None:
         ap.error("--head none: this measures a head's drafting; pass a head folder")
-    model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,
-                                      head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
+    return args, head_dir
+
+
+def instrument(head):
+    """Time the head's layer, the lm_head slice, the drafter's level calls and its catch-up calls (in place);
+    returns the running clock (seconds) and call counts."""
     clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0}
     counts = {"call": 0, "extend": 0}
-    timers = []
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -83,6 +87,11 @@ def main(argv=None):
         return out
 
     TreeDrafter.__call__, TreeDrafter.extend = call, extend
+    return clock, counts
+
+
+def measure(model, tok, head, args, clock, counts):
+    """Per prompt: the drafting cost per level and per step (a row), and how many prompts drafted no level."""
     rows, skipped = [], 0
     for messages in load_prompts(args.prompts):
         for k in clock:
@@ -104,7 +113,15 @@ def main(argv=None):
                      "step": (clock["call"] + stats.times["search"] + clock["extend"]) / stats.passes,
                      "verify_one": stats.times["verify"] / stats.passes,
                      "levels_per_pass": counts["call"] / stats.passes})
-        timers.append(stats.passes)
+    return rows, skipped
+
+
+def main(argv=None):
+    args, head_dir = parse_args(argv)
+    model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,
+                                      head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
+    clock, counts = instrument(head)
+    rows, skipped = measure(model, tok, head, args, clock, counts)
     if not rows:
         raise SystemExit("no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
                          "nothing to measure; use other prompts or more --max-new-tokens")

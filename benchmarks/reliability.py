@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     new = passes = 0
     for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
         stats = GenerationStats(steps=[])
-        for _ in decode_steps(target, tok, head, prompt, max_new_tokens=args.max_new_tokens, budget=args.budget,
+        for _ in decode_steps(target, tok, head, prompt, max_new_tokens=args.max_new_tokens, tree="eagle2", budget=args.budget,
                               copy=args.copy == "on", stats=stats):
             pass
         new, passes = new + stats.new_tokens, passes + stats.passes

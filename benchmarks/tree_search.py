@@ -68,7 +68,8 @@ def record_real(args, shapes):
                 draft_s.setdefault((m, b), []).append(timed.seconds)
 
     for messages in tqdm(heldout_prompts(sharegpt_heldout()[300:], args.prompts), desc="prompts"):
-        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, inspect_step=inspect):
+        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, tree="eagle2",
+                              budget=60, inspect_step=inspect):
             pass
     verify = measure_verify(model, BUDGETS, reps=4, progress=False)
     return expected, search_s, draft_s, verify, kernels_used(model)["kernels"]

@@ -1,10 +1,20 @@
-"""eagletree: lossless speculative decoding with EAGLE-style draft heads and optimized draft trees."""
+"""eagletree: lossless speculative decoding with EAGLE-style draft heads and optimized draft trees.
+
+`DecodeConfig` (with `Sampling` and `CopyOptions`) says how to decode, a `Decoder` decodes with a target,
+its tokenizer and a draft head, and `generate` is the one-call form. Names load on first use, so that
+`import eagletree` (and the command line's parsing) does not import torch.
+"""
 
 __version__ = "0.1.0"
+__all__ = ["CopyOptions", "DecodeConfig", "Decoder", "Sampling", "TreeKind", "generate"]
+
+_HOMES = {"CopyOptions": "decode_config", "DecodeConfig": "decode_config", "Sampling": "decode_config",
+          "TreeKind": "decode_config", "Decoder": "decoding", "generate": "decoding"}
 
 
-def generate(target, tokenizer, head, prompt_or_messages, **options):
-    """Lossless speculative generation (see eagletree.decoding.generate)."""
-    from .decoding import generate as _generate
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'eagletree' has no attribute {name!r}")
+    from importlib import import_module
 
-    return _generate(target, tokenizer, head, prompt_or_messages, **options)
+    return getattr(import_module(f".{_HOMES[name]}", __name__), name)

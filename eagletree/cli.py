@@ -1,5 +1,5 @@
 """`eagletree` command line: data, generate, chat, viz, features, distill, export, import, plan, calibrate-copy,
-datastore, bench.
+datastore, bench, profile.
 
 This module only parses: each subcommand's work is `commands.cmd_<name>`, imported once the arguments parse, so
 `eagletree --help` and a mistyped flag answer at once, without loading torch (or transformers, or matplotlib).
@@ -11,10 +11,12 @@ import argparse
 import sys
 import warnings
 
+from .decode_config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
 from .errors import EagletreeError
 from .train.data import HELDOUT_FRACTION, TURNS
 
 __all__ = ["build_parser", "main"]
+DEFAULTS = DecodeConfig()  # the library's decoding defaults are the command line's
 
 
 def at_least(low: int):
@@ -44,8 +46,7 @@ def _add_model_args(p, needs_head: bool = False) -> None:
     p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
                    help="the tokens the head drafts: its own draft vocabulary (head) or the target's whole "
                         "vocabulary (full: more tokens draftable, a larger lm_head per drafting level); auto = "
-                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over; bench "
-                        "--profile-only: its random head drafts over as many tokens as --head's (head)")
+                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
                    help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
                         "memory); auto = measure stock vs packed here once per CPU model, threads, dtype and torch "
@@ -53,23 +54,25 @@ def _add_model_args(p, needs_head: bool = False) -> None:
                         "every size")
 
 
-def _add_decoding_args(p, tree: str = "auto", needs_head: bool = False) -> None:
-    """Decoding flags; `tree` is the default tree kind (generate and chat: auto, see `default_budget`)."""
+def _add_decoding_args(p, tree: str = DEFAULTS.tree.value, needs_head: bool = False) -> None:
+    """Decoding flags, with DecodeConfig's defaults (`tree`: another default tree kind); `DecodeConfig.from_args`
+    reads them."""
     _add_model_args(p, needs_head)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
-                        "native bf16 is faster, and its output equals plain bf16 decoding's up to rounding (README)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+                   help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16's output "
+                        "equals plain bf16 decoding's up to rounding; whether it is faster depends on the CPU "
+                        "(docs/results.md)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=DEFAULTS.sampling.temperature)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--tree", default=tree, choices=["eagle2", "optimal", "chain", "sequoia", "auto"],
+    p.add_argument("--tree", default=tree, choices=TREE_KINDS,
                    help=f"default {tree}" + (": the cost-aware tree, which drafts only while trees beat a one-token "
-                                             "pass on this machine" if tree == "auto" else ""))
+                                             "pass on this machine" if tree == TreeKind.AUTO else ""))
     p.add_argument("--budget", type=int, default=None, help="tree nodes per target pass, root included "
-                                                            "(default: 60 on CUDA, 8 on CPU)")
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--top-k-draft", type=int, default=10)
+                                                            f"(default: {GPU_BUDGET} on CUDA, {CPU_BUDGET} on CPU)")
+    p.add_argument("--depth", type=int, default=DEFAULTS.depth)
+    p.add_argument("--top-k-draft", type=int, default=DEFAULTS.top_k_draft)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--copy", default="auto", choices=["auto", "on", "off"],
                    help="copied spans of the prompt and the answer so far as extra tree candidates (auto: on for "
@@ -80,9 +83,19 @@ def _add_decoding_args(p, tree: str = "auto", needs_head: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `eagletree` parser: a subparser per command, whose `func` names the `commands.cmd_<name>` that runs it."""
     parser = argparse.ArgumentParser(prog="eagletree", description="Lossless speculative decoding with draft trees.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_data_commands(sub)
+    _add_decoding_commands(sub)
+    _add_training_commands(sub)
+    _add_head_commands(sub)
+    _add_measuring_commands(sub)
+    return parser
 
+
+def _add_data_commands(sub) -> None:
+    """The subparsers of the `data` command."""
     p = sub.add_parser("data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count "
                                     "it")
     p.add_argument("--dataset", default="sharegpt",
@@ -92,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     p.set_defaults(func="cmd_data")
 
+
+def _add_decoding_commands(sub) -> None:
+    """The subparsers of generate, chat, viz."""
     p = sub.add_parser("generate", help="answer a chat prompt with speculative decoding")
     _add_decoding_args(p)
     p.add_argument("--prompt", required=True)
@@ -110,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the K-th target pass of the generation (1 = the first)")
     p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")
     p.set_defaults(func="cmd_viz")
+
+
+def _add_training_commands(sub) -> None:
+    """The subparsers of features, distill."""
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=at_least(1), default=64, help="conversations per shard")
@@ -151,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
-                        "native bf16 may be faster or not (plain decoding: 1.32x fp32 on an Intel Xeon with AMX, 0.90x on an "
-                        "AMD EPYC with AVX512-BF16; batched distilling not measured), and its answers are the same text "
-                        "in all but a few tokens")
+                        "native bf16 may be faster or not (docs/results.md), and its answers are the same text in all "
+                        "but a few tokens")
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="packed CPU kernels (as in generate)")
     p.set_defaults(func="cmd_distill")
 
+
+def _add_head_commands(sub) -> None:
+    """The subparsers of export, import, plan, calibrate-copy, datastore."""
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
@@ -179,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
     _add_model_args(p, needs_head=True)
     p.add_argument("--engine", required=True, choices=["vllm", "sglang", "eagle"])
-    p.add_argument("--profile", default=None, help="latency profile JSON (eagletree bench --profile-only's "
+    p.add_argument("--profile", default=None, help="latency profile JSON (eagletree profile's "
                                                    "profile.json, or a cached LatencyProfile); default: measure "
                                                    "on --device")
     p.add_argument("--export", default="EXPORT_DIR", help="the folder the head was exported to (named in the "
@@ -223,10 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a datastore that is already there")
     p.set_defaults(func="cmd_datastore")
 
+
+def _add_measuring_commands(sub) -> None:
+    """The subparsers of bench, profile."""
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA (--profile-only: bfloat16)")
+                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--prompts", default=None,
                    help="mtbench[:N] (MT-bench first turns), humaneval[:N], humaneval:A-B (problems A to B), heldout:N "
                         "(held-out ShareGPT first user turns; default heldout:8, --quick heldout:2) or a .jsonl file "
@@ -247,28 +272,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-tokens", type=at_least(1), default=10, help="prompt_lookup_num_tokens of HF prompt lookup")
     p.add_argument("--seed", type=at_least(0), default=0,
                    help="prompt i samples with seed + i (plain and every method)")
-    p.add_argument("--quick", action="store_true", help="a run of about 2 minutes on 2 CPU cores")
+    p.add_argument("--quick", action="store_true", help="2 prompts x 24 tokens, budgets 8 and 32")
     p.add_argument("-o", "--out", default="out/bench", help="folder for results.json, results.md and the plots")
-    p.add_argument("--profile-only", action="store_true",
-                   help="measure verify latency, drafting and engine overhead on random weights from --config")
-    p.add_argument("--config", default=None, help="--profile-only: llama-3.1-8b or a path to an HF config.json")
-    p.add_argument("--sizes", default="1,2,4,8,16,32,60,64,128,256", help="--profile-only: tree sizes N")
-    p.add_argument("--reps", type=at_least(1), default=10, help="--profile-only: round-robin repetitions")
-    p.add_argument("--prefix", type=at_least(1), default=256, help="--profile-only: committed tokens before the tree")
-    p.add_argument("--tokens-per-pass", type=float, default=None,
-                   help="--profile-only: project the speedup with this tokens/pass (default: OUT/results.json)")
-    p.add_argument("--results", default=None, help="--profile-only: a bench results.json to take tokens/pass from")
     p.set_defaults(func="cmd_bench")
-    return parser
 
-
-def given_options(argv) -> set[str]:
-    """The dests of the options typed on the command line (also when typed with their default value)."""
-    parser = build_parser()
-    for sub in parser._subparsers._group_actions[0].choices.values():
-        for action in sub._actions:
-            action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv))) - {"command", "func"}
+    p = sub.add_parser("profile", help="a device's acceptance-independent costs on random weights: verify latency per "
+                                       "tree size, drafting, engine overhead, and the speedups they allow")
+    p.add_argument("--config", required=True, help="llama-3.1-8b or a path to an HF config.json (random weights)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--head", default=None, help="a head folder whose draft vocabulary size the random head takes "
+                                                "(--draft-vocab head)")
+    p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
+                   help="the tokens the random head drafts over: as many as --head's (head) or the whole vocabulary "
+                        "(full); auto = full on a GPU, else --head's when given")
+    p.add_argument("--depth", type=at_least(1), default=DEFAULTS.depth)
+    p.add_argument("--top-k-draft", type=at_least(1), default=DEFAULTS.top_k_draft)
+    p.add_argument("--sizes", default="1,2,4,8,16,32,60,64,128,256", help="tree sizes N")
+    p.add_argument("--reps", type=at_least(1), default=10, help="round-robin repetitions")
+    p.add_argument("--prefix", type=at_least(1), default=256, help="committed tokens before the tree")
+    p.add_argument("--tokens-per-pass", type=float, default=None,
+                   help="project the speedup with this tokens/pass (default: from OUT/results.json, a bench run's)")
+    p.add_argument("--results", default=None, help="a bench results.json to take tokens/pass from")
+    p.add_argument("-o", "--out", default="out/bench", help="folder for profile.json and profile.md")
+    p.set_defaults(func="cmd_profile")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -278,8 +305,6 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        args.given = given_options(argv)  # bench refuses the flags its mode does not read
     shown = warnings.formatwarning  # restored after the command: main may run inside another program (or tests)
     warnings.formatwarning = _one_line_warning
     try:

@@ -20,8 +20,11 @@ from . import target
 from .bench import Run, load_prompts, measure_drafting, run_hf
 from .bench.inputs import humaneval_range
 from .bench import main as bench_main
-from .decoding import (GenerationStats, _stream_text, check_options, decode_steps, decode_text,
-                       latency_profile)
+from .bench.command import typed_command
+from .bench.profile import main_profile
+from .decode_config import DecodeConfig, check_options
+from .decode_resources import latency_profile
+from .decoding import Decoder, GenerationStats, decode_text, stream_text
 from .draft_heads import HeadError, load_head
 from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
@@ -65,39 +68,21 @@ def _refuse_head_none(args, command: str, why: str) -> None:
                          "shipped head")
 
 
-def _load(args):
-    """Target, tokenizer and head from --target/--head (the shipped head by default)."""
-    options = _options(args) if hasattr(args, "tree") else {}
-    options.pop("tree", None)
-    if getattr(args, "copy", None) == "on" and args.tree in ("chain", "sequoia"):
-        raise ValueError(f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} is a "
-                         "fixed shape")
-    options.pop("copy", None)  # a choice argparse already checked
-    store = options.pop("store", "auto")
-    if store not in ("auto", None):
-        if getattr(args, "copy", None) == "off" or args.tree in ("chain", "sequoia") or \
-                (args.head == "none" and args.copy != "on"):
-            raise ValueError(f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
-                             f"(--copy auto or on with --tree eagle2, optimal or auto; with --head none, --copy on), "
-                             f"not --copy {args.copy} --tree {args.tree}" + (" --head none" if args.head == "none" else ""))
-        if not Path(store).is_file():
-            raise ValueError(f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` made)")
-    new_tokens = options.get("max_new_tokens")
-    if isinstance(new_tokens, int) and new_tokens < 1:  # (the Python API returns an empty answer for 0)
-        raise ValueError(f"--max-new-tokens must be >= 1, got {new_tokens}")
-    check_options(cli=True, **{k: v for k, v in options.items() if k != "budget" or v is not None})  # before loading
+def _load(args, config: DecodeConfig | None = None):
+    """Target, tokenizer and head from --target/--head (the shipped head by default); with the decoding `config`
+    the flags ask for (built before loading, so a bad flag is refused at once), also a Decoder for them."""
     head_path = head_to_load(args.target, args.head)
     t0 = time.perf_counter()
     model, tok, head, packed = load_models(args.target, head_path, device=args.device,
                                            dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
                                            pack=args.pack, head_dtype=args.draft_dtype,
                                            draft_vocab=_draft_vocab(args))
-    if getattr(args, "budget", 0) is None:
-        args.budget = default_budget(model)
     print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
           f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
           f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return model, tok, head
+    if config is None:
+        return model, tok, head
+    return model, tok, head, Decoder(model, tok, head, config)
 
 
 def _draft_vocab(args) -> str:
@@ -119,21 +104,6 @@ def _kernels_note(model) -> str:
     """Where --pack auto measured the kernels: each tree size's choice with both timings."""
     choice = getattr(model, "kernel_choice", None)
     return "" if choice is None else f"; kernels measured here: {choice.summary()}"
-
-
-def _options(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft, seed=args.seed,
-                copy={"on": True, "off": False}.get(args.copy),
-                store={"auto": "auto", "none": None}.get(args.datastore, args.datastore))
-
-
-def default_budget(model) -> int:
-    """Tree nodes per pass when --budget is not given: 60 on a GPU (verifying 60 nodes costs about one
-    token there), 8 on a CPU (trees of 16-32 nodes lost to 8 in every tree method on the dev machine's bench).
-    With the default --tree auto this is a ceiling: auto keeps the prefix that pays on this machine's measured
-    latency profile, down to the root alone (plain decoding) where no tree pays."""
-    return 60 if model.device.type == "cuda" else 8
 
 
 def _plain(model, tok, messages, args, stock: bool = False) -> dict:
@@ -175,22 +145,21 @@ def compare_plain(result: dict, model, tok, messages, args) -> dict:
     return result
 
 
-def _answer(model, tok, head, messages, args, stream_to=None) -> dict:
+def _answer(decoder: Decoder, messages, stream_to=None) -> dict:
+    """One answer, streamed to `stream_to` as it is decoded, with its statistics."""
     stats = GenerationStats()
-    options = _options(args)
-    if head is None and options["copy"] is None:  # --head none is plain decoding unless --copy on asks for lookup
-        options["copy"] = False
-    steps = decode_steps(model, tok, head, messages, stats=stats, **options)
+    steps = decoder.steps(messages, stats)
     ids, first = [], []  # first: the seconds until the first pass had emitted its tokens
 
     def collect():
-        for tokens in steps:
-            ids.extend(tokens)
+        for step in steps:
+            ids.extend(step.tokens)
             if not first:
                 first.append(stats.seconds)
-            yield tokens
+            yield step.tokens
 
-    for piece in _stream_text(tok, collect()):
+    tok = decoder.tokenizer
+    for piece in stream_text(tok, collect()):
         if stream_to is not None:
             stream_to.write(piece)
             stream_to.flush()
@@ -222,11 +191,12 @@ def cmd_generate(args) -> int:
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give the text to answer")
-    model, tok, head = _load(args)
+    model, tok, head, decoder = _load(args, DecodeConfig.from_args(args))
     messages = [{"role": "user", "content": args.prompt}]
-    result = _answer(model, tok, head, messages, args, stream_to=None if args.json else sys.stdout)
-    result["method"] = ("copy" if args.copy == "on" else "plain") if head is None else \
-        args.tree + ("+copy" if _options(args)["copy"] is not False and args.tree not in ("chain", "sequoia") else "")
+    result = _answer(decoder, messages, stream_to=None if args.json else sys.stdout)
+    config = decoder.config
+    result["method"] = ("copy" if config.copies else "plain") if head is None else \
+        config.tree.value + ("+copy" if config.copies else "")
     result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
     if head is not None:  # the drafter's: the target's choice, or its own where it drafts in another precision
         result["draft_kernels"] = kernels_used(head)
@@ -255,7 +225,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """Interactive chat: streams each answer and shows tokens/pass; the conversation is kept."""
-    model, tok, head = _load(args)
+    *_, decoder = _load(args, DecodeConfig.from_args(args))
     messages = []
     print("eagletree chat: type a message, an empty line or Ctrl-D to quit; Ctrl-C stops an answer.", file=sys.stderr)
     while True:
@@ -274,7 +244,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": text})
         sys.stdout.write("assistant> ")
         try:
-            result = _answer(model, tok, head, messages, args, stream_to=sys.stdout)
+            result = _answer(decoder, messages, stream_to=sys.stdout)
         except ValueError as e:  # e.g. the conversation no longer fits the context: this message is not sent
             messages.pop()
             print(f"\nerror: {e}\n(that message was not sent; the conversation so far is kept: type a shorter "
@@ -297,10 +267,10 @@ def cmd_viz(args) -> int:
         raise ValueError("--prompt is empty; give the text to answer")
     check_output_file(args.output, "-o/--output")  # before the work
     _refuse_head_none(args, "viz", "shows the tree a draft head drafts")
+    config = DecodeConfig.from_args(args)
     model, tok, head = _load(args)
-    options = _options(args)
-    search = {k: options.pop(k) for k in ("budget", "depth", "top_k_draft", "copy")}
-    data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step, **options, **search)
+    data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step,
+                    config=config.for_device(model.device))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, render_html(data))
@@ -398,7 +368,7 @@ def cmd_calibrate_copy(args) -> int:
     if args.out and Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"--out {args.out!r} exists; pass --overwrite to replace it")
     model, tok, head = _load(args)
-    out = Path(args.out) if args.out else Path(head.source_dir) / copy_calibration_names(head.is_widened())[0]
+    out = Path(args.out) if args.out else head.folder / copy_calibration_names(head.is_widened())[0]
     if out.exists() and not args.overwrite:  # (a head's table may have taken an hour of prompts to measure)
         raise ValueError(f"{out} holds a copy table already; pass --overwrite to replace it with this run's, or --out "
                          "to write it elsewhere")
@@ -457,8 +427,13 @@ def cmd_datastore(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Benchmark every method against plain and prompt-lookup decoding (or, with --profile-only, the device's costs)."""
+    """Benchmark every method against plain and prompt-lookup decoding."""
     return bench_main(args)
+
+
+def cmd_profile(args) -> int:
+    """Measure a device's acceptance-independent costs on random weights (verify latency, drafting, overhead)."""
+    return main_profile(args, typed_command("profile"))
 
 
 def cmd_features(args) -> int:

@@ -1,63 +1,29 @@
 """Speculative generation: draft a tree with the head, verify it in one target pass, accept, commit.
 
-`speculative_steps` is the decoding step of docs/design.md in a loop (one Step per target pass);
-`decode_steps` prepares it (options, prompt, prefill, the tree kind's searcher) and records each
-Step; `generate` returns the text and the statistics people tune with (tokens per pass, predicted
-vs measured, where the time went).
+A `Decoder` holds one target, tokenizer, head and `DecodeConfig`, and what they resolve to once (the tree
+kind's searcher, the device's latency profile, the head's calibrations and datastore); `Decoder.steps`
+runs the decoding step of docs/design.md in a loop, one `Step` per target pass, and `Decoder.generate`
+returns the text and the statistics people tune with (tokens per pass, predicted vs measured, where the
+time went). `generate` and `decode_steps` are the one-call forms.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import numbers
 import time
-import warnings
 from copy import deepcopy
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .draft_heads import make_drafter, target_identity
-from .packing import kernels_tag, machine_key
-from .target import GQA_SDPA, cache_dir, new_cache
-from .tree_search import Calibrator, LatencyProfile
-from .tree_search.copy import CopyCalibration, NgramIndex, copy_calibration_names, copy_only, copy_trie
-from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
-from .tree_search.searchers import KINDS as TREES
+from .decode_config import DecodeConfig, TreeKind
+from .decode_resources import head_calibrator, head_copy_calibration, latency_profile, resolve_store
+from .draft_heads import make_drafter
+from .target import new_cache
+from .tree_search.copy import CopyCalibration, NgramIndex, copy_only, copy_trie
 from .tree_search.searchers import make_searcher
-from .tree_search.static import choices_shape
+from .tree_search.store import TokenStore
 from .verify import DraftTree, prefill, verify_step
-from .verify.profile import measure_verify
-# name: (kind, smallest, largest, may be None); a float range's lower end is exclusive where marked
-_OPTION_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float, 0.0, None, False),
-                  "top_k": (int, 0, None, True), "top_p": (float, "> 0", 1.0, True), "budget": (int, 1, None, False),
-                  "depth": (int, 1, None, False), "top_k_draft": (int, 1, None, False),
-                  "seed": (int, 0, 2**64 - 1, True)}
-
-
-MIN_TEMPERATURE = 1e-20  # a sampling temperature below this turns float32 logits / T into inf (then NaN)
-
-
-def check_options(cli: bool = False, **options) -> None:
-    """Raise ValueError for a decoding option outside its range, named as given (`cli`: as its --flag)."""
-    for name, value in options.items():
-        kind, low, high, optional = _OPTION_RANGES[name]
-        flag = f"--{name.replace('_', '-')}" if cli else name
-        if value is None and optional:
-            continue
-        ok_type = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-        if not ok_type or (kind is float and not math.isfinite(value)):
-            raise ValueError(f"{flag} must be {'a finite number' if kind is float else 'an integer'}, got {value!r}")
-        if (low == "> 0" and value <= 0) or (low != "> 0" and value < low) or (high is not None and value > high):
-            lower = "> 0" if low == "> 0" else f">= {low}"
-            where = f"{lower} and <= {high}" if high is not None else lower
-            raise ValueError(f"{flag} must be {where}, got {value!r}"
-                             + (" (0 = no top-k filter)" if name == "top_k" else ""))
-        if name == "temperature" and 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"{flag} must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value!r}: below that, logits "
-                             "divided by it overflow float32 (use 0 for greedy decoding)")
 
 
 @dataclass
@@ -207,94 +173,6 @@ def hf_generation_config(max_new_tokens: int, temperature: float, eos_token_id, 
                             repetition_penalty=1.0, no_repeat_ngram_size=0, **extra)
 
 
-# A cached profile whose one-token pass is this many times slower than a fresh probe was measured
-# while something else loaded the machine; it would keep `auto` from drafting where trees pay.
-STALE_PROFILE = 2.0
-# Tree sizes the cached profile measures. 2 and 4 are there because t(N) is not linear between 1 and 8: the
-# one-token pass takes the model's causal fast path and, where `--pack auto` chose so, the stock kernels, while
-# every tree pays for a mask (and the packed kernels) from N = 2 on; on an Intel Xeon t(2) was 1.2-1.4 t(1), where
-# a line from t(1) to t(8) says 1.07, and `auto` drafted two- and three-node trees that lost to plain passes.
-PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def latency_profile(target, path=None):
-    """The verify-latency profile of this target on this device: loaded from `path`, or from the cache.
-
-    The cached profile (no `path`) is measured once and checked by each process that loads it, against a
-    quick probe of the one-token pass (about 0.1-0.5 s): one measured while the machine was busy (t(1)
-    more than STALE_PROFILE times the probe's) is measured again and replaced, and `notes` says so. A
-    cached profile slower than the probe by less, or faster (this run is the busy one), is kept; one measured
-    at other sizes than PROFILE_SIZES (an older version's) is measured again.
-    """
-    device = next(target.parameters()).device
-
-    def measure(sizes=PROFILE_SIZES, reps=3):
-        return LatencyProfile.from_measurements(
-            measure_verify(target, sizes=sizes, prefix=128, reps=reps, progress=False),
-            device=device.type, model=target.config.model_type)
-
-    if path is not None:  # a profile measured elsewhere (e.g. on a serving GPU) is taken as it is
-        return LatencyProfile.load_or_measure(path, measure)
-    name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
-    name += kernels_tag(target)  # other kernels, other costs
-    if target.config._attn_implementation == GQA_SDPA:
-        name += "-gqa"
-    path = cache_dir() / "profiles" / f"{name}.json"
-    if path not in _CHECKED_PROFILES:  # probed once per process (a chat probes before its first turn only)
-        _CHECKED_PROFILES[path] = _checked_profile(path, measure)
-    return deepcopy(_CHECKED_PROFILES[path])  # a copy: the auto searcher updates its drafting cost
-
-
-_CHECKED_PROFILES: dict = {}  # cache path -> the profile this process checked (or measured) there
-
-
-def _checked_profile(path, measure) -> LatencyProfile:
-    """The cached profile at `path` if a probe of the one-token pass says it was not measured on a busy machine,
-    else (or when there is none, or it is damaged) a new measurement saved there."""
-    try:
-        cached = LatencyProfile.load(path) if path.is_file() else None
-    except ValueError:  # a damaged cache file is measured again
-        cached = None
-    if cached is not None and tuple(cached.sizes) != PROFILE_SIZES:
-        cached = None
-    if cached is not None:
-        probe = float(measure(sizes=(1,), reps=2).verify(1))
-        if float(cached.verify(1)) <= STALE_PROFILE * probe:
-            return cached
-        stale = float(cached.verify(1))
-    profile = measure()
-    if cached is not None:
-        profile.notes["remeasured"] = (f"the cached profile's one-token pass took {stale * 1e3:.1f} ms, a probe now "
-                                       f"{probe * 1e3:.1f} ms: it was measured on a busy machine")
-    profile.save(path)
-    return profile
-
-
-CALIBRATION = "calibration.json"
-
-
-def head_calibrator(head):
-    """The calibration saved next to a head (`calibration.json`, written by its evaluation), if any."""
-    folder = getattr(head, "source_dir", None)
-    path = Path(folder) / CALIBRATION if folder else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or "method" not in data:
-            raise ValueError(f"expected a JSON object with a method, got {json.dumps(data)[:60]}")
-        calibrator = Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
-        calibrator.check()
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
-                         f"probabilities, or write it again with `python -m eagletree.train.evaluate`") from None
-    return calibrator
-
-
-def _context_limit(target) -> int | None:
-    return getattr(target.config, "max_position_embeddings", None)
-
-
 @dataclass
 class Step:
     """One target pass: what it emitted, the tree it verified, and where its time went."""
@@ -317,7 +195,7 @@ class _Sequence:
 
     def __init__(self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None,
                  store: TokenStore | None = None):
-        self.layers = getattr(head, "fused_layers", None)  # EAGLE-3 reads these target layers
+        self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
         self.cache = new_cache(target)
         out = prefill(target, self.cache, ids[:-1], layers=self.layers)
         self.drafter = make_drafter(head, target) if head is not None else None
@@ -365,240 +243,197 @@ class _Sequence:
             self.index.extend(step.tokens)
 
 
-def speculative_steps(target, seq: _Sequence, searcher, root: int, max_new_tokens: int, depth: int, sampling: tuple,
-                      stops, copy_spans: int = 3, copy_len: int = 64, inspect_step=None):
-    """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit.
-
-    `sampling` is (temperature, top_k, top_p, generator); yields a Step per pass.
-    """
-    emitted = 0
-    while emitted < max_new_tokens:
-        left = max_new_tokens - emitted
-        t, seq.draft_s = time.perf_counter(), 0.0
-        # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted work
-        step_depth = min(depth, left - 1, searcher.budget - 1 if searcher is not None else depth)
-        # 1. Draft: the head, when it drafts this step, and copied spans of earlier text, also looked up
-        #    after the head's best nodes' paths. A span longer than the budget could never be verified whole.
-        drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
-        expand = seq.expand(root, inspect_step) if drafting else None
-        copies = copy_trie(seq.index, seq.calibration, copy_spans, min(copy_len, searcher.budget - 1, left - 1),
-                           at_nodes=expand is not None, store=seq.store) \
-            if seq.index is not None and left > 1 and searcher.takes_copies() else None
-        # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
-        if expand is None and copies is None:
-            draft = DraftTree([root], [-1], draft_probs=[1.0])
-        else:
-            draft = searcher.search(expand, root, max(step_depth, 1), copies)
-        times = {"draft": seq.draft_s, "search": time.perf_counter() - t - seq.draft_s}
-        # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
-        step = verify_step(target, seq.cache, draft, *sampling, stops, layers=seq.layers)
-        times.update(step.times)
-        if searcher is not None:
-            searcher.observe(len(draft), sum(step.times.values()), len(step.accepted) - 1)
-        copied = seq.learn(draft, step.accepted)
-        tokens = step.tokens[:left]
-        emitted += len(tokens)
-        yield Step(tokens, draft, step.accepted, times, len(step.tokens), copied, step.stopped)
-        if step.stopped or emitted >= max_new_tokens:
-            return
-        seq.commit(step)
-        root = step.tokens[-1]
-
-
-def decode_steps(target, tokenizer, head, prompt, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
-                 tree="eagle2", budget=60, depth=6, top_k_draft=10, stop=None, seed=None, accept_by_rank=None,
-                 truncate_prompt=False, stats: GenerationStats | None = None, profile=None, calibrator=None,
-                 inspect_step=None, copy=None, copy_spans=3, copy_len=64, copy_calibration=None, tree_paths=None,
-                 store="auto"):
-    """Yield the tokens each target pass emits (a list per pass); records every pass in `stats`.
-
-    tree: "eagle2" | "optimal" | "chain" | "sequoia" | "auto" (see tree_search.searchers); "auto" keeps
-    the prefix of an optimal tree that maximizes expected tokens per second under the device's latency
-    `profile` (measured once and cached) and the drafting time measured so far, with acceptance from
-    `calibrator` (default: the one saved next to the head). "sequoia" with `tree_paths` (rank paths,
-    e.g. [(0,), (1,), (0, 0)]) drafts that static shape instead of Sequoia's.
-    copy (default: on for eagle2, optimal and auto) adds copied continuations of earlier text to the
-    tree (`copy_spans` matches, up to `copy_len` tokens each, valued by `copy_calibration`, by
-    default the one saved next to the head, learning from every verified tree), under the root and
-    under the head's best nodes; with head=None the tree is the copies alone (prompt lookup).
-    store (with copying): a corpus copied from too, the continuation of the context's longest match there
-    (`tree_search.store`): "auto" = the head folder's datastore.npz when it has one, None = none, a TokenStore
-    or the path of a datastore file.
-    `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other
-    trees from the same drafter state); the drafter's tree is reset after it.
-    """
-    if tree not in TREES:
-        raise ValueError(f"tree must be one of {TREES}, got {tree!r}")
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, budget=budget,
-                  depth=depth, top_k_draft=top_k_draft, seed=seed)
-    copy = resolve_copy(copy, tree, copy_spans, copy_len)
-    if tree_paths is not None:
-        if tree != "sequoia":
-            raise ValueError(f"tree_paths gives the fixed shape of tree='sequoia', got tree={tree!r}")
-        nodes = len(choices_shape(tree_paths).parents)  # (checks the paths)
-        if nodes > budget:
-            raise ValueError(f"tree_paths make a tree of {nodes} nodes with the root, more than budget={budget}")
-    stats = stats if stats is not None else GenerationStats()
-    ids = encode_prompt(tokenizer, prompt)
-    check_token_ids(target, ids)
-    limit = _context_limit(target)
-    if limit is not None and ids.numel() + max_new_tokens > limit:
-        if not truncate_prompt or max_new_tokens >= limit:
-            raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                             f"context of {limit} tokens; shorten the prompt or ask for fewer new tokens (in Python, "
-                             "truncate_prompt=True keeps the prompt's last tokens)")
-        ids = ids[-(limit - max_new_tokens):]
-    if head is not None:
-        head.check_target(target.config)
-        head_dtype, head_device = next(head.parameters()).dtype, next(head.parameters()).device
-        if not head_dtype.is_floating_point:
-            raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
-        target_device = next(target.parameters()).device
-        if head_device != target_device:
-            raise ValueError(f"the head is on {head_device} but the target on {target_device}; move the head there "
-                             f"(head.to({str(target_device)!r}))")
-        if tree_paths is not None and max(max(p) for p in tree_paths) >= head.drafted_vocab_size():
-            raise ValueError(f"tree_paths rank {max(max(p) for p in tree_paths)} is past the head's draft vocabulary "
-                             f"of {head.drafted_vocab_size()} tokens")
-    stops = stop_token_ids(target, tokenizer, stop)
-    if max_new_tokens == 0:
-        return iter(())
-    profile = deepcopy(profile)  # the auto searcher updates its drafting cost: never the caller's
-    if tree == "auto" and head is not None and calibrator is None:
-        calibrator = head_calibrator(head)  # (files: read at the call, so a damaged one is reported there)
-    if copy and copy_calibration is None:
-        copy_calibration = head_copy_calibration(head, copy_len)
-    store = resolve_store(store, head, tokenizer, copy, target.get_input_embeddings().num_embeddings)
-    # the checks above run at the call; the work below when the steps are read
-    return _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft,
-                   stops, seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
-                   copy_calibration, tree_paths, store)
-
-
-def _decode(target, head, ids, max_new_tokens, temperature, top_k, top_p, tree, budget, depth, top_k_draft, stops,
-            seed, accept_by_rank, stats, profile, calibrator, inspect_step, copy, copy_spans, copy_len,
-            copy_calibration, tree_paths, store):
-    """decode_steps' generator, once its arguments are checked."""
-    device = next(target.parameters()).device
-    ids = ids.to(device)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    drafts = head is not None or copy
-    if tree == "auto" and drafts:
-        profile = profile if profile is not None else latency_profile(target)
-
-    searcher = make_searcher(tree, budget, depth, top_k_draft, device, None, accept_by_rank, tree_paths, profile,
-                             calibrator) if drafts else None
-    t0 = time.perf_counter()
-    seq = _Sequence(target, head, ids, copy_calibration if copy else None, store)
-    stats.times["prefill"] += time.perf_counter() - t0
-    if searcher is not None and seq.drafter is not None:
-        searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
-    for step in speculative_steps(target, seq, searcher, int(ids[-1]), max_new_tokens, depth,
-                                  (temperature, top_k, top_p, generator), stops, copy_spans, copy_len, inspect_step):
-        stats.record(step)
-        stats.seconds = time.perf_counter() - t0
-        yield step.tokens
-    stats.seconds = time.perf_counter() - t0
-
-
-def resolve_copy(copy, tree: str, spans: int, length: int) -> bool:
-    """copy=None means on for the dynamic trees (eagle2, optimal, auto), off for static shapes."""
-    if copy is not None and not isinstance(copy, bool):
-        raise ValueError(f"copy must be True, False or None (the tree's default), got {copy!r}")
-    for name, value in (("copy_spans", spans), ("copy_len", length)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if copy and tree in ("chain", "sequoia"):
-        raise ValueError(f"copy=True needs a searched tree (eagle2, optimal or auto); tree={tree!r} is a fixed shape")
-    return tree not in ("chain", "sequoia") if copy is None else copy
-
-
-_STORES: dict[tuple, list] = {}  # (file, its inode, size and times, id(tokenizer), vocab size) -> [the store or None,
-# the tokenizer: kept, so that its id is not reused while the entry lives, why the file was refused or None, whether
-# that was warned about]; the most recently used last. A refused file is remembered too: a head's unsuitable datastore
-# warns once per process, not on every call (a read that failed on an I/O error is tried again next time).
-_STORES_KEPT = 4  # an index is tens of MB
-
-
-def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = None) -> TokenStore | None:
-    """decode_steps' `store`: "auto" = the head folder's datastore.npz when copying (None without one, or, with a
-    warning, when it does not suit this target or cannot be read), None = none, a TokenStore, or a datastore file's
-    path (an error when it does not suit). Files are indexed once per file and tokenizer, then reused."""
-    if store is None or (store == "auto" and not copy):
-        return None
-    if not copy:
-        raise ValueError("store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
-                         "default copy=None with an eagle2, optimal or auto tree); copying is off here")
-    if isinstance(store, TokenStore):
-        return store
-    auto = store == "auto"
-    if auto:
-        folder = getattr(head, "source_dir", None) if head is not None else None
-        if not folder or not (Path(folder) / DATASTORE).is_file():
-            return None
-        store = Path(folder) / DATASTORE
-    if not isinstance(store, (str, Path)):
-        raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
-    path = Path(store).resolve()
-    stat = path.stat() if path.is_file() else None
-    key = (str(path), stat and (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns), id(tokenizer),
-           vocab_size)
-    entry = _STORES.pop(key, None)
-    if entry is None:
-        entry = [None, tokenizer, None, False]
-        try:
-            entry[0] = TokenStore.load(path, None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size)[0]
-        except ValueError as e:
-            entry[2] = str(e)
-            if isinstance(e.__cause__, OSError):  # the file may be fine: not remembered
-                stat = None
-    if stat is not None:  # (a missing file is looked for again next time)
-        _STORES[key] = entry  # now the most recently used
-        while len(_STORES) > _STORES_KEPT:
-            del _STORES[next(iter(_STORES))]
-    if entry[2] is not None:
-        if not auto:
-            raise ValueError(entry[2])
-        if not entry[3]:
-            entry[3] = True
-            warnings.warn(f"the head's {DATASTORE} is not used: {entry[2]}")
-    return entry[0]
-
-
-def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
-    """The copy calibration saved next to a head for the vocabulary it drafts over now (`copy_calibration.json`, or
-    `copy_calibration.full-vocab.json` for a widened head), else the other one, else an uninformed one (0.5)."""
-    folder = getattr(head, "source_dir", None)
-    for name in copy_calibration_names(head.is_widened()) if folder else ():
-        if (Path(folder) / name).is_file():
-            return CopyCalibration.load(Path(folder) / name)  # its last column values the positions past its length
-    return CopyCalibration(max_len=copy_len)
-
-
 def _features(hidden, layer_hidden, layers):
     """The head's input features: the last hidden state, or the concatenated fused layers (EAGLE-3)."""
     return hidden if not layers else torch.cat([layer_hidden[i] for i in layers], dim=-1)
 
 
-def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, **options):
+
+class Decoder:
+    """Lossless speculative decoding of prompts with one target, tokenizer, head and DecodeConfig.
+
+    Built once, it checks the head against the target, resolves the stop tokens, the tree kind's searcher,
+    and what the config's tree and copying read (the device's latency profile for `auto`, the head's
+    calibration, copy table and datastore); each `steps` or `generate` call then decodes one prompt.
+    head=None decodes without a head: plain decoding, or copied spans alone when copying is on.
+    profile: a LatencyProfile for `auto` (default: measured on this device once and cached); calibrator and
+    copy_calibration: instead of the ones saved next to the head (a given copy_calibration keeps learning across
+    prompts; the head's is reloaded for each prompt).
+    """
+
+    def __init__(self, target, tokenizer, head, config: DecodeConfig | None = None, *, profile=None,
+                 calibrator=None, copy_calibration: CopyCalibration | None = None):
+        self.target, self.tokenizer, self.head = target, tokenizer, head
+        self.device = next(target.parameters()).device
+        self.config = config = (config or DecodeConfig()).for_device(self.device)
+        if head is not None:
+            _check_head(head, target, config)
+        self.stops = stop_token_ids(target, tokenizer, config.stop)
+        copies = config.copies
+        if config.tree is TreeKind.AUTO and head is not None and calibrator is None:
+            calibrator = head_calibrator(head)
+        self._shared_copy_calibration = copy_calibration is not None
+        self.copy_calibration = None if not copies else (
+            copy_calibration if copy_calibration is not None else head_copy_calibration(head, config.copy.length))
+        self.store: TokenStore | None = resolve_store(config.copy.datastore, head, tokenizer, copies,
+                                                      target.get_input_embeddings().num_embeddings)
+        self.searcher = None
+        if head is not None or copies:
+            if config.tree is TreeKind.AUTO:
+                profile = deepcopy(profile) if profile is not None else latency_profile(target)
+            self.searcher = make_searcher(config.tree.value, config.budget, config.depth, config.top_k_draft,
+                                          self.device, None, config.accept_by_rank, config.tree_paths, profile,
+                                          calibrator)
+
+    def steps(self, prompt, stats: GenerationStats | None = None, inspect_step=None):
+        """Yield one Step per target pass decoding `prompt` (chat messages, a string or token ids); each is
+        recorded in `stats`. The prompt is checked at the call; the work happens as the steps are read.
+
+        `inspect_step(drafter, root)` is called before each step's drafting (analysis: e.g. build other trees
+        from the same drafter state); the drafter's tree is reset after it.
+        """
+        ids = self._prompt_ids(prompt)
+        stats = stats if stats is not None else GenerationStats()
+        if self.config.max_new_tokens == 0:
+            return iter(())
+        return self._run(ids, stats, inspect_step)
+
+    def generate(self, prompt, stream: bool = False, inspect_step=None):
+        """A GenerationResult for `prompt`, or with stream=True an iterator of its text pieces."""
+        stats = GenerationStats()
+        tokens = (step.tokens for step in self.steps(prompt, stats, inspect_step))
+        if stream:
+            return stream_text(self.tokenizer, tokens)
+        ids = [t for pass_tokens in tokens for t in pass_tokens]
+        return GenerationResult(decode_text(self.tokenizer, ids), ids, stats)
+
+    def _prompt_ids(self, prompt) -> torch.Tensor:
+        """The prompt's ids, checked against the vocabulary and the context (cut to its end with truncate_prompt)."""
+        ids = encode_prompt(self.tokenizer, prompt)
+        check_token_ids(self.target, ids)
+        limit, wanted = getattr(self.target.config, "max_position_embeddings", None), self.config.max_new_tokens
+        if limit is not None and ids.numel() + wanted > limit:
+            if not self.config.truncate_prompt or wanted >= limit:
+                raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({wanted}) exceeds the model's "
+                                 f"context of {limit} tokens; shorten the prompt or ask for fewer new tokens (in "
+                                 "Python, truncate_prompt=True keeps the prompt's last tokens)")
+            ids = ids[-(limit - wanted):]
+        return ids.to(self.device)
+
+    def _run(self, ids: torch.Tensor, stats: GenerationStats, inspect_step):
+        """steps' generator: prefill, then one Step per pass, each recorded in `stats`."""
+        seed = self.config.sampling.seed
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        if self.searcher is not None:
+            self.searcher.start()
+        t0 = time.perf_counter()
+        copy_calibration = self.copy_calibration
+        if copy_calibration is not None and not self._shared_copy_calibration:
+            copy_calibration = deepcopy(copy_calibration)  # each prompt starts from the head's table
+        seq = _Sequence(self.target, self.head, ids, copy_calibration, self.store)
+        stats.times["prefill"] += time.perf_counter() - t0
+        if self.searcher is not None and seq.drafter is not None:
+            self.searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
+        for step in self._passes(seq, int(ids[-1]), generator, inspect_step):
+            stats.record(step)
+            stats.seconds = time.perf_counter() - t0
+            yield step
+        stats.seconds = time.perf_counter() - t0
+
+    def _passes(self, seq: "_Sequence", root: int, generator, inspect_step):
+        """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit."""
+        config, searcher = self.config, self.searcher
+        sampling = config.sampling
+        emitted = 0
+        while emitted < config.max_new_tokens:
+            left = config.max_new_tokens - emitted
+            t, seq.draft_s = time.perf_counter(), 0.0
+            # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted
+            step_depth = min(config.depth, left - 1, searcher.budget - 1 if searcher is not None else config.depth)
+            # 1. Draft: the head, when it drafts this step, and copied spans of earlier text, also looked up
+            #    after the head's best nodes' paths. A span longer than the budget could never be verified whole.
+            drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
+            expand = seq.expand(root, inspect_step) if drafting else None
+            copies = None
+            if seq.index is not None and left > 1 and searcher.takes_copies():
+                copies = copy_trie(seq.index, seq.calibration, config.copy.spans,
+                                   min(config.copy.length, searcher.budget - 1, left - 1), at_nodes=expand is not None,
+                                   store=seq.store)
+            # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
+            if expand is None and copies is None:
+                draft = DraftTree([root], [-1], draft_probs=[1.0])
+            else:
+                draft = searcher.search(expand, root, max(step_depth, 1), copies)
+            times = {"draft": seq.draft_s, "search": time.perf_counter() - t - seq.draft_s}
+            # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
+            step = verify_step(self.target, seq.cache, draft, sampling.temperature, sampling.top_k, sampling.top_p,
+                               generator, self.stops, layers=seq.layers)
+            times.update(step.times)
+            if searcher is not None:
+                searcher.observe(len(draft), sum(step.times.values()), len(step.accepted) - 1)
+            copied = seq.learn(draft, step.accepted)
+            tokens = step.tokens[:left]
+            emitted += len(tokens)
+            yield Step(tokens, draft, step.accepted, times, len(step.tokens), copied, step.stopped)
+            if step.stopped or emitted >= config.max_new_tokens:
+                return
+            seq.commit(step)
+            root = step.tokens[-1]
+
+
+def _check_head(head, target, config: DecodeConfig) -> None:
+    """ValueError (or HeadError) unless the head drafts for this target, on its device, in a float dtype."""
+    head.check_target(target.config)
+    head_dtype, head_device = next(head.parameters()).dtype, next(head.parameters()).device
+    if not head_dtype.is_floating_point:
+        raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
+    target_device = next(target.parameters()).device
+    if head_device != target_device:
+        raise ValueError(f"the head is on {head_device} but the target on {target_device}; move the head there "
+                         f"(head.to({str(target_device)!r}))")
+    paths = config.tree_paths
+    if paths is not None and max(max(p) for p in paths) >= head.drafted_vocab_size():
+        raise ValueError(f"tree_paths rank {max(max(p) for p in paths)} is past the head's draft vocabulary "
+                         f"of {head.drafted_vocab_size()} tokens")
+
+
+def decode_steps(target, tokenizer, head, prompt, stats: GenerationStats | None = None, profile=None,
+                 calibrator=None, copy_calibration=None, inspect_step=None, config: DecodeConfig | None = None,
+                 **options):
+    """Yield the tokens each target pass emits (a list per pass) decoding one prompt; records every pass in
+    `stats`. `config`, or `options` (DecodeConfig's fields, or the flat names `generate` takes); the other
+    arguments are `Decoder`'s and `Decoder.steps`'."""
+    decoder = Decoder(target, tokenizer, head, _config(config, options), profile=profile, calibrator=calibrator,
+                      copy_calibration=copy_calibration)
+    return (step.tokens for step in decoder.steps(prompt, stats, inspect_step))
+
+
+def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, config: DecodeConfig | None = None,
+             profile=None, calibrator=None, inspect_step=None, **options):
     """Lossless speculative generation. Returns a GenerationResult, or with stream=True an iterator of text pieces.
 
-    options: max_new_tokens, temperature, top_k, top_p, tree ("eagle2" | "optimal" | "chain" | "sequoia" | "auto"),
-    budget, depth, top_k_draft, stop (extra stop tokens), seed, truncate_prompt.
+    `config` (a DecodeConfig), or `options`: its fields (tree, budget, depth, top_k_draft, max_new_tokens, stop,
+    truncate_prompt, ...) or the flat names temperature, top_k, top_p, seed, copy, copy_spans, copy_len, store.
+    The defaults are chosen by device (DecodeConfig: the cost-aware `auto` tree, 60 nodes on a GPU, 8 on a CPU).
     A prompt is chat messages, a string or token ids (a list of ints, or an integer tensor of shape [n] or [1, n]).
-    A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded one after another.
+    A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded one after another
+    by one Decoder. To decode many prompts in several calls, build a `Decoder` once. profile, calibrator: as
+    `Decoder` takes them; inspect_step: as `Decoder.steps` takes it.
     """
+    decoder = Decoder(target, tokenizer, head, _config(config, options), profile=profile, calibrator=calibrator)
     if isinstance(prompt_or_messages, list) and prompt_or_messages and not isinstance(prompt_or_messages[0], dict) \
             and not is_token_ids(prompt_or_messages):
         if stream:
             raise ValueError("stream=True takes one prompt at a time")
-        return [generate(target, tokenizer, head, p, **options) for p in prompt_or_messages]
-    stats = GenerationStats()
-    steps = decode_steps(target, tokenizer, head, prompt_or_messages, stats=stats, **options)
-    if stream:
-        return _stream_text(tokenizer, steps)
-    ids = [t for tokens in steps for t in tokens]
-    return GenerationResult(decode_text(tokenizer, ids), ids, stats)
+        return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
+    return decoder.generate(prompt_or_messages, stream=stream, inspect_step=inspect_step)
+
+
+def _config(config: DecodeConfig | None, options: dict) -> DecodeConfig:
+    """`config`, or one built from keyword options (not both)."""
+    if config is not None and options:
+        raise TypeError(f"pass a DecodeConfig or keyword options, not both (got config and {sorted(options)})")
+    return config if config is not None else DecodeConfig.from_options(**options)
 
 
 def decode_text(tokenizer, ids) -> str:
@@ -609,7 +444,7 @@ def decode_text(tokenizer, ids) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _stream_text(tokenizer, steps):
+def stream_text(tokenizer, steps):
     """Text pieces as tokens arrive; held back while the decoded text ends in an incomplete character."""
     ids, sent = [], ""
     for tokens in steps:

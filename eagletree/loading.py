@@ -28,8 +28,8 @@ def draft_vocab_for(name: str, model) -> str:
     """'head' (the head's own draft vocabulary) or 'full' (the target's whole vocabulary) for --draft-vocab `name`.
 
     auto = full on a GPU, the head's own elsewhere: a drafting level reads the lm_head rows it scores. On a CPU
-    that read is the cost (SmolLM2's 49,152 rows, 6x the shipped head's 8,192, make a drafting level 1.6x dearer
-    and the quick-start command slower: docs/results.md, "The draft vocabulary"); a GPU reads 57 MB in tens of
+    that read is the cost (SmolLM2's 49,152 rows, 6x the shipped head's 8,192, make a drafting level dearer
+    and decoding slower on the CPUs measured: docs/results.md, "The draft vocabulary"); a GPU reads 57 MB in tens of
     microseconds (not measured), and the full vocabulary drafts the tokens a draft vocabulary leaves out.
     """
     _check_draft_vocab_name(name)

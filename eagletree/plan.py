@@ -124,7 +124,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
     positions = 0
     rank_paths = []
     device = next(target.parameters()).device
-    layers = getattr(head, "fused_layers", None)
+    layers = head.fused_layers
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt).to(device)
         # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
@@ -243,7 +243,7 @@ def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) 
 
 
 def load_profile(path):
-    """A LatencyProfile JSON, or the profile.json of `eagletree bench --profile-only` (rows per tree size)."""
+    """A LatencyProfile JSON, or the profile.json of `eagletree profile` (rows per tree size)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .decoding import GenerationStats, decode_steps, encode_prompt
+from .decode_config import DecodeConfig
+from .decoding import Decoder, GenerationStats, encode_prompt
 from .target import new_cache
 from .verify import DraftTree, accept_tree, prefill, target_probs, verify_tree
 
@@ -72,12 +73,13 @@ def step_data(tree: DraftTree, logits: torch.Tensor, tokenizer, prefix_len: int,
     }
 
 
-def viz_step(target, tokenizer, head, prompt, step: int = 1, tree: str = "eagle2", max_new_tokens: int = 128,
-             temperature: float = 0.0, top_k=None, top_p=None, seed=None, **search) -> dict:
+def viz_step(target, tokenizer, head, prompt, step: int = 1, config: DecodeConfig | None = None, **options) -> dict:
     """Data of the `step`-th pass (1 = the first) of a real speculative generation of `prompt`.
 
-    `search`: budget, depth, top_k_draft, copy (as `decode_steps` takes them); copied nodes are marked.
+    `config`, or `options` as `generate` takes them (default: an EAGLE-2 tree of 60 nodes); copied nodes are marked.
     """
+    if config is None:
+        config = DecodeConfig.from_options(**{"tree": "eagle2", "budget": 60, **options})
     if head is None:
         raise ValueError("viz needs a draft head (got none): the page shows the tree the head drafts")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -85,14 +87,14 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, tree: str = "eagle2
     ids = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(steps=[])
     emitted = []
-    for tokens in decode_steps(target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, tree=tree, seed=seed, stats=stats, **search):
+    for pass_ in Decoder(target, tokenizer, head, config).steps(ids, stats):
         if stats.passes == step:
             break
-        emitted += tokens
+        emitted += pass_.tokens
     else:
         raise ValueError(f"step {step} is past the end of the generation: it stopped after {stats.passes} steps "
-                         f"({stats.new_tokens} tokens, max_new_tokens={max_new_tokens}); pick a step <= {stats.passes}")
+                         f"({stats.new_tokens} tokens, max_new_tokens={config.max_new_tokens}); pick a step <= "
+                         f"{stats.passes}")
     draft, run_accepted = stats.steps[-1]
     # Re-run the step's context to get the target's logits for every node (the loop keeps only the accepted ones).
     context = torch.cat([ids.cpu(), torch.tensor(emitted, dtype=torch.long)])
@@ -101,8 +103,12 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, tree: str = "eagle2
     cache = new_cache(target)
     prefill(target, cache, context[:-1].to(device))
     logits = verify_tree(target, cache, draft).logits[0]
-    data = step_data(draft, logits, tokenizer, context.numel() - 1, temperature, top_k, top_p)
-    data.update(step=step, tree=tree, search=search, seed=seed, run_accepted=list(run_accepted),
+    sampling = config.sampling
+    data = step_data(draft, logits, tokenizer, context.numel() - 1, sampling.temperature, sampling.top_k, sampling.top_p)
+    search = {"budget": config.budget, "depth": config.depth, "top_k_draft": config.top_k_draft}
+    if config.copy.enabled is not None:
+        search["copy"] = config.copy.enabled
+    data.update(step=step, tree=config.tree.value, search=search, seed=sampling.seed, run_accepted=list(run_accepted),
                 target=Path(getattr(target.config, "_name_or_path", "")).name or target.config.model_type,
                 context_tail=tokenizer.decode(context[-65:-1].tolist())[-600:])
     return data

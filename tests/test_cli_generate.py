@@ -90,9 +90,9 @@ def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsy
 
     real_answer = cli._answer
 
-    def spy(model, tok, head, messages, a, stream_to=None):
+    def spy(decoder, messages, stream_to=None):
         seen.append([m["role"] for m in messages])
-        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+        return real_answer(decoder, messages, stream_to=stream_to)
 
     monkeypatch.setattr(cli, "_answer", spy)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nwhat is two plus four\n\n"))
@@ -107,9 +107,9 @@ def test_chat_refuses_a_message_that_overflows_the_context_and_goes_on(tiny_cli,
 
     seen, real_answer = [], cli._answer
 
-    def spy(model, tok, head, messages, a, stream_to=None):
+    def spy(decoder, messages, stream_to=None):
         seen.append(len(messages))
-        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+        return real_answer(decoder, messages, stream_to=stream_to)
 
     monkeypatch.setattr(cli, "_answer", spy)
     long = "word " * (4 * model.config.max_position_embeddings)
@@ -126,11 +126,11 @@ def test_ctrl_c_stops_a_chat_answer_and_the_conversation_goes_on(tiny_cli, capsy
 
     seen, real_answer = [], cli._answer
 
-    def interrupted_once(model, tok, head, messages, a, stream_to=None):
+    def interrupted_once(decoder, messages, stream_to=None):
         seen.append(len(messages))
         if len(seen) == 2:
             raise KeyboardInterrupt  # Ctrl-C during the second answer
-        return real_answer(model, tok, head, messages, a, stream_to=stream_to)
+        return real_answer(decoder, messages, stream_to=stream_to)
 
     monkeypatch.setattr(cli, "_answer", interrupted_once)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nstop this\nagain\n\n"))
@@ -166,10 +166,10 @@ def test_a_list_of_prompts_gives_one_result_each():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     prompts = ["hello how are you", [{"role": "user", "content": "tell me a joke"}], torch.tensor([5, 6, 7])]
-    results = generate(model, tok, head, prompts, max_new_tokens=8)
+    results = generate(model, tok, head, prompts, tree="eagle2", budget=60, max_new_tokens=8)
     assert len(results) == 3
     for p, r in zip(prompts, results):
-        assert r.token_ids == generate(model, tok, head, p, max_new_tokens=8).token_ids
+        assert r.token_ids == generate(model, tok, head, p, tree="eagle2", budget=60, max_new_tokens=8).token_ids
 
 
 def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
@@ -202,7 +202,7 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
 
 def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, monkeypatch):
     """A table measured drafting over the full vocabulary (a GPU's auto) never replaces the head's own one."""
-    from eagletree.decoding import head_copy_calibration
+    from eagletree.decode_resources import head_copy_calibration
     from eagletree.draft_heads import load_head
     from eagletree.tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 

@@ -3,7 +3,8 @@ import torch
 
 import eagletree
 from eagletree.draft_heads import EagleHead
-from eagletree.decoding import GenerationStats, decode_steps, generate
+from eagletree.decode_config import CopyOptions, DecodeConfig
+from eagletree.decoding import Decoder, GenerationStats, decode_steps, generate
 from eagletree.tree_search.searchers import make_searcher
 
 from helpers import chi_square_p, tiny_model, tiny_tokenizer
@@ -67,9 +68,9 @@ def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
     head = EagleHead.for_target(model.config).eval()
     ids = [3, 4, 5, 6]
     want = plain(model, torch.tensor(ids), 5)
-    assert generate(model, tok, head, ids, max_new_tokens=5).token_ids == want  # (a list of ints was 4 prompts)
-    assert generate(model, tok, head, torch.tensor([ids]), max_new_tokens=5).token_ids == want
-    assert [r.token_ids for r in generate(model, tok, head, [ids, ids[:2]], max_new_tokens=5)] == \
+    assert generate(model, tok, head, ids, tree="eagle2", budget=60, max_new_tokens=5).token_ids == want  # (a list of ints was 4 prompts)
+    assert generate(model, tok, head, torch.tensor([ids]), tree="eagle2", budget=60, max_new_tokens=5).token_ids == want
+    assert [r.token_ids for r in generate(model, tok, head, [ids, ids[:2]], tree="eagle2", budget=60, max_new_tokens=5)] == \
         [want, plain(model, torch.tensor(ids[:2]), 5)]
     for options, error, message in (
             (dict(prompt=torch.tensor([ids, ids])), ValueError, r"shape \[n\] or \[1, n\], got \[2, 4\]"),  # (was merged)
@@ -108,14 +109,14 @@ def test_head_for_another_target_is_refused():
 
     head = EagleHead.for_target(tiny_model("qwen2").config)
     with pytest.raises(HeadError, match="model_type"):
-        generate(tiny_model("llama"), tiny_tokenizer(), head, torch.tensor([3, 4]), max_new_tokens=3)
+        generate(tiny_model("llama"), tiny_tokenizer(), head, torch.tensor([3, 4]), tree="eagle2", budget=60, max_new_tokens=3)
 
 
 def test_stats_add_up():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     stats = GenerationStats()
-    steps = list(decode_steps(model, tok, head, torch.tensor([5, 6, 7]), max_new_tokens=30, stats=stats))
+    steps = list(decode_steps(model, tok, head, torch.tensor([5, 6, 7]), tree="eagle2", budget=60, max_new_tokens=30, stats=stats))
     assert sum(len(s) for s in steps) == stats.new_tokens == 30
     assert stats.passes == len(steps) and sum(stats.histogram().values()) == stats.passes
     d = stats.as_dict()
@@ -159,6 +160,7 @@ def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kin
     assert len(seen) >= result.stats.passes - 1 >= 1
 
 
+@pytest.mark.real  # 9,000 full decoding runs (about 30 s): the full run only
 @pytest.mark.parametrize("source, draws", [("context", 6000), ("store", 3000)])
 def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     """Chi-square on the first two emitted tokens of full generate runs (tiny model, 8-token vocabulary).
@@ -191,7 +193,8 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     pairs = torch.zeros(8, 8)
     for i in range(draws):
         stats = GenerationStats(steps=[])
-        steps = decode_steps(model, None, head, prompt, max_new_tokens=2, budget=6, depth=2, top_k_draft=2, seed=i,
+        steps = decode_steps(model, None, head, prompt, max_new_tokens=2, tree="eagle2", budget=6, depth=2,
+                             top_k_draft=2, seed=i,
                              copy=True, stats=stats, store=store, **sampling)
         a, b = [t for s in steps for t in s]
         pairs[a, b] += 1
@@ -242,7 +245,7 @@ def test_copies_follow_the_budget_and_are_not_built_where_no_tree_pays():
     head = EagleHead.for_target(model.config).eval()
     prompt = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 4, 5, 6])  # copies "7 8 9 10 11 ..." from the first pass on
     stats = GenerationStats(steps=[])
-    list(decode_steps(model, tok, None, prompt, max_new_tokens=12, budget=4, copy=True, stats=stats))
+    list(decode_steps(model, tok, None, prompt, tree="eagle2", max_new_tokens=12, budget=4, copy=True, stats=stats))
     first = stats.steps[0][0]
     assert first.tokens.tolist()[1:] == [7, 8, 9] and all(len(t) <= 4 for t, _ in stats.steps)
     # A machine where a pass over N nodes costs N one-token passes: no tree of any kind is searched.
@@ -267,7 +270,7 @@ def test_copy_options_are_checked():
 
 
 def test_streaming_pieces_join_to_the_text():
-    from eagletree.decoding import _stream_text
+    from eagletree.decoding import stream_text
 
     class ByteTokenizer:  # multi-byte characters split across tokens, as byte-level BPE does
         def decode(self, ids, skip_special_tokens=True):
@@ -276,14 +279,14 @@ def test_streaming_pieces_join_to_the_text():
     text = "héllo ✓ wörld"
     data = list(text.encode("utf-8"))
     steps = [data[i : i + 2] for i in range(0, len(data), 2)]
-    pieces = list(_stream_text(ByteTokenizer(), iter(steps)))
+    pieces = list(stream_text(ByteTokenizer(), iter(steps)))
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     streamed = "".join(generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
-                                max_new_tokens=12, stream=True))
+                                tree="eagle2", budget=60, max_new_tokens=12, stream=True))
     assert streamed == generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
-                                max_new_tokens=12).text
+                                tree="eagle2", budget=60, max_new_tokens=12).text
 
 
 def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
@@ -304,7 +307,7 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
     profile = tmp_path / "p.json"
     LatencyProfile([1, 8], [0.01, 0.012]).save(profile)
-    from eagletree.decoding import latency_profile
+    from eagletree.decode_resources import latency_profile
 
     assert latency_profile(model, profile).sizes == [1, 8]
 
@@ -312,8 +315,8 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
 def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_path):
     import json
 
-    import eagletree.decoding as decoding
-    from eagletree.decoding import PROFILE_SIZES
+    import eagletree.decode_resources as decoding
+    from eagletree.decode_resources import PROFILE_SIZES
 
     model = tiny_model("llama")
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
@@ -325,26 +328,27 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
         return {n: {"mask": 0.0, "forward": now["t1"] * (1 + n / 16), "accept": 0.0, "commit": 0.0} for n in sizes}
 
     monkeypatch.setattr(decoding, "measure_verify", fake_measure)
-    monkeypatch.setattr(decoding, "_CHECKED_PROFILES", {})
     first = decoding.latency_profile(model)  # nothing cached: measured once and cached
     assert calls == [PROFILE_SIZES] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
     (cached,) = (tmp_path / "profiles").glob("*.json")
     saved = cached.read_text()
-    # Within one process the checked profile is reused as it is (a copy: auto updates its drafting cost).
+    # A Decoder resolves its profile once: an auto tree's decoder probes once, however many prompts it decodes.
     calls.clear()
-    again = decoding.latency_profile(model)
-    assert calls == [] and again.verify_s == first.verify_s and again is not first
-    # A later process probes the one-token pass only and keeps the cache: the machine is as fast (or busier now).
+    decoder = Decoder(model, None, None, DecodeConfig(tree="auto", budget=8, max_new_tokens=3,
+                                                      copy=CopyOptions(enabled=True)))
+    assert calls == [(1,)] and decoder.searcher.profile.verify_s == first.verify_s
+    for prompt in ([1, 2, 3, 1, 2], [4, 5, 6, 4, 5]):
+        assert sum(len(step.tokens) for step in decoder.steps(prompt)) == 3
+    assert calls == [(1,)]
+    # Each later resolution probes the one-token pass only and keeps the cache: the machine is as fast (or busier).
     for t1 in (0.03, 0.05, 0.5):
         now["t1"] = t1
         calls.clear()
-        decoding._CHECKED_PROFILES.clear()  # as in a new process
         assert decoding.latency_profile(model).verify_s == first.verify_s
         assert calls == [(1,)] and cached.read_text() == saved
     # The cache came from a busy machine: its t(1) is more than twice the probe's, so it is measured again.
     now["t1"] = 0.01
     calls.clear()
-    decoding._CHECKED_PROFILES.clear()
     fresh = decoding.latency_profile(model)
     assert calls == [(1,), PROFILE_SIZES]
     assert float(fresh.verify(1)) == pytest.approx(0.01 * 17 / 16) and "busy machine" in fresh.notes["remeasured"]
@@ -352,7 +356,6 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     # A damaged cache file is measured again too, and a profile passed as a file is never probed.
     cached.write_text("{not json")
     calls.clear()
-    decoding._CHECKED_PROFILES.clear()
     decoding.latency_profile(model)
     assert calls == [PROFILE_SIZES]
     calls.clear()
@@ -360,7 +363,6 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     # One cached by a version that measured other sizes (no t(2): a line from t(1) to t(8)) is measured again.
     decoding.LatencyProfile([1, 8, 16, 32, 64], [0.03, 0.04, 0.05, 0.06, 0.08]).save(cached)
     calls.clear()
-    decoding._CHECKED_PROFILES.clear()
     assert decoding.latency_profile(model).sizes == list(PROFILE_SIZES) and calls == [PROFILE_SIZES]
     assert json.loads(cached.read_text())["sizes"] == list(PROFILE_SIZES)
 
@@ -370,11 +372,11 @@ def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for
     torch.manual_seed(0)
     head = EagleHead.for_target(model.config).eval()
     ids = torch.tensor([11])
-    result = generate(model, tok, head, ids, max_new_tokens=20, budget=8, depth=3, top_k_draft=2)
+    result = generate(model, tok, head, ids, tree="eagle2", max_new_tokens=20, budget=8, depth=3, top_k_draft=2)
     assert result.token_ids == plain(model, ids, 20)
     assert max(result.stats.predicted[1:]) > 1.0  # the head drafted from the second pass on
     # A lower-precision head only changes the proposals; the fp32 target still decides every token.
-    low = generate(model, tok, head.to(torch.bfloat16), torch.tensor([5, 6, 7]), max_new_tokens=20, budget=8, depth=3)
+    low = generate(model, tok, head.to(torch.bfloat16), torch.tensor([5, 6, 7]), tree="eagle2", max_new_tokens=20, budget=8, depth=3)
     assert low.token_ids == plain(model, torch.tensor([5, 6, 7]), 20)
     assert max(low.stats.predicted) > 1.0
 
@@ -406,7 +408,7 @@ def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
 
 
 def test_streaming_survives_text_that_changes_when_more_tokens_arrive():
-    from eagletree.decoding import _stream_text
+    from eagletree.decoding import stream_text
 
     class CleanupTokenizer:  # decodes like HF's clean_up_tokenization_spaces=True unless told otherwise
         words = ["i", " '", "m", " fine"]
@@ -415,5 +417,5 @@ def test_streaming_survives_text_that_changes_when_more_tokens_arrive():
             text = "".join(self.words[i] for i in ids)
             return text.replace(" 'm", "'m") if clean_up_tokenization_spaces else text
 
-    pieces = list(_stream_text(CleanupTokenizer(), iter([[0, 1], [2], [3]])))
+    pieces = list(stream_text(CleanupTokenizer(), iter([[0, 1], [2], [3]])))
     assert "".join(pieces) == "i 'm fine"

@@ -60,7 +60,7 @@ def test_depth_one_acceptance_equals_the_heads_ranks_over_the_answer():
     hits, total = [0] * 4, 0
     with torch.no_grad():
         for ids in prompts:
-            answer = generate(model, tok, head, ids, max_new_tokens=10).token_ids
+            answer = generate(model, tok, head, ids, tree="eagle2", budget=60, max_new_tokens=10).token_ids
             seq = torch.cat([ids, torch.tensor(answer)])
             out = model(seq[None, :-1], output_hidden_states=True)
             feats = out.hidden_states[-1][0]

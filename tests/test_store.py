@@ -131,7 +131,7 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
     for h in (None, head):
         for s in (None, store):
             stats = GenerationStats()
-            out = [t for step in decode_steps(model, None, h, prompt, max_new_tokens=32, budget=16, depth=3,
+            out = [t for step in decode_steps(model, None, h, prompt, tree="eagle2", max_new_tokens=32, budget=16, depth=3,
                                               top_k_draft=3, copy=True, store=s, stats=stats) for t in step]
             assert out == want, (h is None, s is None)
             runs[(h is None, s is None)] = stats
@@ -143,7 +143,9 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
 def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, monkeypatch):
     import numpy as np
 
-    from eagletree.decoding import decode_steps, generate, resolve_store
+    from eagletree.decode_config import DecodeConfig
+    from eagletree.decode_resources import resolve_store
+    from eagletree.decoding import Decoder, decode_steps, generate
     from eagletree.draft_heads import EagleHead, load_head
     from eagletree.tree_search.store import DATASTORE
     from helpers import tiny_model
@@ -155,7 +157,8 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, m
     TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, vocab_fingerprint(tok))
     store = resolve_store("auto", head, tok, copy=True)
     assert isinstance(store, TokenStore) and store.tokens.tolist() == [1, 2, 3, 4, 5, 6, SEPARATOR]
-    assert resolve_store("auto", head, tok, copy=True) is store  # built once, then reused
+    decoder = Decoder(model, tok, head, DecodeConfig(tree="eagle2", budget=8, max_new_tokens=3))
+    assert decoder.store.tokens.tolist() == store.tokens.tolist()  # read once, when the decoder is built
     assert resolve_store(str(tmp_path / "head" / DATASTORE), None, tok, copy=True) is not None
     assert resolve_store("auto", head, tok, copy=False) is None and resolve_store(None, head, tok, copy=True) is None
     with pytest.raises(ValueError, match="store adds retrieved spans to the copied ones, so it needs copying on"):
@@ -164,7 +167,7 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, m
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=3)
     # token ids and no tokenizer: nothing to check the store against
     assert resolve_store("auto", head, None, copy=True).tokens.tolist() == store.tokens.tolist()
-    assert len([t for step in decode_steps(model, None, head, [1, 2, 3, 4, 5], max_new_tokens=6, budget=8)
+    assert len([t for step in decode_steps(model, None, head, [1, 2, 3, 4, 5], tree="eagle2", max_new_tokens=6, budget=8)
                 for t in step]) == 6
     # A file that does not suit is an error when named, and skipped with a warning when the head's own (auto).
     other = tmp_path / "other.npz"
@@ -187,20 +190,22 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, m
             generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(other))
         write(tmp_path / "head" / DATASTORE)
         with pytest.warns(UserWarning, match=f"the head's datastore.npz is not used: .*{message}"):
-            assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
-    # remembered: the same unsuitable file warns once, not on every call; named, it is still an error
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8).stats.new_tokens == 3
+            assert generate(model, tok, head, [1, 2, 3, 4], tree="eagle2", max_new_tokens=3, budget=8).stats.new_tokens == 3
+    # a decoder warns once, when it is built, not on every prompt; named, the file is still an error
+    with pytest.warns(UserWarning, match="the head's datastore.npz is not used") as caught:
+        decoder = Decoder(model, tok, head, DecodeConfig(tree="eagle2", budget=8, max_new_tokens=3))
+        for prompt in ([1, 2, 3, 4], [4, 3, 2, 1]):
+            assert decoder.generate(prompt).stats.new_tokens == 3
+    assert len(caught) == 1
     with pytest.raises(ValueError, match="datastore.npz: not a datastore file"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(tmp_path / "head" / DATASTORE))
-    # a file first named (an error), then the head's own: the warning is still given, once
+    # a file first named (an error), then the head's own: the warning is given
     (tmp_path / "head" / DATASTORE).write_bytes(b"not a zip either")
     with pytest.raises(ValueError, match="datastore.npz: not a datastore file"):
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(tmp_path / "head" / DATASTORE))
     with pytest.warns(UserWarning, match="the head's datastore.npz is not used"):
-        generate(model, tok, head, [1, 2, 3, 4], max_new_tokens=3, budget=8)
-    # a read that failed on an I/O error (the file may be fine) is not remembered: the next call reads it again
+        generate(model, tok, head, [1, 2, 3, 4], tree="eagle2", max_new_tokens=3, budget=8)
+    # a read that failed on an I/O error (the file may be fine) warns; the next resolution reads it again
     TokenStore([1, 2, 3, 4, 5, 6, SEPARATOR]).save(tmp_path / "head" / DATASTORE, vocab_fingerprint(tok))
     real_load = np.load
 
@@ -266,8 +271,8 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
            "4", "--json"]
     import eagletree.commands as commands
 
-    stores, real = [], commands.decode_steps
-    monkeypatch.setattr(commands, "decode_steps", lambda *a, **kw: stores.append(kw["store"]) or real(*a, **kw))
+    stores, real = [], commands.Decoder
+    monkeypatch.setattr(commands, "Decoder", lambda *a, **kw: stores.append(a[3].copy.datastore) or real(*a, **kw))
     named = str(tmp_path / "head" / "datastore.npz")
     for flag in ([], ["--datastore", "none"], ["--datastore", named]):
         assert main(gen + flag) == 0, flag

@@ -2,11 +2,11 @@
 
 For every prompt (and temperature), plain HF decoding runs first and every method right after it,
 so each speedup is a ratio measured moments apart on the same prompt; the tables report the median
-and range of those per-prompt ratios. `--profile-only` measures the device's acceptance-independent
-costs instead (verify latency per tree size, drafting, engine overhead) on random weights.
+and range of those per-prompt ratios. `eagletree profile` (profile.py) measures the device's
+acceptance-independent costs instead (verify latency per tree size, drafting, engine overhead) on random weights.
 
 inputs: the method grid and the prompts; runners: the timed runs; stats: summaries and intervals;
-report: tables, plots and the machine; profile: --profile-only and drafting costs; command: `main`.
+report: tables, plots and the machine; profile: `eagletree profile` and drafting costs; command: `main`.
 The scripts in benchmarks/ take their prompts, statistics and timing from here too.
 """
 

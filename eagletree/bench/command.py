@@ -4,43 +4,28 @@ from __future__ import annotations
 
 import shlex
 import sys
-from pathlib import Path
 
-from ..decoding import MIN_TEMPERATURE, resolve_store
+from ..decode_config import MIN_TEMPERATURE
+from ..decode_resources import resolve_store
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
 from ..tree_search.store import DATASTORE
 from .inputs import FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
-from .profile import main_profile
 from .report import machine_info, write_outputs
 from .runners import run_bench
 
 
-# flags that only one of the two modes reads: given to the other, they are refused rather than ignored
-PROFILE_ONLY_FLAGS = ("config", "sizes", "reps", "prefix", "tokens_per_pass", "results")
-RUN_ONLY_FLAGS = ("target", "pack", "draft_dtype", "prompts", "max_new_tokens", "methods", "budgets", "temperatures",
-                  "lookup_tokens", "seed", "quick", "datastore")
 
-
-def check_mode_flags(args) -> None:
-    """ValueError naming the typed flags (`args.given`, set by the CLI) that the chosen mode (a run, or
-    --profile-only) would ignore."""
-    unread = RUN_ONLY_FLAGS if args.profile_only else PROFILE_ONLY_FLAGS
-    given = [f"--{name.replace('_', '-')}" for name in unread if name in getattr(args, "given", ())]
-    if given:
-        mode = "--profile-only (random weights from --config)" if args.profile_only else "a run without --profile-only"
-        raise ValueError(f"{', '.join(given)}: not read by {mode}; drop {'it' if len(given) == 1 else 'them'}"
-                         + ("" if args.profile_only else " or add --profile-only"))
+def typed_command(name: str) -> str:
+    """The command line as typed, for the report (`eagletree NAME` when run from Python)."""
+    return "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == [name] else f"eagletree {name}"
 
 
 def main(args) -> int:
     """`eagletree bench` (arguments from the CLI parser)."""
-    command = "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "eagletree bench"
-    check_mode_flags(args)
+    command = typed_command("bench")
     check_output_folder(args.out, "-o/--out")  # before minutes of measuring
-    if args.profile_only:
-        return main_profile(args, command)
     preset = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     budgets = parse_list(pick("budgets"), int, "budgets")
@@ -66,13 +51,13 @@ def main(args) -> int:
         raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
                          "drop it or pass --pack on/auto on a CPU")
     store = None if args.datastore == "none" else "auto"
-    # the file the +copy rows read, as decoding resolves it (a head's store that does not suit the target is refused
-    # there with a warning, and is not named here)
+    # the datastore the +copy rows copy from, read once (a head's store that does not suit the target is refused
+    # with a warning, and is not named in the report)
     copying = any(m.copy for m in methods)
     used = None if store is None or head is None or not copying else \
         resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
     report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens,
-                       store=store)
+                       store=used)
     report.update(command=command, machine=machine_info(model),
                   settings={"target": args.target, "head": str(args.head if head_dir is None else head_dir),
                             "prompts": pick("prompts"),
@@ -80,7 +65,7 @@ def main(args) -> int:
                             "kernels_measured": None if getattr(model, "kernel_choice", None) is None
                             else model.kernel_choice.summary(),
                             "draft_kernels": None if head is None else kernels_used(head),
-                            "datastore": None if used is None else str(Path(head.source_dir, DATASTORE)),
+                            "datastore": None if used is None else str(head.companion_file(DATASTORE)),
                             "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
                             "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
                             "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,

@@ -1,4 +1,4 @@
-"""`eagletree bench --profile-only`: the device's acceptance-independent costs on random weights (verify
+"""`eagletree profile`: the device's acceptance-independent costs on random weights (verify
 latency per tree size, drafting, the engine's overhead) and the speedups they project.
 
 transformers is imported only where a model is built from a config, so the CLI starts without it.
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..draft_heads import EagleHead, make_drafter
-from ..files import write_json_atomic, write_text_atomic
+from ..files import check_output_folder, write_json_atomic, write_text_atomic
 from ..tree_search import eagle2_search
 from ..verify.profile import measure_verify
 from .inputs import TREE_METHODS, parse_list
@@ -67,14 +67,14 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     full; head = as many as the head in `head_dir` drafts over (its config.json's draft_vocab_size); auto = full
     on a GPU, else the head's when a head is given."""
     if choice == "full" and head_dir:
-        raise ValueError("--profile-only --draft-vocab full does not read --head (the random head drafts over the "
+        raise ValueError("profile --draft-vocab full does not read --head (the random head drafts over the "
                          "whole vocabulary); drop --head, or pass --draft-vocab head")
     if choice == "auto":
         choice = "head" if device.type != "cuda" and head_dir else "full"
     if choice == "full":
         return None
     if not head_dir:
-        raise ValueError("--profile-only --draft-vocab head: pass --head DIR; the random head drafts over as many "
+        raise ValueError("profile --draft-vocab head: pass --head DIR; the random head drafts over as many "
                          "tokens as that head's draft vocabulary")
     path = Path(head_dir) / "config.json"
     try:
@@ -192,7 +192,7 @@ def measured_tokens_per_pass(path) -> dict:
 
 def profile_report(rows, projections, info, command, goal_n=64) -> str:
     """The cost table, the goals, and the projected speedups, as markdown."""
-    lines = [f"# eagletree bench --profile-only\n\n`{command}`\n",
+    lines = [f"# eagletree profile\n\n`{command}`\n",
              f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
              f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
              f"{vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
@@ -217,10 +217,9 @@ def profile_report(rows, projections, info, command, goal_n=64) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main_profile(args, command: str) -> int:
-    if not args.config:
-        raise ValueError("--profile-only needs --config: a built-in name "
-                         f"({', '.join(BUILTIN_CONFIGS)}) or a path to an HF config.json")
+def main_profile(args, command: str = "eagletree profile") -> int:
+    """`eagletree profile` (arguments from the CLI parser): measure, write profile.json and profile.md, print."""
+    check_output_folder(args.out, "-o/--out")  # before minutes of measuring
     sizes = parse_list(args.sizes, int, "sizes")
     if args.tokens_per_pass is not None and not 1.0 <= args.tokens_per_pass < float("inf"):
         raise ValueError(f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "

@@ -78,15 +78,15 @@ def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_token
 
 def run_tree(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed,
              accept_by_rank=None, record_steps=False, store="auto") -> Run:
-    """eagletree's speculative decoding with one tree method; a copying method also copies from `store` (decode_steps':
-    "auto" = the head folder's datastore.npz)."""
+    """eagletree's speculative decoding with one tree method; a copying method with a head also copies from `store`
+    (a TokenStore, or "auto" = the head folder's datastore.npz)."""
     stats = GenerationStats(steps=[] if record_steps else None)
     ids, first = [], None
     for tokens in decode_steps(model, tok, None if method.name in HEADLESS else head, messages,
                                max_new_tokens=max_new_tokens, temperature=temperature, tree=method.tree,
                                budget=method.budget, depth=method.depth, top_k_draft=method.top_k, seed=seed,
                                accept_by_rank=accept_by_rank, stats=stats, copy=method.copy,
-                               store=store if method.copy else None):
+                               store=store if method.copy and method.name not in HEADLESS else None):
         first = stats.seconds if first is None else first
         ids += tokens
     return Run(ids, stats.seconds, stats.seconds if first is None else first, list(stats.accepted_lengths),

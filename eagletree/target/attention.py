@@ -4,8 +4,8 @@ A verify pass over a tree has several query rows and a mask. For grouped-query a
 9 query heads share 3 key/value heads) transformers' SDPA path then copies every cached key and
 value once per query head of its group (`repeat_kv`) in every layer, because on CUDA a mask with
 `enable_gqa` falls back to the slow math kernel. PyTorch's CPU kernels take `enable_gqa` with a mask
-directly, so on CPU the copies are pure cost (on the dev machine, 2 threads: 6-15% of a tree pass of
-8-32 nodes after 256 or 1,024 cached tokens). `GQA_SDPA` is transformers' SDPA attention
+directly, so on CPU the copies are pure cost (a share of every tree pass that grows with the cached
+context: docs/results.md). `GQA_SDPA` is transformers' SDPA attention
 with that one change (bitwise the same outputs), registered under its own name so that it is chosen
 per model (`use_gqa_sdpa`), never process-wide; on other devices it is transformers' SDPA unchanged. A
 draft head's one decoder layer uses it too while drafting (`use_gqa_sdpa_layer`: its tree levels are

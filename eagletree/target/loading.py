@@ -185,7 +185,7 @@ def checked_device(device) -> torch.device:
 @functools.lru_cache(maxsize=None)
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 matrix products read half the
-    bytes of fp32 (a bf16 head's drafter call took 2.9 ms against 6.3 on the dev machine); elsewhere they are
+    bytes of fp32 (a bf16 drafter call costs about half an fp32 one there: docs/results.md); elsewhere they are
     emulated and slower. Read once per process."""
     try:
         flags = Path("/proc/cpuinfo").read_text()

@@ -1,7 +1,7 @@
-"""Tree kinds as searchers: built once per generation, asked once per step for the tree to verify.
+"""Tree kinds as searchers: built once per Decoder, started per generation, asked once per step for the tree.
 
-`make_searcher(kind, ...)` returns one of these; the decoding loop calls only `drafts()`,
-`takes_copies()` and `search(expand, root, depth, copies)`, so a new kind is a new class:
+`make_searcher(kind, ...)` returns one of these; the decoding loop calls only `start()`, `drafts()`,
+`takes_copies()`, `search(expand, root, depth, copies)` and `observe(...)`, so a new kind is a new class:
 
 - `Eagle2Searcher`: EAGLE-2's dynamic tree (the `budget` nodes of highest path value found by a
   beam of `top_k` per level).
@@ -17,6 +17,7 @@ when the head does not draft this step; `copies` is a CopyTrie of copied spans, 
 from __future__ import annotations
 
 import time
+from copy import deepcopy
 from dataclasses import replace
 
 import torch
@@ -27,7 +28,6 @@ from .cost import LatencyProfile, choose_budget
 from .dynamic import eagle2_search, optimal_search
 from .static import Shape, breadth_first, chain_shape, choices_shape, sequoia_tree, static_search
 
-KINDS = ("eagle2", "optimal", "chain", "sequoia", "auto")
 # Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
 DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
 
@@ -39,6 +39,9 @@ class Searcher:
 
     def __init__(self, budget: int, top_k: int, device="cpu", token_map=None):
         self.budget, self.top_k, self.device, self.token_map = budget, top_k, device, token_map
+
+    def start(self) -> None:
+        """A new generation begins: forget what the last one taught (the searchers that learn as they go)."""
 
     def drafts(self) -> bool:
         """Whether the head drafts this step (asked once per step, only when it could)."""
@@ -108,8 +111,8 @@ class AutoSearcher(Searcher):
 
     LOAD_SMOOTHING = 0.2  # weight of each new pass in the running verify-time ratio
     # The running gain starts at break-even (1) and each drafted step moves it a quarter of the way to that step's
-    # estimate: one step's tree says little (on the Intel Xeon one answer's estimates ranged 0.75-2.5, and the mean
-    # of the last two paused drafting through most of answers that trees sped up by 1.07-1.16x).
+    # estimate: one step's tree says little (its estimate swings widely from step to step, and a rule on the mean of
+    # the last two paused drafting through most of answers that trees sped up: docs/results.md).
     GAIN_SMOOTHING = 0.25
     PAUSE_MEMORY = 0.5  # the share of the running gain's distance from 1 left after a pause: the text has moved on
     VALUE_PRIOR = 8.0  # drafted tokens the prior value scale of 1 is worth
@@ -118,11 +121,16 @@ class AutoSearcher(Searcher):
     def __init__(self, profile: LatencyProfile, calibrator=None, budget: int = 60, top_k: int = 10, device="cpu",
                  token_map=None, max_wait: int = 64, clock=time.perf_counter):
         super().__init__(budget, top_k, device, token_map)
-        self.profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
+        self.initial_profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
         self.never = not trees_can_pay(profile, budget)
         self.t_one = float(profile.verify(1))  # a plain one-token pass
+        self.start()
+
+    def start(self) -> None:
+        # the profile's drafting cost is updated as drafting is timed: each generation starts from the given one
+        self.profile = deepcopy(self.initial_profile)
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
-        self.search_budget = budget
+        self.search_budget = self.budget
         self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
         self.gain = 1.0  # running estimate of a tree step's tokens/s over a plain pass's
         self.searched = 0  # drafted steps so far
@@ -203,8 +211,8 @@ class AutoSearcher(Searcher):
                                           max_budget=self.search_budget)
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
         # tree of a generation decides nothing: its first token, the answer's first, is the least predictable
-        # (its estimate was the lowest of the answer on each of 4 prompts measured, 0.69-0.84 against means of
-        # 0.97-1.16), and its drafting cost is the first measured.
+        # (it was the answer's lowest estimate on every prompt measured: docs/results.md), and its drafting cost is
+        # the first measured.
         if self.wait:  # the first tree after a pause
             self.gain = 1.0 - (1.0 - self.gain) * self.PAUSE_MEMORY
         self.gain += self.GAIN_SMOOTHING * (rate * t_one - self.gain)
@@ -243,7 +251,7 @@ def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
 def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, device="cpu", token_map=None,
                   accept_by_rank=None, paths=None, profile: LatencyProfile | None = None,
                   calibrator=None) -> Searcher:
-    """The searcher of a tree kind (one of KINDS). "sequoia" takes `paths` (rank paths, e.g. [(0,), (1,), (0, 0)])
+    """The searcher of a tree kind (decode_config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g. [(0,), (1,), (0, 0)])
     to draft that static shape instead of Sequoia's own; "auto" needs the device's latency `profile`."""
     if kind == "eagle2":
         return Eagle2Searcher(budget, top_k, device, token_map)
@@ -259,4 +267,4 @@ def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, 
         if profile is None:
             raise ValueError("tree='auto' needs the device's latency profile")
         return AutoSearcher(profile, calibrator, budget, top_k, device, token_map)
-    raise ValueError(f"tree must be one of {KINDS}, got {kind!r}")
+    raise ValueError(f"tree must be one of ('eagle2', 'optimal', 'chain', 'sequoia', 'auto'), got {kind!r}")

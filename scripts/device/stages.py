@@ -105,7 +105,7 @@ def stage_checks(args) -> int:
 
 
 def stage_profile(args) -> int:
-    """`eagletree bench --profile-only` with the llama-3.1-8b config (random bf16 weights)."""
+    """`eagletree profile` with the llama-3.1-8b config (random bf16 weights)."""
     from eagletree.cli import main
 
     if args.dry_run:
@@ -116,7 +116,7 @@ def stage_profile(args) -> int:
         argv = ["--config", str(config), "--sizes", "1,2,4", "--reps", "1", "--prefix", "16"]
     else:
         argv = ["--config", "llama-3.1-8b", "--sizes", "1,2,4,8,16,32,48,64,96,128,192,256", "--reps", "10"]
-    rc = main(["bench", "--profile-only", "-o", str(args.out)] + argv)
+    rc = main(["profile", "-o", str(args.out)] + argv)
     profile = args.out / "profile.json"
     if rc == 0 and profile.is_file():
         rows = json.loads(profile.read_text())["rows"]

@@ -1,0 +1,132 @@
+"""What a `Decoder` resolves once: the device's latency profile and the files saved next to a head.
+
+The profile is measured once per target, device and kernels and cached on disk; each Decoder that needs it
+(tree `auto`) checks the cached one with a quick probe. A head's companion files (`head.companion_file`)
+are its acceptance calibration, its copy table and its datastore of earlier answers.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from .draft_heads import target_identity
+from .packing import kernels_tag, machine_key
+from .target import GQA_SDPA, cache_dir
+from .tree_search import Calibrator, LatencyProfile
+from .tree_search.copy import CopyCalibration, copy_calibration_names
+from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
+from .verify.profile import measure_verify
+
+# A cached profile whose one-token pass is this many times slower than a fresh probe was measured
+# while something else loaded the machine; it would keep `auto` from drafting where trees pay.
+STALE_PROFILE = 2.0
+# Tree sizes the cached profile measures. 2 and 4 are there because t(N) is not linear between 1 and 8: the
+# one-token pass takes the model's causal fast path and, where `--pack auto` chose so, the stock kernels, while
+# every tree pays for a mask (and the packed kernels) from N = 2 on, so a line from t(1) to t(8) underestimates
+# small trees' cost and `auto` would draft two- and three-node trees that lose to plain passes.
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION = "calibration.json"
+
+
+def latency_profile(target, path=None) -> LatencyProfile:
+    """The verify-latency profile of this target on this device: loaded from `path`, or from the cache.
+
+    The cached profile (no `path`) is checked against a quick probe of the one-token pass (a fraction of a second):
+    one measured while the machine was busy (t(1) more than STALE_PROFILE times the probe's) is measured again
+    and replaced, and `notes` says so. A cached profile slower than the probe by less, or faster (this run is
+    the busy one), is kept; one measured at other sizes than PROFILE_SIZES (an older version's) is measured
+    again. A `Decoder` resolves its profile once; build one Decoder for many prompts.
+    """
+    device = next(target.parameters()).device
+
+    def measure(sizes=PROFILE_SIZES, reps=3):
+        return LatencyProfile.from_measurements(
+            measure_verify(target, sizes=sizes, prefix=128, reps=reps, progress=False),
+            device=device.type, model=target.config.model_type)
+
+    if path is not None:  # a profile measured elsewhere (e.g. on a serving GPU) is taken as it is
+        return LatencyProfile.load_or_measure(path, measure)
+    name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
+    name += kernels_tag(target)  # other kernels, other costs
+    if target.config._attn_implementation == GQA_SDPA:
+        name += "-gqa"
+    return _checked_profile(cache_dir() / "profiles" / f"{name}.json", measure)
+
+
+def _checked_profile(path, measure) -> LatencyProfile:
+    """The cached profile at `path` if a probe of the one-token pass says it was not measured on a busy machine,
+    else (or when there is none, or it is damaged) a new measurement saved there."""
+    try:
+        cached = LatencyProfile.load(path) if path.is_file() else None
+    except ValueError:  # a damaged cache file is measured again
+        cached = None
+    if cached is not None and tuple(cached.sizes) != PROFILE_SIZES:
+        cached = None
+    if cached is not None:
+        probe = float(measure(sizes=(1,), reps=2).verify(1))
+        if float(cached.verify(1)) <= STALE_PROFILE * probe:
+            return cached
+        stale = float(cached.verify(1))
+    profile = measure()
+    if cached is not None:
+        profile.notes["remeasured"] = (f"the cached profile's one-token pass took {stale * 1e3:.1f} ms, a probe now "
+                                       f"{probe * 1e3:.1f} ms: it was measured on a busy machine")
+    profile.save(path)
+    return profile
+
+
+def head_calibrator(head):
+    """The calibration saved next to a head (`calibration.json`, written by its evaluation), if any."""
+    path = head.companion_file(CALIBRATION)
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "method" not in data:
+            raise ValueError(f"expected a JSON object with a method, got {json.dumps(data)[:60]}")
+        calibrator = Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
+        calibrator.check()
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
+                         f"probabilities, or write it again with `python -m eagletree.train.evaluate`") from None
+    return calibrator
+
+
+def head_copy_calibration(head, copy_len: int = 16) -> CopyCalibration:
+    """The copy calibration saved next to a head for the vocabulary it drafts over now (`copy_calibration.json`, or
+    `copy_calibration.full-vocab.json` for a widened head), else the other one, else an uninformed one (0.5)."""
+    for name in copy_calibration_names(head.is_widened()) if head is not None else ():
+        path = head.companion_file(name)
+        if path is not None:
+            return CopyCalibration.load(path)  # its last column values the positions past its length
+    return CopyCalibration(max_len=copy_len)
+
+
+def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = None) -> TokenStore | None:
+    """A decoding's datastore: "auto" = the head folder's datastore.npz when copying (None without one, or, with a
+    warning, when it does not suit this target or cannot be read), None = none, a TokenStore, or a datastore
+    file's path (an error when it does not suit)."""
+    if store is None or (store == "auto" and not copy):
+        return None
+    if not copy:
+        raise ValueError("store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
+                         "default copy=None with an eagle2, optimal or auto tree); copying is off here")
+    if isinstance(store, TokenStore):
+        return store
+    auto = store == "auto"
+    if auto:
+        store = head.companion_file(DATASTORE) if head is not None else None
+        if store is None:
+            return None
+    if not isinstance(store, (str, Path)):
+        raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
+    try:
+        return TokenStore.load(Path(store).resolve(), None if tokenizer is None else vocab_fingerprint(tokenizer),
+                               vocab_size)[0]
+    except ValueError as e:
+        if not auto:
+            raise
+        warnings.warn(f"the head's {DATASTORE} is not used: {e}")
+        return None
