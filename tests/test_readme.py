@@ -7,6 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# a fenced code block: fences at the start of a line (indented in a list), so ``` inside a command is text
+FENCED = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
 
 
 def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
@@ -16,6 +18,19 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci, f"CI does not run the README's test command {commands[1]!r}"
     assert "eagletree generate" in commands[0]
+
+
+def test_readme_is_at_most_300_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move details to docs/ (usage, design, results)"
+
+
+def test_readme_quotes_no_commit_hashes():
+    """Measurements and their history live in docs/results.md, dated, with the machine named; the README
+    keeps one results table and no per-commit runs."""
+    readme = (ROOT / "README.md").read_text()
+    hashes = re.findall(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", readme)
+    assert not hashes, f"README.md quotes commit hashes {hashes}; measurements go to docs/results.md"
 
 
 def heading_anchors(path: Path) -> set[str]:
@@ -31,7 +46,7 @@ def heading_anchors(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_relative_links_resolve(doc):
-    text = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S))
+    text = re.sub(r"`[^`]*`", "", re.sub(FENCED, "", doc.read_text()))
     for link in re.findall(r"\]\(([^)\s]*[./#][^)\s]*)\)", text):  # a path or an anchor, not E[x](N)
         if re.match(r"[a-z]+:", link):  # a URL
             continue
@@ -53,13 +68,13 @@ def cli_options() -> dict[str, set[str]]:
 def command_lines(text: str):
     """Shell commands written in Markdown: lines of bash code blocks, lines of plain code blocks that start
     with a command (indented lines continue the line above, as in a wrapped synopsis), inline code spans."""
-    for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+    for lang, block in FENCED.findall(text):
         lines = re.sub(r"\\?\n[ \t]+", " ", textwrap.dedent(block)).splitlines()
         if lang == "bash":
             yield from lines
         elif lang == "":
             yield from (line for line in lines if re.match(r"(\$ |\.venv/bin/|python |eagletree )", line))
-    yield from re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    yield from re.findall(r"`([^`]+)`", re.sub(FENCED, "", text))
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
