@@ -56,6 +56,7 @@ def run_chi_square(mode, seed=0, **sampling):
 SETTINGS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)]
 
 
+@pytest.mark.real  # 20,000 draws each (slow, kept for the tests' power): the full run only
 @pytest.mark.parametrize("mode", ["deterministic", "sampled", "replacement"])
 @pytest.mark.parametrize("sampling", SETTINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_sampling_is_lossless(mode, sampling):
@@ -63,6 +64,7 @@ def test_sampling_is_lossless(mode, sampling):
     assert p_first > 0.01 and p_pair > 0.01, (p_first, p_pair)
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("mode", ["deterministic", "sampled"])
 def test_the_third_token_is_lossless_too(mode):
     """Trees of depth 2 emit up to three tokens in a pass: the third is the bonus token after an accepted leaf
@@ -81,6 +83,7 @@ def test_the_third_token_is_lossless_too(mode):
     assert chi_square_p(counts, third) > 0.01
 
 
+@pytest.mark.real
 def test_chi_square_catches_a_missing_renormalization(monkeypatch):
     """Negative control: the same test on a broken rule (no renormalization after a rejection) fails."""
     monkeypatch.setattr(accept_mod, "_normalized", lambda p, fallback: p)
@@ -88,6 +91,7 @@ def test_chi_square_catches_a_missing_renormalization(monkeypatch):
     assert min(p_first, p_pair) < 0.01, (p_first, p_pair)
 
 
+@pytest.mark.real
 def test_chi_square_catches_sampled_siblings_judged_against_the_wrong_q(monkeypatch):
     """Negative control for sampled trees: treating draws without replacement as with replacement fails."""
     real_init = DraftTree.__init__

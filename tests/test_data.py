@@ -217,6 +217,7 @@ def test_a_list_of_sources_names_its_bad_entries(tmp_path):
     assert [c.id for c in load_dataset(str(odd)).conversations] == ["z"]
 
 
+@pytest.mark.real  # reads the real ShareGPT file
 def test_sharegpt_among_several_sources_is_read_for_training_without_its_known_cut_warned(tmp_path):
     from eagletree.train.data import load_training_data
 

@@ -358,17 +358,21 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
 
 
 @pytest.mark.real
-def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path, capsys, smollm2):
+def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path, capsys, smollm2, monkeypatch):
     from eagletree.cli import main
     from eagletree.train.data import is_heldout
 
+    model, tok = smollm2
+    loads = []  # the command's default target, handed the session's copy of it (not loaded again three times)
+    monkeypatch.setattr("eagletree.target.load_target",
+                        lambda spec, dtype=None, device=None: loads.append((str(spec), dtype)) or (model, tok))
     out = tmp_path / "smol.jsonl"
     assert main(["distill", "--out", str(out), "--limit", "3", "--max-new-tokens", "12", "--batch-size", "2",
                  "--pack", "off"]) == 0
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == counts["answered"] == 3 - counts["skipped_long_prompt"] > 0
-    model, tok = smollm2
+    assert loads == [("smollm2-135m", loads[0][1])] and loads[0][1] in (None, torch.float32)  # the default target
     for r in records:
         assert not is_heldout(r["id"])  # evaluation prompts are never answered
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 12)

@@ -79,11 +79,13 @@ def test_greedy_output_equals_plain_decoding_tiny(kind):
 @pytest.mark.real
 def test_greedy_output_equals_plain_decoding_smollm2(smollm2):
     model, tok = smollm2
-    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.",
-                 "Explain recursion to a child.", "List three uses of a paperclip.", "How do airplanes fly?"]
+    # 3 prompts x 48 tokens (was 5 x 64): every step still alternates useless random trees and trees holding the
+    # truth, and the tiny models above run the long and many-prompt cases
+    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.", "How do airplanes fly?"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"][0] for q in questions]
-    check_lossless(model, prompts, 64, n_nodes=16, depth=6, seed=4)
+    passes = check_lossless(model, prompts, 48, n_nodes=16, depth=6, seed=4)
+    assert passes < 3 * 48  # the oracle trees' paths were accepted beyond one token
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
