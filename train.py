@@ -23,10 +23,16 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from out_dir's last checkpoint")
     ap.add_argument("--report-to", choices=["wandb", "none"], help="shorthand for report_to=...")
     ap.add_argument("--eval", action="store_true", help="evaluate the head on held-out conversations at the end")
-    ap.add_argument("--allow-changes", action="store_true", help="--resume with changed run-defining keys (lr, "
-                                                                 "dataset, max_len, ...): continue with the new values")
-    ap.add_argument("--overwrite", action="store_true", help="start over in an out_dir that holds a run: its "
-                                                             "checkpoints, head, history and metrics are deleted")
+    ap.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="--resume with changed run-defining keys (lr, dataset, max_len, ...): continue with the new values",
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an out_dir that holds a run: its checkpoints, head, history and metrics are deleted",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + ([f"report_to={args.report_to}"] if args.report_to else [])

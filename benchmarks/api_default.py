@@ -46,12 +46,15 @@ def main(argv=None):
     methods = {
         "generate() defaults": lambda p: generate(target, tok, head, p, max_new_tokens=n).token_ids,
         "Decoder defaults, reused": lambda p: reused.generate(p).token_ids,
-        "generate() eagle2 60": lambda p: generate(target, tok, head, p, max_new_tokens=n, tree="eagle2",
-                                                   budget=60).token_ids,
+        "generate() eagle2 60": lambda p: (
+            generate(target, tok, head, p, max_new_tokens=n, tree="eagle2", budget=60).token_ids
+        ),
     }
-    print(f"{args.target} + shipped head, {len(prompts)} prompts x {n} tokens, {args.rounds} rounds, "
-          f"{cpu_model()}, {torch.get_num_threads()} threads; defaults: {reused.config.tree.value}, "
-          f"budget {reused.config.budget}")
+    print(
+        f"{args.target} + shipped head, {len(prompts)} prompts x {n} tokens, {args.rounds} rounds, "
+        f"{cpu_model()}, {torch.get_num_threads()} threads; defaults: {reused.config.tree.value}, "
+        f"budget {reused.config.budget}"
+    )
     ratios = {name: [] for name in methods}
     for _ in range(args.rounds):
         for i, messages in enumerate(prompts):

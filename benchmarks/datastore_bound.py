@@ -56,7 +56,9 @@ def store_tokens(path: Path, tok) -> list[int]:
     return tokens
 
 
-def retrieved(store: NgramIndex, context: list[int], truth: list[int], spans: int, span_len: int) -> tuple[int, int, int]:
+def retrieved(
+    store: NgramIndex, context: list[int], truth: list[int], spans: int, span_len: int
+) -> tuple[int, int, int]:
     """(match length, tokens the most recent occurrence's continuation gets right, the best of `spans` occurrences'),
     looking up the end of `context` among the store's tokens."""
     # the context goes in as the suffix after the store: a match's end lies in the store, its continuation too
@@ -67,7 +69,7 @@ def retrieved(store: NgramIndex, context: list[int], truth: list[int], spans: in
     agree = []
     for _, end in [m for m in found if m[0] == longest][:spans]:
         m = 0
-        for t, want in zip(store.tokens[end:end + span_len], truth):
+        for t, want in zip(store.tokens[end : end + span_len], truth):
             if t != want:  # the separator never equals a token
                 break
             m += 1
@@ -105,8 +107,19 @@ def main(argv=None) -> int:
     for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
         context = encode_prompt(tok, prompt).flatten().tolist()
         counts, answer = [], []
-        for tokens in decode_steps(target, tok, head, prompt, max_new_tokens=args.max_new_tokens, budget=args.budget,
-                                   depth=6, top_k_draft=10, tree="eagle2", copy=True, store=None):
+        for tokens in decode_steps(
+            target,
+            tok,
+            head,
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            budget=args.budget,
+            depth=6,
+            top_k_draft=10,
+            tree="eagle2",
+            copy=True,
+            store=None,
+        ):
             counts.append(len(tokens))
             answer += tokens
         at = 0
@@ -122,20 +135,28 @@ def main(argv=None) -> int:
         new += len(answer)
         passes += len(counts)
 
-    print(f"\n{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, shipped head + copied spans, "
-          f"EAGLE-2 {args.budget} nodes, T = 0; store {store_path.name}, {len(store):,} tokens\n")
+    print(
+        f"\n{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, shipped head + copied spans, "
+        f"EAGLE-2 {args.budget} nodes, T = 0; store {store_path.name}, {len(store):,} tokens\n"
+    )
     base = new / passes
     print("| | tokens/pass | vs the run |\n|---|---|---|")
     print(f"| the run (head + copied spans) | {base:.3f} | |")
-    for label, total in (("+ retrieval, most recent occurrence (bound)", first_total),
-                         (f"+ retrieval, best of {args.spans} occurrences (bound)", best_total)):
+    for label, total in (
+        ("+ retrieval, most recent occurrence (bound)", first_total),
+        (f"+ retrieval, best of {args.spans} occurrences (bound)", best_total),
+    ):
         print(f"| {label} | {total / passes:.3f} | {total / passes / base - 1:+.1%} |")
-    print("\n| longest match in the store | passes | passes a retrieved span beats | most recent span's agreeing "
-          "tokens (mean) |\n|---|---|---|---|")
+    print(
+        "\n| longest match in the store | passes | passes a retrieved span beats | most recent span's agreeing "
+        "tokens (mean) |\n|---|---|---|---|"
+    )
     for n in sorted(by_match):
         c = by_match[n]
-        print(f"| {n if n < args.max_ngram else f'{n}+'} | {c['passes']} | {c['beaten']} | "
-              f"{c['first_agree'] / c['passes']:.2f} |")
+        print(
+            f"| {n if n < args.max_ngram else f'{n}+'} | {c['passes']} | {c['beaten']} | "
+            f"{c['first_agree'] / c['passes']:.2f} |"
+        )
     return 0
 
 

@@ -38,8 +38,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 2 (one token drafts no level)")
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--draft-vocab", default="head", choices=["head", "full"],
-                    help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)")
+    ap.add_argument(
+        "--draft-vocab",
+        default="head",
+        choices=["head", "full"],
+        help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)",
+    )
     args = ap.parse_args(argv)
     if args.max_new_tokens < 2:
         ap.error(f"--max-new-tokens must be >= 2 (one token drafts no level), got {args.max_new_tokens}")
@@ -66,6 +70,7 @@ def instrument(head):
                 return fn(*a, **k)
             finally:
                 clock[name] += time.perf_counter() - t
+
         return wrapper
 
     real_forward, real_probs = head.forward, TreeDrafter.draft_probs
@@ -98,45 +103,74 @@ def measure(model, tok, head, args, clock, counts):
             clock[k] = 0.0
         counts.update(call=0, extend=0)
         stats = GenerationStats()
-        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                              budget=args.budget, depth=args.depth, stats=stats):
+        for _ in decode_steps(
+            model,
+            tok,
+            head,
+            messages,
+            max_new_tokens=args.max_new_tokens,
+            tree=args.tree,
+            budget=args.budget,
+            depth=args.depth,
+            stats=stats,
+        ):
             pass
         levels = counts["call"]
         if not levels or not stats.passes:
             skipped += 1
             continue
-        rows.append({"head": clock["head"] / levels, "lm": clock["lm"] / levels,
-                     "drafter_other": (clock["call"] - clock["head"] - clock["lm"]) / levels,
-                     "search": stats.times["search"] / levels,
-                     "level": (clock["call"] + stats.times["search"]) / levels,
-                     "extend": clock["extend"] / max(counts["extend"], 1),
-                     "step": (clock["call"] + stats.times["search"] + clock["extend"]) / stats.passes,
-                     "verify_one": stats.times["verify"] / stats.passes,
-                     "levels_per_pass": counts["call"] / stats.passes})
+        rows.append(
+            {
+                "head": clock["head"] / levels,
+                "lm": clock["lm"] / levels,
+                "drafter_other": (clock["call"] - clock["head"] - clock["lm"]) / levels,
+                "search": stats.times["search"] / levels,
+                "level": (clock["call"] + stats.times["search"]) / levels,
+                "extend": clock["extend"] / max(counts["extend"], 1),
+                "step": (clock["call"] + stats.times["search"] + clock["extend"]) / stats.passes,
+                "verify_one": stats.times["verify"] / stats.passes,
+                "levels_per_pass": counts["call"] / stats.passes,
+            }
+        )
     return rows, skipped
 
 
 def main(argv=None):
     args, head_dir = parse_args(argv)
-    model, tok, head, _ = load_models(args.target, head_dir, device="cpu", dtype="float32", pack=args.pack,
-                                      head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
+    model, tok, head, _ = load_models(
+        args.target,
+        head_dir,
+        device="cpu",
+        dtype="float32",
+        pack=args.pack,
+        head_dtype=args.draft_dtype,
+        draft_vocab=args.draft_vocab,
+    )
     clock, counts = instrument(head)
     rows, skipped = measure(model, tok, head, args, clock, counts)
     if not rows:
-        raise SystemExit("no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
-                         "nothing to measure; use other prompts or more --max-new-tokens")
+        raise SystemExit(
+            "no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
+            "nothing to measure; use other prompts or more --max-new-tokens"
+        )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
-          f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
-          f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
-          + (f" ({skipped} prompts drafted no level and are left out)" if skipped else ""))
+    print(
+        f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
+        f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
+        f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
+        + (f" ({skipped} prompts drafted no level and are left out)" if skipped else "")
+    )
     print("| per drafting level, ms (median over prompts) | |\n|---|---|")
-    for key, label in (("head", "head layer (fc + decoder layer)"), ("lm", "lm_head slice + softmax"),
-                       ("drafter_other", "drafter bookkeeping (masks, slots, gathers)"),
-                       ("search", "tree search (top-k, ranking, bookkeeping) per level"),
-                       ("level", "one level in all"), ("extend", "catch-up call per step (committed tokens)"),
-                       ("step", "drafting and search per step (levels + catch-up)"),
-                       ("verify_one", "verify pass per step (for scale)")):
+    for key, label in (
+        ("head", "head layer (fc + decoder layer)"),
+        ("lm", "lm_head slice + softmax"),
+        ("drafter_other", "drafter bookkeeping (masks, slots, gathers)"),
+        ("search", "tree search (top-k, ranking, bookkeeping) per level"),
+        ("level", "one level in all"),
+        ("extend", "catch-up call per step (committed tokens)"),
+        ("step", "drafting and search per step (levels + catch-up)"),
+        ("verify_one", "verify pass per step (for scale)"),
+    ):
         print(f"| {label} | {med[key] * 1e3:.2f} |")
     print(f"| levels per pass | {med['levels_per_pass']:.2f} |")
 

@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     if categories is not None:
         print(category_table(categories, rows, labels))
     if args.out:
-        write_json_atomic(Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes,
-                                           "heads": report})
+        write_json_atomic(
+            Path(args.out), {"settings": vars(args), "categories": categories, "answers": hashes, "heads": report}
+        )
     return 0
 
 
@@ -73,34 +74,66 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="head folders; the first is the baseline")
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--prompts", default="60",
-                    help="N held-out ShareGPT prompts, mtbench[:N], humaneval[:N] or humaneval:A-B")
-    ap.add_argument("--copy", default="off", choices=["off", "on", "both"],
-                    help="copied spans in the tree: off (the head alone), on, or both (each head twice)")
-    ap.add_argument("--datastore", default="auto", choices=["auto", "none", "both"],
-                    help="copied rows copy from the head's datastore.npz too (auto), not (none), or both (two rows)")
-    ap.add_argument("--offset", type=int, default=20, help="held-out conversations skipped before the prompts (N "
-                                                            "held-out prompts only)")
-    ap.add_argument("--skip-prompts", type=int, default=30, help="then this many prompts skipped (the evaluation's; N "
-                                                                 "held-out prompts only)")
+    ap.add_argument(
+        "--prompts", default="60", help="N held-out ShareGPT prompts, mtbench[:N], humaneval[:N] or humaneval:A-B"
+    )
+    ap.add_argument(
+        "--copy",
+        default="off",
+        choices=["off", "on", "both"],
+        help="copied spans in the tree: off (the head alone), on, or both (each head twice)",
+    )
+    ap.add_argument(
+        "--datastore",
+        default="auto",
+        choices=["auto", "none", "both"],
+        help="copied rows copy from the head's datastore.npz too (auto), not (none), or both (two rows)",
+    )
+    ap.add_argument(
+        "--offset",
+        type=int,
+        default=20,
+        help="held-out conversations skipped before the prompts (N held-out prompts only)",
+    )
+    ap.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=30,
+        help="then this many prompts skipped (the evaluation's; N held-out prompts only)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=60)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--tree", default="eagle2", choices=["eagle2", "optimal", "auto"],
-                    help="the tree search; auto: the CLI's default, cost-aware on this machine (--budget its maximum)")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0: greedy (answers checked identical across rows); > 0: sampled with --seed + prompt index "
-                         "(rows' answers differ; the chi-square tests check the distribution)")
+    ap.add_argument(
+        "--tree",
+        default="eagle2",
+        choices=["eagle2", "optimal", "auto"],
+        help="the tree search; auto: the CLI's default, cost-aware on this machine (--budget its maximum)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (answers checked identical across rows); > 0: sampled with --seed + prompt index "
+        "(rows' answers differ; the chi-square tests check the distribution)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--draft-vocab", default="head", choices=["head", "full", "both"],
-                    help="draft over each head's own draft vocabulary, over the target's whole vocabulary "
-                         "(DraftHead.widen_vocab; a head with an lm_head of its own keeps its vocabulary), or both "
-                         "(each head twice, \"full vocab\" rows)")
+    ap.add_argument(
+        "--draft-vocab",
+        default="head",
+        choices=["head", "full", "both"],
+        help="draft over each head's own draft vocabulary, over the target's whole vocabulary "
+        "(DraftHead.widen_vocab; a head with an lm_head of its own keeps its vocabulary), or both "
+        '(each head twice, "full vocab" rows)',
+    )
     ap.add_argument("-o", "--out", default=None, help="also write the per-prompt results to this JSON file")
-    ap.add_argument("--pair-with", default=None,
-                    help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
-                         "becomes the baseline row, paired by prompt (answers checked identical by hash)")
+    ap.add_argument(
+        "--pair-with",
+        default=None,
+        help="a JSON file an earlier run of this script wrote (-o) on the same prompts: its first row "
+        "becomes the baseline row, paired by prompt (answers checked identical by hash)",
+    )
     return ap
 
 
@@ -110,9 +143,13 @@ def _check_args(ap, args) -> str | None:
     benchmark = None if args.prompts.isdigit() else args.prompts
     if benchmark is None:
         args.prompts = int(args.prompts)
-    for name, value in (("prompts", args.prompts if benchmark is None else 1), ("max-new-tokens", args.max_new_tokens),
-                        ("budget", args.budget),
-                        ("depth", args.depth), ("top-k", args.top_k)):
+    for name, value in (
+        ("prompts", args.prompts if benchmark is None else 1),
+        ("max-new-tokens", args.max_new_tokens),
+        ("budget", args.budget),
+        ("depth", args.depth),
+        ("top-k", args.top_k),
+    ):
         if value < 1:
             ap.error(f"--{name} must be >= 1, got {value}")
     if args.temperature < 0:
@@ -137,11 +174,13 @@ def _prompts(ap, args, benchmark):
         if benchmark.startswith("mtbench"):
             categories = [q.category for q in mtbench_subset(spec_count(benchmark, "mtbench"))]
     else:
-        opening = heldout_prompts(sharegpt_heldout()[args.offset:], args.skip_prompts + args.prompts)
-        prompts = opening[args.skip_prompts:]
+        opening = heldout_prompts(sharegpt_heldout()[args.offset :], args.skip_prompts + args.prompts)
+        prompts = opening[args.skip_prompts :]
         if len(prompts) < args.prompts:
-            ap.error(f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
-                     f"and --skip-prompts {args.skip_prompts}")
+            ap.error(
+                f"--prompts {args.prompts}: only {len(prompts)} held-out prompts after --offset {args.offset} "
+                f"and --skip-prompts {args.skip_prompts}"
+            )
     return prompts, categories
 
 
@@ -159,8 +198,11 @@ def _load_heads(ap, args, target) -> list[tuple]:
                 ap.error(f"{path}: {e}")
             if vocab == "full":
                 if not head.can_widen_vocab():
-                    why = "drafts over the full vocabulary already" if head.config.draft_vocab_size is None else \
-                        f"scores tokens with its own lm_head ({head.config.draft_vocab_size} rows)"
+                    why = (
+                        "drafts over the full vocabulary already"
+                        if head.config.draft_vocab_size is None
+                        else f"scores tokens with its own lm_head ({head.config.draft_vocab_size} rows)"
+                    )
                     print(f"{path} {why}: no separate full-vocabulary row", file=sys.stderr)
                     if len(vocabs) > 1:
                         continue  # its 'head' row is the same configuration
@@ -175,8 +217,12 @@ def _configs(args, heads) -> list[tuple]:
     """The rows to decode: (path, head, vocab, copy, datastore) per head and --copy / --datastore setting."""
     copies = {"off": [False], "on": [True], "both": [False, True]}[args.copy]
     stores = {"auto": ["auto"], "none": [None], "both": [None, "auto"]}[args.datastore]
-    configs = [(path, head, vocab, copy, store if copy and Path(path, DATASTORE).is_file() else None)
-               for path, head, vocab in heads for copy in copies for store in (stores if copy else [None])]
+    configs = [
+        (path, head, vocab, copy, store if copy and Path(path, DATASTORE).is_file() else None)
+        for path, head, vocab in heads
+        for copy in copies
+        for store in (stores if copy else [None])
+    ]
     return list(dict.fromkeys(configs))  # a head without a datastore: one copied row
 
 
@@ -184,9 +230,22 @@ def _earlier_run(ap, args, benchmark, prompts) -> dict:
     """The --pair-with file, refused (ap.error) when made with other settings or on another number of prompts."""
     earlier = json.loads(Path(args.pair_with).read_text())
     defaults = {"temperature": 0.0, "seed": 0, "tree": "eagle2"}  # for files written without these settings
-    same = {k: earlier["settings"].get(k, defaults.get(k)) for k in ("prompts", "max_new_tokens", "budget",
-                                                                     "depth", "top_k", "offset", "skip_prompts",
-                                                                     "target", "temperature", "seed", "tree")}
+    same = {
+        k: earlier["settings"].get(k, defaults.get(k))
+        for k in (
+            "prompts",
+            "max_new_tokens",
+            "budget",
+            "depth",
+            "top_k",
+            "offset",
+            "skip_prompts",
+            "target",
+            "temperature",
+            "seed",
+            "tree",
+        )
+    }
     if not args.temperature > 0:  # (as `sampled` in _decode)
         same.pop("seed")  # greedy decoding does not use it
     if benchmark is not None:  # MT-bench, HumanEval or a file: the held-out offsets choose nothing
@@ -205,30 +264,50 @@ def _config_of(row: dict) -> tuple:
 def _decode(args, target, tok, prompts, configs, labels, earlier):
     """(rows, hashes): per prompt, (new tokens, passes) of every row (the earlier run's first) and the hash of
     its answer; None (said on stderr) when greedy rows decoded different answers."""
-    options = {"budget": args.budget, "depth": args.depth, "top_k_draft": args.top_k, "tree": args.tree,
-               "temperature": args.temperature}
+    options = {
+        "budget": args.budget,
+        "depth": args.depth,
+        "top_k_draft": args.top_k,
+        "tree": args.tree,
+        "temperature": args.temperature,
+    }
     sampled = args.temperature > 0
     rows, hashes = [], []
     for i, prompt in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         row, first = [], None
         if earlier is not None:
             row.append((earlier["heads"][0]["new_tokens"][i], earlier["heads"][0]["passes"][i]))
-        for label, (_, head, _, copy, store) in zip(labels[len(labels) - len(configs):], configs):
+        for label, (_, head, _, copy, store) in zip(labels[len(labels) - len(configs) :], configs):
             answers = []
-            r = tokens_per_pass(head, target, tok, [prompt], args.max_new_tokens, answers=answers, copy=copy,
-                                store=store, seed=args.seed + i if sampled else None, **options)
+            r = tokens_per_pass(
+                head,
+                target,
+                tok,
+                [prompt],
+                args.max_new_tokens,
+                answers=answers,
+                copy=copy,
+                store=store,
+                seed=args.seed + i if sampled else None,
+                **options,
+            )
             answer = answers[0][1]
             if first is None:
                 first = answer
             elif not sampled and not torch.equal(first, answer):
-                print(f"error: prompt {i}: {label} decoded another answer than {labels[0]}; decoding must be "
-                      "lossless", file=sys.stderr)
+                print(
+                    f"error: prompt {i}: {label} decoded another answer than {labels[0]}; decoding must be lossless",
+                    file=sys.stderr,
+                )
                 return None
             row.append((r["new_tokens"], r["passes"]))
         digest = hashlib.sha1(first.numpy().tobytes()).hexdigest()
         if earlier is not None and not sampled and earlier["answers"][i] != digest:
-            print(f"error: prompt {i}: the answer differs from the one in {args.pair_with} (same settings and "
-                  "prompts: decoding must be lossless, or the target or its kernels changed)", file=sys.stderr)
+            print(
+                f"error: prompt {i}: the answer differs from the one in {args.pair_with} (same settings and "
+                "prompts: decoding must be lossless, or the target or its kernels changed)",
+                file=sys.stderr,
+            )
             return None
         hashes.append(digest)
         rows.append(row)
@@ -241,10 +320,15 @@ def _print_table(args, benchmark, prompts, configs, labels, rows, earlier) -> li
     base_new, base_passes = [r[0][0] for r in rows], [r[0][1] for r in rows]
     source = benchmark or "held-out ShareGPT"
     tree = {"eagle2": "EAGLE-2", "optimal": "optimal", "auto": "auto (cost-aware) up to"}[args.tree]
-    answers_note = "the same answers from every row" if not sampled else \
-        f"sampled answers (seed {args.seed} + prompt index), different in every row"
-    print(f"{len(prompts)} prompts ({source}) x {args.max_new_tokens} new tokens, {tree} {args.budget} nodes "
-          f"(depth {args.depth}, top-k {args.top_k}), T = {args.temperature:g}; {answers_note}\n")
+    answers_note = (
+        "the same answers from every row"
+        if not sampled
+        else f"sampled answers (seed {args.seed} + prompt index), different in every row"
+    )
+    print(
+        f"{len(prompts)} prompts ({source}) x {args.max_new_tokens} new tokens, {tree} {args.budget} nodes "
+        f"(depth {args.depth}, top-k {args.top_k}), T = {args.temperature:g}; {answers_note}\n"
+    )
     print("| head | tokens/pass | vs first (95% interval over prompts) |\n|---|---|---|")
     report = []
     for j, label in enumerate(labels):
@@ -262,15 +346,25 @@ def _print_table(args, benchmark, prompts, configs, labels, rows, earlier) -> li
         else:
             path, _, vocab, copy, store = configs[j - (earlier is not None)]
             config = (path, vocab, copy, store)
-        report.append({"head": config[0], "draft_vocab": config[1], "copy": config[2], "datastore": config[3],
-                       "tokens_per_pass": tpp, "new_tokens": new, "passes": passes})
+        report.append(
+            {
+                "head": config[0],
+                "draft_vocab": config[1],
+                "copy": config[2],
+                "datastore": config[3],
+                "tokens_per_pass": tpp,
+                "new_tokens": new,
+                "passes": passes,
+            }
+        )
     return report
 
 
 def row_label(path: str, vocab: str, copy: bool, store=None) -> str:
     """A row's name in the tables: the head folder and what it drafts with."""
-    return (path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "")
-            + ("+store" if store else ""))
+    return (
+        path + (" (full vocab)" if vocab == "full" else "") + (" +copy" if copy else "") + ("+store" if store else "")
+    )
 
 
 def category_table(categories, rows, labels) -> str:

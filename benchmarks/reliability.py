@@ -66,8 +66,17 @@ def main(argv=None) -> int:
     new = passes = 0
     for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
         stats = GenerationStats(steps=[])
-        for _ in decode_steps(target, tok, head, prompt, max_new_tokens=args.max_new_tokens, tree="eagle2", budget=args.budget,
-                              copy=args.copy == "on", stats=stats):
+        for _ in decode_steps(
+            target,
+            tok,
+            head,
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            tree="eagle2",
+            budget=args.budget,
+            copy=args.copy == "on",
+            stats=stats,
+        ):
             pass
         new, passes = new + stats.new_tokens, passes + stats.passes
         for tree, accepted in stats.steps:
@@ -76,8 +85,10 @@ def main(argv=None) -> int:
             for row, factor, hit in node_rows(tree, accepted):
                 t = totals[row]
                 t[0], t[1], t[2] = t[0] + 1, t[1] + factor, t[2] + hit
-    print(f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes, "
-          f"copy {args.copy}: {new / max(passes, 1):.3f} tokens/pass over {passes} passes\n")
+    print(
+        f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, EAGLE-2 {args.budget} nodes, "
+        f"copy {args.copy}: {new / max(passes, 1):.3f} tokens/pass over {passes} passes\n"
+    )
     print("| nodes (parent accepted) | count | predicted accepted | accepted | accepted / predicted |")
     print("|---|---|---|---|---|")
     for row in sorted(totals):

@@ -28,7 +28,12 @@ from eagletree.loading import load_models
 from eagletree.packing import kernels_used
 from eagletree.train.evaluate import heldout_prompts
 from eagletree.tree_search import (
-    chain_shape, eagle2_search, optimal_search, path_expand, sequoia_tree, static_search,
+    chain_shape,
+    eagle2_search,
+    optimal_search,
+    path_expand,
+    sequoia_tree,
+    static_search,
 )
 from eagletree.verify.profile import measure_verify
 
@@ -41,6 +46,7 @@ def synthetic_drafter(step: int, vocab: int = 1000):
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         sharpness = 1.0 + 4.0 * float(torch.rand((), generator=g))
         return torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * sharpness, -1)
+
     return child_probs
 
 
@@ -68,8 +74,16 @@ def record_real(args, shapes):
                 draft_s.setdefault((m, b), []).append(timed.seconds)
 
     for messages in tqdm(heldout_prompts(sharegpt_heldout()[300:], args.prompts), desc="prompts"):
-        for _ in decode_steps(model, tok, head, messages, max_new_tokens=args.max_new_tokens, tree="eagle2",
-                              budget=60, inspect_step=inspect):
+        for _ in decode_steps(
+            model,
+            tok,
+            head,
+            messages,
+            max_new_tokens=args.max_new_tokens,
+            tree="eagle2",
+            budget=60,
+            inspect_step=inspect,
+        ):
             pass
     verify = measure_verify(model, BUDGETS, reps=4, progress=False)
     return expected, search_s, draft_s, verify, kernels_used(model)["kernels"]
@@ -117,8 +131,10 @@ def main(argv=None):
         source = f"{args.steps} synthetic steps"
     else:
         expected, search_s, draft_s, verify, kernels = record_real(args, shapes)
-        source = (f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, "
-                  f"head {args.head})")
+        source = (
+            f"{len(expected[('eagle2', BUDGETS[0])])} real decoding steps ({args.prompts} held-out prompts, "
+            f"head {args.head})"
+        )
 
     print(f"\nE[tokens/pass] by draft confidence, mean over {source}, depth {args.depth}, top_k {args.top_k}")
     print("| budget | " + " | ".join(methods) + " | eagle2 < optimal (share of steps) | mean shortfall |")
@@ -130,8 +146,10 @@ def main(argv=None):
         row = " | ".join(f"{statistics.mean(expected[(m, b)]):.3f}" for m in methods)
         print(f"| {b} | {row} | {float(short.float().mean()):.0%} | {gap:.2%} |")
 
-    print("\nper step, ms (median): tree search (batched form, head calls excluded) / drafting (head calls)"
-          + (f" and the verify pass of that many nodes ({kernels} kernels, as the CLI runs them)" if verify else ""))
+    print(
+        "\nper step, ms (median): tree search (batched form, head calls excluded) / drafting (head calls)"
+        + (f" and the verify pass of that many nodes ({kernels} kernels, as the CLI runs them)" if verify else "")
+    )
     print("| budget | " + " | ".join(methods) + (" | verify pass |" if verify else " |"))
     print("|---|" + "---|" * (len(methods) + (1 if verify else 0)))
     for b in BUDGETS:

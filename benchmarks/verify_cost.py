@@ -39,16 +39,22 @@ def load(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--config", help="a model config.json (or a built-in name: llama-3.1-8b): build random weights "
-                                     "instead of loading --target")
+    ap.add_argument(
+        "--config",
+        help="a model config.json (or a built-in name: llama-3.1-8b): build random weights instead of loading --target",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--prefix", type=int, default=256, help="committed context length before the tree")
     ap.add_argument("--sizes", default="1,4,8,16,32,64,128")
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--reps", type=at_least(1), default=12)
-    ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
-                    help="pack the target's Linears for oneDNN (CPU) at every size, to compare with the stock "
-                         "kernels; auto = where it can")
+    ap.add_argument(
+        "--pack",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="pack the target's Linears for oneDNN (CPU) at every size, to compare with the stock "
+        "kernels; auto = where it can",
+    )
     args = ap.parse_args(argv)
 
     model, name = load(args)
@@ -63,24 +69,34 @@ def main(argv=None):
     stock_one = runs["stock"][1]["forward"]
     for kernels, med in runs.items():
         base = med[1]["forward"]
-        print(f"\nverify pass on {name}, {device.type}, {model.dtype}, {kernels} kernels, prefix {args.prefix}, "
-              f"depth <= {args.depth}, median of {args.reps} round-robin reps"
-              + (", both kernels in the same loop" if packed else ""))
-        print("| N | forward ms | t(N)/t(1) | t(N) / stock t(1) | mask ms | accept ms (greedy) | accept ms (T=1) "
-              "| commit ms | overhead greedy | overhead T=1 |")
+        print(
+            f"\nverify pass on {name}, {device.type}, {model.dtype}, {kernels} kernels, prefix {args.prefix}, "
+            f"depth <= {args.depth}, median of {args.reps} round-robin reps"
+            + (", both kernels in the same loop" if packed else "")
+        )
+        print(
+            "| N | forward ms | t(N)/t(1) | t(N) / stock t(1) | mask ms | accept ms (greedy) | accept ms (T=1) "
+            "| commit ms | overhead greedy | overhead T=1 |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for n in sizes:
             m = med[n]
             over_g = (m["mask"] + m["accept"] + m["commit"]) / m["forward"]
             over_s = (m["mask"] + m["accept_t1"] + m["commit"]) / m["forward"]
-            print(f"| {n} | {m['forward'] * 1e3:.1f} | {m['forward'] / base:.2f} | {m['forward'] / stock_one:.2f} | "
-                  f"{m['mask'] * 1e3:.2f} | {m['accept'] * 1e3:.2f} | {m['accept_t1'] * 1e3:.2f} | "
-                  f"{m['commit'] * 1e3:.2f} | {over_g:.1%} | {over_s:.1%} |")
+            print(
+                f"| {n} | {m['forward'] * 1e3:.1f} | {m['forward'] / base:.2f} | {m['forward'] / stock_one:.2f} | "
+                f"{m['mask'] * 1e3:.2f} | {m['accept'] * 1e3:.2f} | {m['accept_t1'] * 1e3:.2f} | "
+                f"{m['commit'] * 1e3:.2f} | {over_g:.1%} | {over_s:.1%} |"
+            )
     if "packed" in runs:  # like --pack auto (which times the Linears alone), per N: the faster kernel here
-        print("\nfaster kernel per N (whole forward pass): " + ", ".join(
-            f"N={n}: {'packed' if runs['packed'][n]['forward'] < runs['stock'][n]['forward'] else 'stock'} "
-            f"({runs['packed'][n]['forward'] * 1e3:.1f} vs stock {runs['stock'][n]['forward'] * 1e3:.1f} ms)"
-            for n in sizes))
+        print(
+            "\nfaster kernel per N (whole forward pass): "
+            + ", ".join(
+                f"N={n}: {'packed' if runs['packed'][n]['forward'] < runs['stock'][n]['forward'] else 'stock'} "
+                f"({runs['packed'][n]['forward'] * 1e3:.1f} vs stock {runs['stock'][n]['forward'] * 1e3:.1f} ms)"
+                for n in sizes
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,14 @@ its tokenizer and a draft head, and `generate` is the one-call form. Names load 
 __version__ = "0.1.0"
 __all__ = ["CopyOptions", "DecodeConfig", "Decoder", "Sampling", "TreeKind", "generate"]
 
-_HOMES = {"CopyOptions": "decode_config", "DecodeConfig": "decode_config", "Sampling": "decode_config",
-          "TreeKind": "decode_config", "Decoder": "decoding", "generate": "decoding"}
+_HOMES = {
+    "CopyOptions": "decode_config",
+    "DecodeConfig": "decode_config",
+    "Sampling": "decode_config",
+    "TreeKind": "decode_config",
+    "Decoder": "decoding",
+    "generate": "decoding",
+}
 
 
 def __getattr__(name: str):

@@ -22,6 +22,7 @@ DEFAULTS = DecodeConfig()  # the library's decoding defaults are the command lin
 def at_least(low: int):
     """An argparse type for an integer >= `low`, so a bad value is refused before anything loads, naming the flag
     ("argument --max-nodes: must be an integer >= 2, got 1")."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -30,6 +31,7 @@ def at_least(low: int):
         if value is None or value < low:
             raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
         return value
+
     parse.__name__ = f"integer >= {low}"
     return parse
 
@@ -37,49 +39,88 @@ def at_least(low: int):
 def _add_model_args(p, needs_head: bool = False) -> None:
     """--target, --head, --device, --draft-dtype: what `_load` reads (`needs_head`: the command refuses --head none)."""
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    p.add_argument("--head", default=None, help="draft head folder; default: the head shipped for the target"
-                                                + ("" if needs_head else "; 'none' = plain decoding"))
+    p.add_argument(
+        "--head",
+        default=None,
+        help="draft head folder; default: the head shipped for the target"
+        + ("" if needs_head else "; 'none' = plain decoding"),
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
-                        "else the target's (outputs do not depend on it)")
-    p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
-                   help="the tokens the head drafts: its own draft vocabulary (head) or the target's whole "
-                        "vocabulary (full: more tokens draftable, a larger lm_head per drafting level); auto = "
-                        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over")
-    p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
-                   help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
-                        "memory); auto = measure stock vs packed here once per CPU model, threads, dtype and torch "
-                        "version (cached) and keep packing only at the tree sizes where it is faster; on = packed at "
-                        "every size")
+    p.add_argument(
+        "--draft-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the head's precision; auto = bfloat16 for an fp32 target on a CPU with native bf16, "
+        "else the target's (outputs do not depend on it)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        default="auto",
+        choices=["auto", "head", "full"],
+        help="the tokens the head drafts: its own draft vocabulary (head) or the target's whole "
+        "vocabulary (full: more tokens draftable, a larger lm_head per drafting level); auto = "
+        "full on a GPU, head on a CPU; plan: the vocabulary its --engine drafts over",
+    )
+    p.add_argument(
+        "--pack",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="pre-pack the target's Linear weights for oneDNN (CPU; one more copy of the weights in "
+        "memory); auto = measure stock vs packed here once per CPU model, threads, dtype and torch "
+        "version (cached) and keep packing only at the tree sizes where it is faster; on = packed at "
+        "every size",
+    )
 
 
 def _add_decoding_args(p, tree: str = DEFAULTS.tree.value, needs_head: bool = False) -> None:
     """Decoding flags, with DecodeConfig's defaults (`tree`: another default tree kind); `DecodeConfig.from_args`
     reads them."""
     _add_model_args(p, needs_head)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16's output "
-                        "equals plain bf16 decoding's up to rounding; whether it is faster depends on the CPU "
-                        "(docs/results.md)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16's output "
+        "equals plain bf16 decoding's up to rounding; whether it is faster depends on the CPU "
+        "(docs/results.md)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DEFAULTS.sampling.temperature)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--tree", default=tree, choices=TREE_KINDS,
-                   help=f"default {tree}" + (": the cost-aware tree, which drafts only while trees beat a one-token "
-                                             "pass on this machine" if tree == TreeKind.AUTO else ""))
-    p.add_argument("--budget", type=int, default=None, help="tree nodes per target pass, root included "
-                                                            f"(default: {GPU_BUDGET} on CUDA, {CPU_BUDGET} on CPU)")
+    p.add_argument(
+        "--tree",
+        default=tree,
+        choices=TREE_KINDS,
+        help=f"default {tree}"
+        + (
+            ": the cost-aware tree, which drafts only while trees beat a one-token pass on this machine"
+            if tree == TreeKind.AUTO
+            else ""
+        ),
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help=f"tree nodes per target pass, root included (default: {GPU_BUDGET} on CUDA, {CPU_BUDGET} on CPU)",
+    )
     p.add_argument("--depth", type=int, default=DEFAULTS.depth)
     p.add_argument("--top-k-draft", type=int, default=DEFAULTS.top_k_draft)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--copy", default="auto", choices=["auto", "on", "off"],
-                   help="copied spans of the prompt and the answer so far as extra tree candidates (auto: on for "
-                        "eagle2, optimal and auto trees, off for the fixed chain and sequoia shapes)")
-    p.add_argument("--datastore", default="auto",
-                   help="with copying, a corpus copied from too (the target's earlier answers: retrieved spans): auto "
-                        "= the head folder's datastore.npz when it has one, none, or a file `eagletree datastore` made")
+    p.add_argument(
+        "--copy",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="copied spans of the prompt and the answer so far as extra tree candidates (auto: on for "
+        "eagle2, optimal and auto trees, off for the fixed chain and sequoia shapes)",
+    )
+    p.add_argument(
+        "--datastore",
+        default="auto",
+        help="with copying, a corpus copied from too (the target's earlier answers: retrieved spans): auto "
+        "= the head folder's datastore.npz when it has one, none, or a file `eagletree datastore` made",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,11 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_data_commands(sub) -> None:
     """The subparsers of the `data` command."""
-    p = sub.add_parser("data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count "
-                                    "it")
-    p.add_argument("--dataset", default="sharegpt",
-                   help="'sharegpt' (shipped), a .json/.jsonl path, or several joined by commas (an id a later one has "
-                        "again is taken from it)")
+    p = sub.add_parser(
+        "data", help="read training data as training would (ShareGPT or your own JSON/JSONL) and count it"
+    )
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="'sharegpt' (shipped), a .json/.jsonl path, or several joined by commas (an id a later one has "
+        "again is taken from it)",
+    )
     p.add_argument("--stats", action="store_true", help="print one JSON object of counts")
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     p.set_defaults(func="cmd_data")
@@ -122,8 +167,9 @@ def _add_decoding_commands(sub) -> None:
     p = sub.add_parser("viz", help="one drafting step as an HTML page: tree, attention mask, verification replay")
     _add_decoding_args(p, tree="eagle2", needs_head=True)  # a picture of a tree: auto may verify the root alone
     p.add_argument("--prompt", required=True)
-    p.add_argument("--step", type=at_least(1), default=1,
-                   help="show the K-th target pass of the generation (1 = the first)")
+    p.add_argument(
+        "--step", type=at_least(1), default=1, help="show the K-th target pass of the generation (1 = the first)"
+    )
     p.add_argument("-o", "--output", default="tree.html", help="the HTML file to write")
     p.set_defaults(func="cmd_viz")
 
@@ -137,42 +183,77 @@ def _add_training_commands(sub) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func="cmd_features")
 
-    p = sub.add_parser("distill", help="the target's own answers to the training prompts (self-distillation "
-                                       "data; resumable JSONL)")
+    p = sub.add_parser(
+        "distill", help="the target's own answers to the training prompts (self-distillation data; resumable JSONL)"
+    )
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file")
-    p.add_argument("--dataset", default="sharegpt", help="'sharegpt' (shipped), a .json/.jsonl path or several "
-                                                         "joined by commas; only the training split is read. Or "
-                                                         "humaneval:A-B: HumanEval problems A to B, all answered "
-                                                         "(evaluate on other problems)")
-    p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
-                   help="the training config's heldout_fraction (held-out prompts are never answered)")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="'sharegpt' (shipped), a .json/.jsonl path or several "
+        "joined by commas; only the training split is read. Or "
+        "humaneval:A-B: HumanEval problems A to B, all answered "
+        "(evaluate on other problems)",
+    )
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=HELDOUT_FRACTION,
+        help="the training config's heldout_fraction (held-out prompts are never answered)",
+    )
     p.add_argument("--out", required=True, help="JSONL file; appended to, so a rerun continues where it stopped")
-    p.add_argument("--limit", type=at_least(0), default=0, help="answer the first N prompts --turns picks (0 = "
-                   "all; with first turns, the first N conversations'; those --skip-answered leaves out count "
-                   "toward N)")
+    p.add_argument(
+        "--limit",
+        type=at_least(0),
+        default=0,
+        help="answer the first N prompts --turns picks (0 = "
+        "all; with first turns, the first N conversations'; those --skip-answered leaves out count "
+        "toward N)",
+    )
     p.add_argument("--max-new-tokens", type=at_least(1), default=320)
-    p.add_argument("--skip-answered", action="append", default=[], metavar="JSONL",
-                   help="leave out prompts this other distill file answers (e.g. one made with another "
-                        "--max-new-tokens); repeatable")
+    p.add_argument(
+        "--skip-answered",
+        action="append",
+        default=[],
+        metavar="JSONL",
+        help="leave out prompts this other distill file answers (e.g. one made with another "
+        "--max-new-tokens); repeatable",
+    )
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=256, help="longer prompts are skipped (counted)")
-    p.add_argument("--min-prompt-tokens", type=at_least(0), default=0,
-                   help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
-                        "file with a lower --max-prompt-tokens left out")
-    p.add_argument("--match", default=None, metavar="REGEX",
-                   help="answer only the prompts whose user turn this regular expression finds something in "
-                        "(counted; --limit then takes the first N of them), e.g. '(?i)python|```' for a datastore of "
-                        "code answers")
-    p.add_argument("--turns", default="first", choices=list(TURNS),
-                   help="which user turns to answer: the first, the later ones (after the conversation so far, "
-                        "earlier answers as the dataset has them; record ids end in @turn<k>), or all")
+    p.add_argument(
+        "--min-prompt-tokens",
+        type=at_least(0),
+        default=0,
+        help="shorter prompts are skipped (counted), e.g. to answer only the long prompts an earlier "
+        "file with a lower --max-prompt-tokens left out",
+    )
+    p.add_argument(
+        "--match",
+        default=None,
+        metavar="REGEX",
+        help="answer only the prompts whose user turn this regular expression finds something in "
+        "(counted; --limit then takes the first N of them), e.g. '(?i)python|```' for a datastore of "
+        "code answers",
+    )
+    p.add_argument(
+        "--turns",
+        default="first",
+        choices=list(TURNS),
+        help="which user turns to answer: the first, the later ones (after the conversation so far, "
+        "earlier answers as the dataset has them; record ids end in @turn<k>), or all",
+    )
     p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what T=0 decoding meets)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
-                        "native bf16 may be faster or not (docs/results.md), and its answers are the same text in all "
-                        "but a few tokens")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the target's precision (default: float32 on CPU, bfloat16 on CUDA); bfloat16 on a CPU with "
+        "native bf16 may be faster or not (docs/results.md), and its answers are the same text in all "
+        "but a few tokens",
+    )
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="packed CPU kernels (as in generate)")
     p.set_defaults(func="cmd_distill")
 
@@ -183,9 +264,13 @@ def _add_head_commands(sub) -> None:
     p.add_argument("--head", required=True)
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
     p.add_argument("--out", required=True, help="a new or empty folder (never the head's own)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
-                                                            "model.safetensors (and token_map.pt) there, keep the rest "
-                                                            "of its files")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out: replace config.json and "
+        "model.safetensors (and token_map.pt) there, keep the rest "
+        "of its files",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--target", default="smollm2-135m", help="eagle3: the target whose embedding the export carries")
     p.set_defaults(func="cmd_export")
@@ -194,54 +279,88 @@ def _add_head_commands(sub) -> None:
     p.add_argument("--eagle", required=True, help="folder with config.json and model.safetensors/pytorch_model.bin")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--out", required=True, help="a new or empty folder (never the --eagle folder)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: replace config.json and "
-                                                            "model.safetensors there, keep its other files")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out: replace config.json and model.safetensors there, keep its other files",
+    )
     p.set_defaults(func="cmd_import")
 
     p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
     _add_model_args(p, needs_head=True)
     p.add_argument("--engine", required=True, choices=["vllm", "sglang", "eagle"])
-    p.add_argument("--profile", default=None, help="latency profile JSON (eagletree profile's "
-                                                   "profile.json, or a cached LatencyProfile); default: measure "
-                                                   "on --device")
-    p.add_argument("--export", default="EXPORT_DIR", help="the folder the head was exported to (named in the "
-                                                          "engine's settings)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="latency profile JSON (eagletree profile's "
+        "profile.json, or a cached LatencyProfile); default: measure "
+        "on --device",
+    )
+    p.add_argument(
+        "--export", default="EXPORT_DIR", help="the folder the head was exported to (named in the engine's settings)"
+    )
     p.add_argument("--max-nodes", type=at_least(2), default=64, help="the most tree nodes per pass, root included")
     p.add_argument("--max-depth", type=at_least(1), default=8)
     p.add_argument("--top-k-draft", type=at_least(1), default=10, help="ranks measured per depth")
-    p.add_argument("--prompts", default="heldout:8", help="heldout:N, mtbench[:N] or a .jsonl file; the first "
-                                                          "half measures the acceptance, the second checks the tree")
+    p.add_argument(
+        "--prompts",
+        default="heldout:8",
+        help="heldout:N, mtbench[:N] or a .jsonl file; the first "
+        "half measures the acceptance, the second checks the tree",
+    )
     p.add_argument("--max-new-tokens", type=at_least(1), default=48)
-    p.add_argument("--acceptance", default=None, help="reuse the acceptance of an earlier plan's JSON, measured "
-                                                      "over the same draft vocabulary (the first half of the prompts "
-                                                      "is then not decoded)")
+    p.add_argument(
+        "--acceptance",
+        default=None,
+        help="reuse the acceptance of an earlier plan's JSON, measured "
+        "over the same draft vocabulary (the first half of the prompts "
+        "is then not decoded)",
+    )
     p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
     p.set_defaults(func="cmd_plan")
 
     p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
     _add_model_args(p, needs_head=True)
-    p.add_argument("--prompts", default="heldout:30",
-                   help="heldout:N, mtbench[:N], humaneval[:N], humaneval:A-B or a .jsonl file "
-                        "(default heldout:30: held-out ShareGPT, not MT-bench)")
+    p.add_argument(
+        "--prompts",
+        default="heldout:30",
+        help="heldout:N, mtbench[:N], humaneval[:N], humaneval:A-B or a .jsonl file "
+        "(default heldout:30: held-out ShareGPT, not MT-bench)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=60)
     p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--out", default=None, help="default: HEAD/copy_calibration.json, or HEAD/copy_calibration.full-vocab"
-                                               ".json when the head drafts over the full vocabulary (--draft-vocab)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="default: HEAD/copy_calibration.json, or HEAD/copy_calibration.full-vocab"
+        ".json when the head drafts over the full vocabulary (--draft-vocab)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a table that is already there")
     p.set_defaults(func="cmd_calibrate_copy")
 
     p = sub.add_parser("datastore", help="index a corpus of answers for retrieved spans; saved next to the head")
-    p.add_argument("--from", dest="source", required=True, nargs="+", metavar="JSONL",
-                   help="chat JSONL files whose assistant turns are indexed, e.g. `eagletree distill`'s answers to "
-                        "training prompts (never the prompts you evaluate on); a record id seen again replaces the "
-                        "earlier answer")
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        nargs="+",
+        metavar="JSONL",
+        help="chat JSONL files whose assistant turns are indexed, e.g. `eagletree distill`'s answers to "
+        "training prompts (never the prompts you evaluate on); a record id seen again replaces the "
+        "earlier answer",
+    )
     p.add_argument("--target", default="smollm2-135m", help="alias, HF model folder or .gguf file (its tokenizer)")
-    p.add_argument("--head", default=None, help="the head folder to save it in (default: the head shipped for the "
-                                                "target)")
+    p.add_argument(
+        "--head", default=None, help="the head folder to save it in (default: the head shipped for the target)"
+    )
     p.add_argument("--out", default=None, help="default: HEAD/datastore.npz")
-    p.add_argument("--min-match", type=at_least(1), default=5,
-                   help="the fewest context tokens a retrieved span's match needs (shorter matches draft poorly)")
+    p.add_argument(
+        "--min-match",
+        type=at_least(1),
+        default=5,
+        help="the fewest context tokens a retrieved span's match needs (shorter matches draft poorly)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a datastore that is already there")
     p.set_defaults(func="cmd_datastore")
 
@@ -250,49 +369,76 @@ def _add_measuring_commands(sub) -> None:
     """The subparsers of bench, profile."""
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--prompts", default=None,
-                   help="mtbench[:N] (MT-bench first turns), humaneval[:N], humaneval:A-B (problems A to B), heldout:N "
-                        "(held-out ShareGPT first user turns; default heldout:8, --quick heldout:2) or a .jsonl file "
-                        "of prompts/messages")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA"
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="mtbench[:N] (MT-bench first turns), humaneval[:N], humaneval:A-B (problems A to B), heldout:N "
+        "(held-out ShareGPT first user turns; default heldout:8, --quick heldout:2) or a .jsonl file "
+        "of prompts/messages",
+    )
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="default 64 (--quick 24)")
-    p.add_argument("--methods", default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
-                   help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
-                        "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
-                        "text (and retrieved spans from the head's datastore.npz, see --datastore); copy = copied "
-                        "spans alone in eagletree's tree (no head); lookup = HF prompt-lookup decoding")
-    p.add_argument("--datastore", default="auto", choices=["auto", "none"],
-                   help="NAME+copy rows copy from the head folder's datastore.npz too (auto, when it has one) or not")
-    p.add_argument("--budgets", default=None,
-                   help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)")
+    p.add_argument(
+        "--methods",
+        default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
+        help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
+        "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
+        "text (and retrieved spans from the head's datastore.npz, see --datastore); copy = copied "
+        "spans alone in eagletree's tree (no head); lookup = HF prompt-lookup decoding",
+    )
+    p.add_argument(
+        "--datastore",
+        default="auto",
+        choices=["auto", "none"],
+        help="NAME+copy rows copy from the head folder's datastore.npz too (auto, when it has one) or not",
+    )
+    p.add_argument(
+        "--budgets", default=None, help="tree nodes per pass, root included (default 8,16,32,60; --quick 8,32)"
+    )
     p.add_argument("--temperatures", default=None, help="default 0,1")
     p.add_argument("--depth", type=at_least(1), default=6)
     p.add_argument("--top-k-draft", type=at_least(1), default=10)
     p.add_argument("--lookup-tokens", type=at_least(1), default=10, help="prompt_lookup_num_tokens of HF prompt lookup")
-    p.add_argument("--seed", type=at_least(0), default=0,
-                   help="prompt i samples with seed + i (plain and every method)")
+    p.add_argument(
+        "--seed", type=at_least(0), default=0, help="prompt i samples with seed + i (plain and every method)"
+    )
     p.add_argument("--quick", action="store_true", help="2 prompts x 24 tokens, budgets 8 and 32")
     p.add_argument("-o", "--out", default="out/bench", help="folder for results.json, results.md and the plots")
     p.set_defaults(func="cmd_bench")
 
-    p = sub.add_parser("profile", help="a device's acceptance-independent costs on random weights: verify latency per "
-                                       "tree size, drafting, engine overhead, and the speedups they allow")
+    p = sub.add_parser(
+        "profile",
+        help="a device's acceptance-independent costs on random weights: verify latency per "
+        "tree size, drafting, engine overhead, and the speedups they allow",
+    )
     p.add_argument("--config", required=True, help="llama-3.1-8b or a path to an HF config.json (random weights)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--head", default=None, help="a head folder whose draft vocabulary size the random head takes "
-                                                "(--draft-vocab head)")
-    p.add_argument("--draft-vocab", default="auto", choices=["auto", "head", "full"],
-                   help="the tokens the random head drafts over: as many as --head's (head) or the whole vocabulary "
-                        "(full); auto = full on a GPU, else --head's when given")
+    p.add_argument(
+        "--head",
+        default=None,
+        help="a head folder whose draft vocabulary size the random head takes (--draft-vocab head)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        default="auto",
+        choices=["auto", "head", "full"],
+        help="the tokens the random head drafts over: as many as --head's (head) or the whole vocabulary "
+        "(full); auto = full on a GPU, else --head's when given",
+    )
     p.add_argument("--depth", type=at_least(1), default=DEFAULTS.depth)
     p.add_argument("--top-k-draft", type=at_least(1), default=DEFAULTS.top_k_draft)
     p.add_argument("--sizes", default="1,2,4,8,16,32,60,64,128,256", help="tree sizes N")
     p.add_argument("--reps", type=at_least(1), default=10, help="round-robin repetitions")
     p.add_argument("--prefix", type=at_least(1), default=256, help="committed tokens before the tree")
-    p.add_argument("--tokens-per-pass", type=float, default=None,
-                   help="project the speedup with this tokens/pass (default: from OUT/results.json, a bench run's)")
+    p.add_argument(
+        "--tokens-per-pass",
+        type=float,
+        default=None,
+        help="project the speedup with this tokens/pass (default: from OUT/results.json, a bench run's)",
+    )
     p.add_argument("--results", default=None, help="a bench results.json to take tokens/pass from")
     p.add_argument("-o", "--out", default="out/bench", help="folder for profile.json and profile.md")
     p.set_defaults(func="cmd_profile")

@@ -18,9 +18,9 @@ import torch
 
 from . import target
 from .bench import Run, load_prompts, measure_drafting, run_hf
-from .bench.inputs import humaneval_range
 from .bench import main as bench_main
 from .bench.command import typed_command
+from .bench.inputs import humaneval_range
 from .bench.profile import main_profile
 from .decode_config import DecodeConfig, check_options
 from .decode_resources import latency_profile
@@ -51,21 +51,30 @@ def cmd_data(args) -> int:
     if args.stats:
         print(json.dumps(counts, indent=2))
     else:
-        print(f"{counts['source']}: {counts['conversations']:,} conversations ({counts['train']:,} for training, "
-              f"{counts['heldout']:,} held out at {counts['heldout_fraction']}), {counts['turns']:,} turns"
-              + ((", a file was cut off (recovered up to its last complete record; the warning names it)"
-                  if "," in counts["source"] else ", the file was cut off (recovered up to its last complete record)")
-                 if counts["truncated"] else "")
-              + (f", {counts['replaced']:,} replaced by a later file's with the same id" if counts["replaced"] else "")
-              + "; --stats for every count as JSON")
+        print(
+            f"{counts['source']}: {counts['conversations']:,} conversations ({counts['train']:,} for training, "
+            f"{counts['heldout']:,} held out at {counts['heldout_fraction']}), {counts['turns']:,} turns"
+            + (
+                (
+                    ", a file was cut off (recovered up to its last complete record; the warning names it)"
+                    if "," in counts["source"]
+                    else ", the file was cut off (recovered up to its last complete record)"
+                )
+                if counts["truncated"]
+                else ""
+            )
+            + (f", {counts['replaced']:,} replaced by a later file's with the same id" if counts["replaced"] else "")
+            + "; --stats for every count as JSON"
+        )
     return 0
 
 
 def _refuse_head_none(args, command: str, why: str) -> None:
     """ValueError before loading when a command that needs a draft head is given --head none."""
     if args.head == "none":
-        raise ValueError(f"--head none: {command} {why}; pass a head folder, or leave --head out for the target's "
-                         "shipped head")
+        raise ValueError(
+            f"--head none: {command} {why}; pass a head folder, or leave --head out for the target's shipped head"
+        )
 
 
 def _load(args, config: DecodeConfig | None = None):
@@ -73,13 +82,21 @@ def _load(args, config: DecodeConfig | None = None):
     the flags ask for (built before loading, so a bad flag is refused at once), also a Decoder for them."""
     head_path = head_to_load(args.target, args.head)
     t0 = time.perf_counter()
-    model, tok, head, packed = load_models(args.target, head_path, device=args.device,
-                                           dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
-                                           pack=args.pack, head_dtype=args.draft_dtype,
-                                           draft_vocab=_draft_vocab(args))
-    print(f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
-          f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
-          f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    model, tok, head, packed = load_models(
+        args.target,
+        head_path,
+        device=args.device,
+        dtype=getattr(args, "dtype", None),  # generate, chat, viz: --dtype
+        pack=args.pack,
+        head_dtype=args.draft_dtype,
+        draft_vocab=_draft_vocab(args),
+    )
+    print(
+        f"loaded {args.target} ({type(model).__name__}, {model.dtype}, {model.device}"
+        f"{f', {packed} Linears packed' if packed else ''}{_kernels_note(model)})"
+        f"{'' if head is None else f' and head {head_path}'} in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
     if config is None:
         return model, tok, head
     return model, tok, head, Decoder(model, tok, head, config)
@@ -96,8 +113,11 @@ def _engine_vocab(args, head) -> None:
     token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
     if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.can_widen_vocab():
         head.widen_vocab()
-        print(f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
-              "(--draft-vocab head to keep the head's own)", file=sys.stderr)
+        print(
+            f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
+            "(--draft-vocab head to keep the head's own)",
+            file=sys.stderr,
+        )
 
 
 def _kernels_note(model) -> str:
@@ -110,11 +130,16 @@ def _plain(model, tok, messages, args, stock: bool = False) -> dict:
     """Plain HF decoding of the same prompt with the same sampling settings and stop tokens, timed: with the
     kernels the speculative run used, or (`stock`) PyTorch's stock kernels, i.e. HF `generate` as users run it."""
     with stock_kernels(model) if stock else nullcontext():
-        run = run_hf(model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k,
-                     top_p=args.top_p)
-    return {"new_tokens": len(run.token_ids), "seconds": run.seconds,
-            "tokens_per_s": len(run.token_ids) / run.seconds, "token_ids": run.token_ids,
-            "decode_rate": run.decode_rate}
+        run = run_hf(
+            model, tok, messages, args.max_new_tokens, args.temperature, args.seed, top_k=args.top_k, top_p=args.top_p
+        )
+    return {
+        "new_tokens": len(run.token_ids),
+        "seconds": run.seconds,
+        "tokens_per_s": len(run.token_ids) / run.seconds,
+        "token_ids": run.token_ids,
+        "decode_rate": run.decode_rate,
+    }
 
 
 SPEEDUP_BASES = {"end to end": "tokens_per_s", "after the first pass": "decode_rate"}
@@ -134,10 +159,15 @@ def compare_plain(result: dict, model, tok, messages, args) -> dict:
     if args.temperature and all(r["decode_rate"] == r["decode_rate"] for r in (result, plain, hf)):  # (NaN: none)
         basis = "after the first pass"
     rate = SPEEDUP_BASES[basis]
-    result.update(kernels=kernels_used(model), plain_tokens_per_s=round(plain[rate], 2),
-                  speedup=round(result[rate] / plain[rate], 3), hf_tokens_per_s=round(hf[rate], 2),
-                  speedup_vs_hf=round(result[rate] / hf[rate], 3), kernels_gain=round(plain[rate] / hf[rate], 3),
-                  speedup_basis=basis)
+    result.update(
+        kernels=kernels_used(model),
+        plain_tokens_per_s=round(plain[rate], 2),
+        speedup=round(result[rate] / plain[rate], 3),
+        hf_tokens_per_s=round(hf[rate], 2),
+        speedup_vs_hf=round(result[rate] / hf[rate], 3),
+        kernels_gain=round(plain[rate] / hf[rate], 3),
+        speedup_basis=basis,
+    )
     if basis != "end to end":
         result["decode_tokens_per_s"] = round(result[rate], 2)
     if not args.temperature:
@@ -167,12 +197,19 @@ def _answer(decoder: Decoder, messages, stream_to=None) -> dict:
         stream_to.write("\n")
     d = stats.as_dict()
     run = Run(ids, stats.seconds, first[0] if first else stats.seconds, list(stats.accepted_lengths))
-    return {"text": decode_text(tok, ids), "token_ids": ids, "new_tokens": d["new_tokens"],
-            "decode_rate": run.decode_rate,  # as bench reads a run: the rate after the first pass
-            "passes": d["passes"], "tokens_per_pass": round(d["tokens_per_pass"], 3),
-            "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
-            "tokens_per_s": round(d["tokens_per_s"], 2), "seconds": round(d["seconds"], 3), "times": d["times"],
-            "copied_tokens": d["copied_tokens"]}
+    return {
+        "text": decode_text(tok, ids),
+        "token_ids": ids,
+        "new_tokens": d["new_tokens"],
+        "decode_rate": run.decode_rate,  # as bench reads a run: the rate after the first pass
+        "passes": d["passes"],
+        "tokens_per_pass": round(d["tokens_per_pass"], 3),
+        "predicted_tokens_per_pass": round(d["predicted_tokens_per_pass"], 3),
+        "tokens_per_s": round(d["tokens_per_s"], 2),
+        "seconds": round(d["seconds"], 3),
+        "times": d["times"],
+        "copied_tokens": d["copied_tokens"],
+    }
 
 
 def check_utf8(text: str, what: str) -> str:
@@ -181,8 +218,9 @@ def check_utf8(text: str, what: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise ValueError(f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
-                         "give UTF-8 text") from None
+        raise ValueError(
+            f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); give UTF-8 text"
+        ) from None
     return text
 
 
@@ -195,8 +233,11 @@ def cmd_generate(args) -> int:
     messages = [{"role": "user", "content": args.prompt}]
     result = _answer(decoder, messages, stream_to=None if args.json else sys.stdout)
     config = decoder.config
-    result["method"] = ("copy" if config.copies else "plain") if head is None else \
-        config.tree.value + ("+copy" if config.copies else "")
+    result["method"] = (
+        ("copy" if config.copies else "plain")
+        if head is None
+        else config.tree.value + ("+copy" if config.copies else "")
+    )
     result["kernels"] = kernels_used(model)  # what ran, and --pack auto's measured choice with both timings
     if head is not None:  # the drafter's: the target's choice, or its own where it drafts in another precision
         result["draft_kernels"] = kernels_used(head)
@@ -207,16 +248,22 @@ def cmd_generate(args) -> int:
             result.pop(key)
         print(json.dumps(result))
         return 0
-    line = (f"[{result['method']}: {result['new_tokens']} tokens in {result['seconds']:.2f}s = "
-            f"{result['tokens_per_s']} tokens/s, {result['tokens_per_pass']} tokens/pass "
-            f"(predicted {result['predicted_tokens_per_pass']})")
+    line = (
+        f"[{result['method']}: {result['new_tokens']} tokens in {result['seconds']:.2f}s = "
+        f"{result['tokens_per_s']} tokens/s, {result['tokens_per_pass']} tokens/pass "
+        f"(predicted {result['predicted_tokens_per_pass']})"
+    )
     if args.compare_plain:
         if result["speedup_basis"] != "end to end":
-            line += (f" | rates after the first pass from here on (sampled answers differ in length): "
-                     f"{result['decode_tokens_per_s']} tokens/s")
-        line += (f" | plain decoding, same kernels ({result['kernels']['kernels']}): {result['plain_tokens_per_s']} "
-                 f"tokens/s | speedup {result['speedup']}x | HF generate, stock kernels: {result['hf_tokens_per_s']} "
-                 f"tokens/s | speedup vs HF {result['speedup_vs_hf']}x")
+            line += (
+                f" | rates after the first pass from here on (sampled answers differ in length): "
+                f"{result['decode_tokens_per_s']} tokens/s"
+            )
+        line += (
+            f" | plain decoding, same kernels ({result['kernels']['kernels']}): {result['plain_tokens_per_s']} "
+            f"tokens/s | speedup {result['speedup']}x | HF generate, stock kernels: {result['hf_tokens_per_s']} "
+            f"tokens/s | speedup vs HF {result['speedup_vs_hf']}x"
+        )
         if "identical_to_plain" in result:
             line += f" | identical to plain: {result['identical_to_plain']}"
     print(line + "]")
@@ -235,9 +282,12 @@ def cmd_chat(args) -> int:
             print(file=sys.stderr)
             break
         except (ValueError, UnicodeDecodeError) as e:  # a bad line is not the end of the conversation
-            print(f"error: {e}" if isinstance(e, ValueError) else
-                  f"error: that line is not valid UTF-8 text ({e.reason} at byte {e.start}); type it again",
-                  file=sys.stderr)
+            print(
+                f"error: {e}"
+                if isinstance(e, ValueError)
+                else f"error: that line is not valid UTF-8 text ({e.reason} at byte {e.start}); type it again",
+                file=sys.stderr,
+            )
             continue
         if not text.strip():
             break
@@ -247,13 +297,18 @@ def cmd_chat(args) -> int:
             result = _answer(decoder, messages, stream_to=sys.stdout)
         except ValueError as e:  # e.g. the conversation no longer fits the context: this message is not sent
             messages.pop()
-            print(f"\nerror: {e}\n(that message was not sent; the conversation so far is kept: type a shorter "
-                  "one, or an empty line to quit)", file=sys.stderr)
+            print(
+                f"\nerror: {e}\n(that message was not sent; the conversation so far is kept: type a shorter "
+                "one, or an empty line to quit)",
+                file=sys.stderr,
+            )
             continue
         except KeyboardInterrupt:  # Ctrl-C during an answer stops it; the conversation goes on without that turn
             messages.pop()
-            print("\n(answer stopped; that message and its partial answer were dropped, the conversation so far is "
-                  "kept)", file=sys.stderr)
+            print(
+                "\n(answer stopped; that message and its partial answer were dropped, the conversation so far is kept)",
+                file=sys.stderr,
+            )
             continue
         messages.append({"role": "assistant", "content": result["text"]})
         print(f"[{result['tokens_per_pass']} tokens/pass, {result['tokens_per_s']} tokens/s]", file=sys.stderr)
@@ -269,15 +324,23 @@ def cmd_viz(args) -> int:
     _refuse_head_none(args, "viz", "shows the tree a draft head drafts")
     config = DecodeConfig.from_args(args)
     model, tok, head = _load(args)
-    data = viz_step(model, tok, head, [{"role": "user", "content": args.prompt}], step=args.step,
-                    config=config.for_device(model.device))
+    data = viz_step(
+        model,
+        tok,
+        head,
+        [{"role": "user", "content": args.prompt}],
+        step=args.step,
+        config=config.for_device(model.device),
+    )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, render_html(data))
     greedy = len(data["greedy"]["accepted"])
-    print(f"wrote {out}: step {args.step}, {args.tree} tree of {len(data['tokens'])} nodes, "
-          f"E[tokens/pass] {data['expected']:.3f} (under the target {data['target_expected']:.3f}), "
-          f"greedy verification emits {greedy} token{'s' if greedy > 1 else ''}")
+    print(
+        f"wrote {out}: step {args.step}, {args.tree} tree of {len(data['tokens'])} nodes, "
+        f"E[tokens/pass] {data['expected']:.3f} (under the target {data['target_expected']:.3f}), "
+        f"greedy verification emits {greedy} token{'s' if greedy > 1 else ''}"
+    )
     return 0
 
 
@@ -323,13 +386,15 @@ def cmd_plan(args) -> int:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read --acceptance {args.acceptance!r}: {e}") from e
         if not isinstance(data, dict):
-            raise ValueError(f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got "
-                             f"{type(data).__name__}")
+            raise ValueError(
+                f"--acceptance {args.acceptance!r}: expected a plan's JSON object, got {type(data).__name__}"
+            )
         try:
             acceptance = Acceptance.from_dict(data.get("acceptance", data))
         except ValueError as e:
-            raise ValueError(f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes "
-                             f"it)") from None
+            raise ValueError(
+                f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes it)"
+            ) from None
     check_output_file(args.out, "-o/--out")
     _refuse_head_none(args, "plan", "chooses a tree for a draft head")
     profile = load_profile(args.profile) if args.profile else None
@@ -344,9 +409,21 @@ def cmd_plan(args) -> int:
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
-    result = make_plan(model, tok, head, args.engine, profile, measure, check, args.export, acceptance=acceptance,
-                       max_nodes=args.max_nodes, max_depth=args.max_depth, top_k=args.top_k_draft,
-                       max_new_tokens=args.max_new_tokens)
+    result = make_plan(
+        model,
+        tok,
+        head,
+        args.engine,
+        profile,
+        measure,
+        check,
+        args.export,
+        acceptance=acceptance,
+        max_nodes=args.max_nodes,
+        max_depth=args.max_depth,
+        top_k=args.top_k_draft,
+        max_new_tokens=args.max_new_tokens,
+    )
     result["prompts"] = args.prompts
     write_json_atomic(args.out, result)
     print(summary(result))
@@ -360,8 +437,9 @@ def cmd_calibrate_copy(args) -> int:
     _refuse_head_none(args, "calibrate-copy", "measures the copied spans next to a head's candidates")
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 2), ("--budget", args.budget, 2)):
         if value < least:  # fewer would try no copied span, and the table would be replaced by an uninformed one
-            raise ValueError(f"{flag} must be >= {least} for calibrate-copy (a copied span needs room to be tried), "
-                             f"got {value}")
+            raise ValueError(
+                f"{flag} must be >= {least} for calibrate-copy (a copied span needs room to be tried), got {value}"
+            )
     if args.out:
         check_output_file(args.out)
     prompts = load_prompts(args.prompts)
@@ -370,20 +448,27 @@ def cmd_calibrate_copy(args) -> int:
     model, tok, head = _load(args)
     out = Path(args.out) if args.out else head.folder / copy_calibration_names(head.is_widened())[0]
     if out.exists() and not args.overwrite:  # (a head's table may have taken an hour of prompts to measure)
-        raise ValueError(f"{out} holds a copy table already; pass --overwrite to replace it with this run's, or --out "
-                         "to write it elsewhere")
-    calibration, result = measure_copy_calibration(head, model, tok, prompts, args.max_new_tokens, budget=args.budget,
-                                                   depth=args.depth, top_k_draft=10)
+        raise ValueError(
+            f"{out} holds a copy table already; pass --overwrite to replace it with this run's, or --out "
+            "to write it elsewhere"
+        )
+    calibration, result = measure_copy_calibration(
+        head, model, tok, prompts, args.max_new_tokens, budget=args.budget, depth=args.depth, top_k_draft=10
+    )
     if not calibration.tried.sum():
-        raise ValueError(f"no copied span was tried on these {len(prompts)} prompts (their answers repeated nothing "
-                         f"of their context), so there is nothing to measure; {out} was left as it was. Use more or "
-                         "longer prompts (--prompts heldout:64, --max-new-tokens 128)")
+        raise ValueError(
+            f"no copied span was tried on these {len(prompts)} prompts (their answers repeated nothing "
+            f"of their context), so there is nothing to measure; {out} was left as it was. Use more or "
+            "longer prompts (--prompts heldout:64, --max-new-tokens 128)"
+        )
     calibration.save(out)
     first = calibration.rate()[:, 0].tolist()
-    print(f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
-          f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass, drafting over "
-          f"{head.drafted_vocab_size()} tokens); first-token acceptance "
-          f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first))
+    print(
+        f"wrote {out}: {int(calibration.tried.sum())} copied tokens tried, {int(calibration.accepted.sum())} "
+        f"accepted on {len(prompts)} prompts ({result['tokens_per_pass']:.3f} tokens/pass, drafting over "
+        f"{head.drafted_vocab_size()} tokens); first-token acceptance "
+        f"by match length {'/'.join(bin_labels())}: " + " ".join(f"{r:.2f}" for r in first)
+    )
     return 0
 
 
@@ -406,8 +491,10 @@ def cmd_datastore(args) -> int:
             raise ValueError("--head none: a datastore is saved next to a head; pass a head folder, or --out FILE")
         folder = Path(folder)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"--head {str(folder)!r} is not a saved head (no config.json); pass --out to write "
-                             "the datastore elsewhere")
+            raise ValueError(
+                f"--head {str(folder)!r} is not a saved head (no config.json); pass --out to write "
+                "the datastore elsewhere"
+            )
         out = folder / DATASTORE
     if out.exists() and not args.overwrite:
         raise ValueError(f"{out} exists; pass --overwrite to replace it, or --out to write elsewhere")
@@ -417,12 +504,15 @@ def cmd_datastore(args) -> int:
             load_head(out.parent, target_config=model.config)
         except HeadError as e:
             raise ValueError(f"--head {str(out.parent)!r}: {e}") from None
-    store = TokenStore.from_chat_file(sources, tok, min_match=args.min_match, max_ngram=max(8, args.min_match),
-                                      max_match=max(16, args.min_match))
+    store = TokenStore.from_chat_file(
+        sources, tok, min_match=args.min_match, max_ngram=max(8, args.min_match), max_match=max(16, args.min_match)
+    )
     names = [f.name for f in sources]
     header = store.save(out, vocab_fingerprint(tok), source=names[0] if len(names) == 1 else names)
-    print(f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from "
-          f"{', '.join(map(str, sources))}, matches of {args.min_match}+ tokens")
+    print(
+        f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from "
+        f"{', '.join(map(str, sources))}, matches of {args.min_match}+ tokens"
+    )
     return 0
 
 
@@ -447,9 +537,16 @@ def cmd_features(args) -> int:
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(device)) == "bf16" else torch.float32
     model, tok = target.load_target(cfg.target, dtype=dtype, device=device)
     manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
-    print(json.dumps({"features_dir": cfg.features_dir, "shards": len(manifest["shards"]),
-                      "complete": manifest["complete"],
-                      "tokens": sum(s["tokens"] for s in manifest["shards"])}))
+    print(
+        json.dumps(
+            {
+                "features_dir": cfg.features_dir,
+                "shards": len(manifest["shards"]),
+                "complete": manifest["complete"],
+                "tokens": sum(s["tokens"] for s in manifest["shards"]),
+            }
+        )
+    )
     return 0
 
 
@@ -459,8 +556,10 @@ def distill_prompts(dataset: str, heldout_fraction: float) -> list[Conversation]
     questions; the evaluation must then use other problems (the README's code rows use problems 1-80)."""
     if dataset == "humaneval" or dataset.startswith("humaneval:"):
         count, offset = humaneval_range(dataset, flag="--dataset")  # ValueError naming the spec
-        return [Conversation(f"HumanEval/{offset + i}", messages)
-                for i, messages in enumerate(humaneval_prompts(count, offset))]
+        return [
+            Conversation(f"HumanEval/{offset + i}", messages)
+            for i, messages in enumerate(humaneval_prompts(count, offset))
+        ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train_convs, _ = split(load_dataset(dataset), heldout_fraction)  # a bad fraction: ValueError
@@ -476,10 +575,21 @@ def cmd_distill(args) -> int:
         check_match(args.match)  # so does a bad --match
     train_convs = distill_prompts(args.dataset, args.heldout_fraction)
     model, tok, _, _ = load_models(args.target, device=args.device, dtype=args.dtype, pack=args.pack)
-    counts = distill(model, tok, train_convs, args.out, max_new_tokens=args.max_new_tokens,
-                     max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, limit=args.limit, seed=args.seed,
-                     skip_answered=tuple(args.skip_answered), turns=args.turns,
-                     min_prompt_tokens=args.min_prompt_tokens, match=args.match)
+    counts = distill(
+        model,
+        tok,
+        train_convs,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        limit=args.limit,
+        seed=args.seed,
+        skip_answered=tuple(args.skip_answered),
+        turns=args.turns,
+        min_prompt_tokens=args.min_prompt_tokens,
+        match=args.match,
+    )
     print(json.dumps(counts))
     return 0

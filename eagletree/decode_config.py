@@ -3,8 +3,8 @@
 The config is validated once, when it is built; the library (`Decoder`, `generate`) and the command line
 (`DecodeConfig.from_args`) share its defaults and its rules, so no other layer checks a decoding option.
 A budget of None means "chosen by device" (`default_budget`): 60 nodes on a GPU, where a pass over 60 nodes
-is expected to cost about a one-token pass (EAGLE-2's setting), and 8 on a CPU; with the default tree, `auto`, the budget is a ceiling and trees are
-drafted only while they beat a plain one-token pass on this machine.
+is expected to cost about a one-token pass (EAGLE-2's setting), and 8 on a CPU; with the default tree, `auto`,
+the budget is a ceiling and trees are drafted only while they beat a plain one-token pass on this machine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class TreeKind(str, Enum):
         return self in (TreeKind.CHAIN, TreeKind.SEQUOIA)
 
     @classmethod
-    def parse(cls, value) -> "TreeKind":
+    def parse(cls, value) -> TreeKind:
         try:
             return cls(value)
         except ValueError:
@@ -59,14 +59,28 @@ class OptionError(ValueError):
 
 
 # keyword -> the flag that sets it
-CLI_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
-             "top_p": "--top-p", "budget": "--budget", "depth": "--depth", "top_k_draft": "--top-k-draft",
-             "seed": "--seed", "tree": "--tree"}
+CLI_FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "budget": "--budget",
+    "depth": "--depth",
+    "top_k_draft": "--top-k-draft",
+    "seed": "--seed",
+    "tree": "--tree",
+}
 # name: (kind, smallest, largest, may be None); "> 0" marks a float range whose lower end is exclusive
-_RANGES = {"max_new_tokens": (int, 0, None, False), "temperature": (float, 0.0, None, False),
-           "top_k": (int, 0, None, True), "top_p": (float, "> 0", 1.0, True), "budget": (int, 1, None, True),
-           "depth": (int, 1, None, False), "top_k_draft": (int, 1, None, False),
-           "seed": (int, 0, 2**64 - 1, True)}
+_RANGES = {
+    "max_new_tokens": (int, 0, None, False),
+    "temperature": (float, 0.0, None, False),
+    "top_k": (int, 0, None, True),
+    "top_p": (float, "> 0", 1.0, True),
+    "budget": (int, 1, None, True),
+    "depth": (int, 1, None, False),
+    "top_k_draft": (int, 1, None, False),
+    "seed": (int, 0, 2**64 - 1, True),
+}
 
 
 def check_option(name: str, value) -> None:
@@ -80,10 +94,15 @@ def check_option(name: str, value) -> None:
     if (low == "> 0" and value <= 0) or (low != "> 0" and value < low) or (high is not None and value > high):
         lower = "> 0" if low == "> 0" else f">= {low}"
         where = f"{lower} and <= {high}" if high is not None else lower
-        raise OptionError(name, f"must be {where}, got {value!r}" + (" (0 = no top-k filter)" if name == "top_k" else ""))
+        raise OptionError(
+            name, f"must be {where}, got {value!r}" + (" (0 = no top-k filter)" if name == "top_k" else "")
+        )
     if name == "temperature" and 0 < value < MIN_TEMPERATURE:
-        raise OptionError(name, f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value!r}: below that, logits "
-                                "divided by it overflow float32 (use 0 for greedy decoding)")
+        raise OptionError(
+            name,
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value!r}: below that, logits "
+            "divided by it overflow float32 (use 0 for greedy decoding)",
+        )
 
 
 def check_options(cli: bool = False, **options) -> None:
@@ -171,14 +190,21 @@ class DecodeConfig:
         for name in ("budget", "depth", "top_k_draft", "max_new_tokens"):
             check_option(name, getattr(self, name))
         if not isinstance(self.sampling, Sampling) or not isinstance(self.copy, CopyOptions):
-            raise TypeError(f"sampling must be a Sampling and copy a CopyOptions, got {type(self.sampling).__name__} "
-                            f"and {type(self.copy).__name__}")
+            raise TypeError(
+                f"sampling must be a Sampling and copy a CopyOptions, got {type(self.sampling).__name__} "
+                f"and {type(self.copy).__name__}"
+            )
         if self.copy.enabled and self.tree.static:
-            raise OptionError("copy=True", f"needs a searched tree (eagle2, optimal or auto); tree={self.tree.value!r} "
-                                           "is a fixed shape")
+            raise OptionError(
+                "copy=True",
+                f"needs a searched tree (eagle2, optimal or auto); tree={self.tree.value!r} is a fixed shape",
+            )
         if self.copy.datastore not in ("auto", None) and not self.copies:
-            raise OptionError("store", "adds retrieved spans to the copied ones, so it needs copying on (copy=True, or "
-                                       "the default copy=None with an eagle2, optimal or auto tree); copying is off here")
+            raise OptionError(
+                "store",
+                "adds retrieved spans to the copied ones, so it needs copying on (copy=True, or "
+                "the default copy=None with an eagle2, optimal or auto tree); copying is off here",
+            )
         if self.stop is not None:
             object.__setattr__(self, "stop", _stop_tuple(self.stop))
         if self.tree_paths is not None:
@@ -192,38 +218,48 @@ class DecodeConfig:
         nodes = len(choices_shape(self.tree_paths).parents)  # (checks the paths)
         object.__setattr__(self, "tree_paths", tuple(tuple(p) for p in self.tree_paths))
         if self.budget is not None and nodes > self.budget:
-            raise OptionError("tree_paths", f"make a tree of {nodes} nodes with the root, more than "
-                                            f"budget={self.budget}")
+            raise OptionError(
+                "tree_paths", f"make a tree of {nodes} nodes with the root, more than budget={self.budget}"
+            )
 
     @property
     def copies(self) -> bool:
         """Whether copied spans are drafted: as asked, else on for the searched trees."""
         return not self.tree.static if self.copy.enabled is None else self.copy.enabled
 
-    def for_device(self, device) -> "DecodeConfig":
+    def for_device(self, device) -> DecodeConfig:
         """This config with the budget chosen for `device` ("cuda", "cpu" or a torch.device) when it is None."""
         return self if self.budget is not None else replace(self, budget=default_budget(device))
 
     @classmethod
-    def from_options(cls, **options) -> "DecodeConfig":
+    def from_options(cls, **options) -> DecodeConfig:
         """A config from keyword options: its own fields, or the flat names `generate` takes (temperature, top_k,
         top_p, seed; copy=True/False/None, copy_spans, copy_len, store)."""
         sampling = {k: options.pop(k) for k in ("temperature", "top_k", "top_p", "seed") if k in options}
-        copy = {new: options.pop(old) for old, new in (("copy", "enabled"), ("copy_spans", "spans"),
-                                                        ("copy_len", "length"), ("store", "datastore"))
-                if old in options and not isinstance(options[old], CopyOptions)}
+        copy = {
+            new: options.pop(old)
+            for old, new in (
+                ("copy", "enabled"),
+                ("copy_spans", "spans"),
+                ("copy_len", "length"),
+                ("store", "datastore"),
+            )
+            if old in options and not isinstance(options[old], CopyOptions)
+        }
         if sampling:
             options["sampling"] = replace(options.get("sampling", Sampling()), **sampling)
         if copy:
             options["copy"] = replace(options.get("copy", CopyOptions()), **copy)
         unknown = sorted(set(options) - {f.name for f in fields(cls)})
         if unknown:
-            raise TypeError(f"unknown decoding option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; known: "
-                            f"{', '.join(OPTION_NAMES)}")
+            raise TypeError(
+                f"unknown decoding option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; known: "
+                f"{', '.join(OPTION_NAMES)}"
+            )
         return cls(**options)
 
     @classmethod
-    def from_args(cls, args) -> "DecodeConfig":
+    def from_args(cls, args) -> DecodeConfig:
         """The config a command's parsed flags ask for (errors name the flags). `--head none` decodes plainly
         unless `--copy on` asks for copied spans alone; `--datastore` must name an existing file."""
         copy = {"on": True, "off": False}.get(args.copy)
@@ -232,35 +268,51 @@ class DecodeConfig:
         store = {"auto": "auto", "none": None}.get(args.datastore, args.datastore)
         try:
             if args.copy == "on" and TreeKind.parse(args.tree).static:
-                raise ValueError(f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} "
-                                 "is a fixed shape")
+                raise ValueError(
+                    f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} "
+                    "is a fixed shape"
+                )
             if store not in ("auto", None) and (copy is False or TreeKind.parse(args.tree).static):
-                raise ValueError(f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
-                                 f"(--copy auto or on with --tree eagle2, optimal or auto; with --head none, --copy on),"
-                                 f" not --copy {args.copy} --tree {args.tree}"
-                                 + (" --head none" if args.head == "none" else ""))
+                raise ValueError(
+                    f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
+                    f"(--copy auto or on with --tree eagle2, optimal or auto; with --head none, --copy on),"
+                    f" not --copy {args.copy} --tree {args.tree}" + (" --head none" if args.head == "none" else "")
+                )
             if store not in ("auto", None) and not Path(store).is_file():
-                raise ValueError(f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` "
-                                 "made)")
+                raise ValueError(
+                    f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` made)"
+                )
             if args.max_new_tokens < 1:  # (the Python API returns an empty answer for 0)
                 raise OptionError("max_new_tokens", f"must be >= 1, got {args.max_new_tokens}")
-            return cls(tree=args.tree, budget=args.budget, depth=args.depth, top_k_draft=args.top_k_draft,
-                       max_new_tokens=args.max_new_tokens,
-                       sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-                       copy=CopyOptions(enabled=copy, datastore=store))
+            return cls(
+                tree=args.tree,
+                budget=args.budget,
+                depth=args.depth,
+                top_k_draft=args.top_k_draft,
+                max_new_tokens=args.max_new_tokens,
+                sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                copy=CopyOptions(enabled=copy, datastore=store),
+            )
         except OptionError as e:
             raise e.for_cli() from None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeConfig)) + (
-    "temperature", "top_k", "top_p", "seed", "copy_spans", "copy_len", "store")
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "copy_spans",
+    "copy_len",
+    "store",
+)
 
 
 def default_budget(device) -> int:
     """Tree nodes per pass when none is given: 60 on a GPU (EAGLE-2's setting, where a pass over 60 nodes is
-    expected to cost about a one-token pass), 8 elsewhere (on a CPU a pass's cost grows with its nodes: docs/results.md). With
-    tree `auto` this is a ceiling: auto keeps the prefix that pays on this machine's measured latency profile,
-    down to the root alone (plain decoding) where no tree pays."""
+    expected to cost about a one-token pass), 8 elsewhere (on a CPU a pass's cost grows with its nodes:
+    docs/results.md). With tree `auto` this is a ceiling: auto keeps the prefix that pays on this machine's
+    measured latency profile, down to the root alone (plain decoding) where no tree pays."""
     kind = device if isinstance(device, str) else getattr(device, "type", str(device))
     return GPU_BUDGET if kind.split(":")[0] == "cuda" else CPU_BUDGET
 

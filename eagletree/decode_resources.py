@@ -44,7 +44,9 @@ def latency_profile(target, path=None) -> LatencyProfile:
     def measure(sizes=PROFILE_SIZES, reps=3):
         return LatencyProfile.from_measurements(
             measure_verify(target, sizes=sizes, prefix=128, reps=reps, progress=False),
-            device=device.type, model=target.config.model_type)
+            device=device.type,
+            model=target.config.model_type,
+        )
 
     if path is not None:  # a profile measured elsewhere (e.g. on a serving GPU) is taken as it is
         return LatencyProfile.load_or_measure(path, measure)
@@ -71,8 +73,10 @@ def _checked_profile(path, measure) -> LatencyProfile:
         stale = float(cached.verify(1))
     profile = measure()
     if cached is not None:
-        profile.notes["remeasured"] = (f"the cached profile's one-token pass took {stale * 1e3:.1f} ms, a probe now "
-                                       f"{probe * 1e3:.1f} ms: it was measured on a busy machine")
+        profile.notes["remeasured"] = (
+            f"the cached profile's one-token pass took {stale * 1e3:.1f} ms, a probe now "
+            f"{probe * 1e3:.1f} ms: it was measured on a busy machine"
+        )
     profile.save(path)
     return profile
 
@@ -89,8 +93,10 @@ def head_calibrator(head):
         calibrator = Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
         calibrator.check()
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
-                         f"probabilities, or write it again with `python -m eagletree.train.evaluate`") from None
+        raise ValueError(
+            f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
+            f"probabilities, or write it again with `python -m eagletree.train.evaluate`"
+        ) from None
     return calibrator
 
 
@@ -111,8 +117,10 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
     if store is None or (store == "auto" and not copy):
         return None
     if not copy:
-        raise ValueError("store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
-                         "default copy=None with an eagle2, optimal or auto tree); copying is off here")
+        raise ValueError(
+            "store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
+            "default copy=None with an eagle2, optimal or auto tree); copying is off here"
+        )
     if isinstance(store, TokenStore):
         return store
     auto = store == "auto"
@@ -123,8 +131,9 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
     if not isinstance(store, (str, Path)):
         raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
     try:
-        return TokenStore.load(Path(store).resolve(), None if tokenizer is None else vocab_fingerprint(tokenizer),
-                               vocab_size)[0]
+        return TokenStore.load(
+            Path(store).resolve(), None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size
+        )[0]
     except ValueError as e:
         if not auto:
             raise

@@ -32,8 +32,9 @@ class GenerationStats:
     passes: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per pass
     predicted: list[float] = field(default_factory=list)  # the tree's E[tokens/pass] per pass
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("prefill", "draft", "search", "verify", "accept", "commit"), 0.0))
+    times: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("prefill", "draft", "search", "verify", "accept", "commit"), 0.0)
+    )
     seconds: float = 0.0
     steps: list | None = None  # (DraftTree, accepted node indices) per pass, when asked for (calibration)
     copied_tokens: int = 0  # accepted draft tokens that only a copied span proposed (not the head too)
@@ -65,11 +66,17 @@ class GenerationStats:
         return dict(sorted(hist.items()))
 
     def as_dict(self) -> dict:
-        return {"new_tokens": self.new_tokens, "passes": self.passes, "tokens_per_pass": self.tokens_per_pass,
-                "predicted_tokens_per_pass": self.predicted_tokens_per_pass, "accepted_histogram": self.histogram(),
-                "copied_tokens": self.copied_tokens,
-                "seconds": self.seconds, "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
-                "times": dict(self.times)}
+        return {
+            "new_tokens": self.new_tokens,
+            "passes": self.passes,
+            "tokens_per_pass": self.tokens_per_pass,
+            "predicted_tokens_per_pass": self.predicted_tokens_per_pass,
+            "accepted_histogram": self.histogram(),
+            "copied_tokens": self.copied_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.new_tokens / self.seconds if self.seconds else 0.0,
+            "times": dict(self.times),
+        }
 
 
 @dataclass
@@ -95,14 +102,17 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
         if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
             raise TypeError(f"a prompt tensor holds token ids: expected an integer dtype, got {prompt.dtype}")
         if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-            raise ValueError(f"a prompt tensor is one sequence of token ids, shape [n] or [1, n], got "
-                             f"{list(prompt.shape)}; decode a batch as a list of prompts")
+            raise ValueError(
+                f"a prompt tensor is one sequence of token ids, shape [n] or [1, n], got "
+                f"{list(prompt.shape)}; decode a batch as a list of prompts"
+            )
         ids = prompt.flatten().long()
     elif is_token_ids(prompt):
         ids = torch.tensor([int(t) for t in prompt], dtype=torch.long)
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"][0]
+        ids = tokenizer.apply_chat_template(
+            list(prompt), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"][0]
     elif isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="pt").input_ids[0]
     else:
@@ -117,8 +127,9 @@ def check_token_ids(target, ids: torch.Tensor) -> None:
     vocab = target.get_input_embeddings().num_embeddings
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got "
-                         f"{low if low < 0 else high}")
+        raise ValueError(
+            f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got {low if low < 0 else high}"
+        )
 
 
 def stop_token_ids(target, tokenizer, stop=None) -> list[int]:
@@ -155,8 +166,10 @@ def _one_token(tokenizer, text: str) -> int:
         return int(token)
     encoded = tokenizer(text, add_special_tokens=False).input_ids
     if len(encoded) != 1:
-        raise ValueError(f"stop {text!r} is {len(encoded)} tokens ({encoded}), not one; stop takes single tokens "
-                         f"(a stop on longer text needs a check on the decoded text)")
+        raise ValueError(
+            f"stop {text!r} is {len(encoded)} tokens ({encoded}), not one; stop takes single tokens "
+            f"(a stop on longer text needs a check on the decoded text)"
+        )
     return int(encoded[0])
 
 
@@ -167,10 +180,19 @@ def hf_generation_config(max_new_tokens: int, temperature: float, eos_token_id, 
     from transformers import GenerationConfig
 
     sample = temperature > 0
-    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=sample,
-                            temperature=temperature if sample else 1.0, top_k=(top_k or 0) if sample else 50,
-                            top_p=(top_p or 1.0) if sample else 1.0, typical_p=1.0, min_p=None,
-                            repetition_penalty=1.0, no_repeat_ngram_size=0, **extra)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        do_sample=sample,
+        temperature=temperature if sample else 1.0,
+        top_k=(top_k or 0) if sample else 50,
+        top_p=(top_p or 1.0) if sample else 1.0,
+        typical_p=1.0,
+        min_p=None,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        **extra,
+    )
 
 
 @dataclass
@@ -193,8 +215,9 @@ class _Sequence:
     call right before, so steps that do not draft (tree="auto" pausing) cost it nothing.
     """
 
-    def __init__(self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None,
-                 store: TokenStore | None = None):
+    def __init__(
+        self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None, store: TokenStore | None = None
+    ):
         self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
         self.cache = new_cache(target)
         out = prefill(target, self.cache, ids[:-1], layers=self.layers)
@@ -237,8 +260,9 @@ class _Sequence:
         """A verified pass's tokens reach the drafter (at its next catch-up) and the copy index."""
         if self.drafter is not None:
             device = step.hidden.device
-            self.pending.append((_features(step.hidden, step.layer_hidden, self.layers),
-                                 torch.tensor(step.tokens, device=device)))
+            self.pending.append(
+                (_features(step.hidden, step.layer_hidden, self.layers), torch.tensor(step.tokens, device=device))
+            )
         if self.index is not None:
             self.index.extend(step.tokens)
 
@@ -246,7 +270,6 @@ class _Sequence:
 def _features(hidden, layer_hidden, layers):
     """The head's input features: the last hidden state, or the concatenated fused layers (EAGLE-3)."""
     return hidden if not layers else torch.cat([layer_hidden[i] for i in layers], dim=-1)
-
 
 
 class Decoder:
@@ -261,8 +284,17 @@ class Decoder:
     prompts; the head's is reloaded for each prompt).
     """
 
-    def __init__(self, target, tokenizer, head, config: DecodeConfig | None = None, *, profile=None,
-                 calibrator=None, copy_calibration: CopyCalibration | None = None):
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        head,
+        config: DecodeConfig | None = None,
+        *,
+        profile=None,
+        calibrator=None,
+        copy_calibration: CopyCalibration | None = None,
+    ):
         self.target, self.tokenizer, self.head = target, tokenizer, head
         self.device = next(target.parameters()).device
         self.config = config = (config or DecodeConfig()).for_device(self.device)
@@ -273,17 +305,30 @@ class Decoder:
         if config.tree is TreeKind.AUTO and head is not None and calibrator is None:
             calibrator = head_calibrator(head)
         self._shared_copy_calibration = copy_calibration is not None
-        self.copy_calibration = None if not copies else (
-            copy_calibration if copy_calibration is not None else head_copy_calibration(head, config.copy.length))
-        self.store: TokenStore | None = resolve_store(config.copy.datastore, head, tokenizer, copies,
-                                                      target.get_input_embeddings().num_embeddings)
+        self.copy_calibration = (
+            None
+            if not copies
+            else (copy_calibration if copy_calibration is not None else head_copy_calibration(head, config.copy.length))
+        )
+        self.store: TokenStore | None = resolve_store(
+            config.copy.datastore, head, tokenizer, copies, target.get_input_embeddings().num_embeddings
+        )
         self.searcher = None
         if head is not None or copies:
             if config.tree is TreeKind.AUTO:
                 profile = deepcopy(profile) if profile is not None else latency_profile(target)
-            self.searcher = make_searcher(config.tree.value, config.budget, config.depth, config.top_k_draft,
-                                          self.device, None, config.accept_by_rank, config.tree_paths, profile,
-                                          calibrator)
+            self.searcher = make_searcher(
+                config.tree.value,
+                config.budget,
+                config.depth,
+                config.top_k_draft,
+                self.device,
+                None,
+                config.accept_by_rank,
+                config.tree_paths,
+                profile,
+                calibrator,
+            )
 
     def steps(self, prompt, stats: GenerationStats | None = None, inspect_step=None):
         """Yield one Step per target pass decoding `prompt` (chat messages, a string or token ids); each is
@@ -314,10 +359,12 @@ class Decoder:
         limit, wanted = getattr(self.target.config, "max_position_embeddings", None), self.config.max_new_tokens
         if limit is not None and ids.numel() + wanted > limit:
             if not self.config.truncate_prompt or wanted >= limit:
-                raise ValueError(f"prompt ({ids.numel()} tokens) + max_new_tokens ({wanted}) exceeds the model's "
-                                 f"context of {limit} tokens; shorten the prompt or ask for fewer new tokens (in "
-                                 "Python, truncate_prompt=True keeps the prompt's last tokens)")
-            ids = ids[-(limit - wanted):]
+                raise ValueError(
+                    f"prompt ({ids.numel()} tokens) + max_new_tokens ({wanted}) exceeds the model's "
+                    f"context of {limit} tokens; shorten the prompt or ask for fewer new tokens (in "
+                    "Python, truncate_prompt=True keeps the prompt's last tokens)"
+                )
+            ids = ids[-(limit - wanted) :]
         return ids.to(self.device)
 
     def _run(self, ids: torch.Tensor, stats: GenerationStats, inspect_step):
@@ -340,7 +387,7 @@ class Decoder:
             yield step
         stats.seconds = time.perf_counter() - t0
 
-    def _passes(self, seq: "_Sequence", root: int, generator, inspect_step):
+    def _passes(self, seq: _Sequence, root: int, generator, inspect_step):
         """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit."""
         config, searcher = self.config, self.searcher
         sampling = config.sampling
@@ -356,9 +403,14 @@ class Decoder:
             expand = seq.expand(root, inspect_step) if drafting else None
             copies = None
             if seq.index is not None and left > 1 and searcher.takes_copies():
-                copies = copy_trie(seq.index, seq.calibration, config.copy.spans,
-                                   min(config.copy.length, searcher.budget - 1, left - 1), at_nodes=expand is not None,
-                                   store=seq.store)
+                copies = copy_trie(
+                    seq.index,
+                    seq.calibration,
+                    config.copy.spans,
+                    min(config.copy.length, searcher.budget - 1, left - 1),
+                    at_nodes=expand is not None,
+                    store=seq.store,
+                )
             # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
             if expand is None and copies is None:
                 draft = DraftTree([root], [-1], draft_probs=[1.0])
@@ -366,8 +418,17 @@ class Decoder:
                 draft = searcher.search(expand, root, max(step_depth, 1), copies)
             times = {"draft": seq.draft_s, "search": time.perf_counter() - t - seq.draft_s}
             # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
-            step = verify_step(self.target, seq.cache, draft, sampling.temperature, sampling.top_k, sampling.top_p,
-                               generator, self.stops, layers=seq.layers)
+            step = verify_step(
+                self.target,
+                seq.cache,
+                draft,
+                sampling.temperature,
+                sampling.top_k,
+                sampling.top_p,
+                generator,
+                self.stops,
+                layers=seq.layers,
+            )
             times.update(step.times)
             if searcher is not None:
                 searcher.observe(len(draft), sum(step.times.values()), len(step.accepted) - 1)
@@ -389,27 +450,58 @@ def _check_head(head, target, config: DecodeConfig) -> None:
         raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
     target_device = next(target.parameters()).device
     if head_device != target_device:
-        raise ValueError(f"the head is on {head_device} but the target on {target_device}; move the head there "
-                         f"(head.to({str(target_device)!r}))")
+        raise ValueError(
+            f"the head is on {head_device} but the target on {target_device}; move the head there "
+            f"(head.to({str(target_device)!r}))"
+        )
     paths = config.tree_paths
     if paths is not None and max(max(p) for p in paths) >= head.drafted_vocab_size():
-        raise ValueError(f"tree_paths rank {max(max(p) for p in paths)} is past the head's draft vocabulary "
-                         f"of {head.drafted_vocab_size()} tokens")
+        raise ValueError(
+            f"tree_paths rank {max(max(p) for p in paths)} is past the head's draft vocabulary "
+            f"of {head.drafted_vocab_size()} tokens"
+        )
 
 
-def decode_steps(target, tokenizer, head, prompt, stats: GenerationStats | None = None, profile=None,
-                 calibrator=None, copy_calibration=None, inspect_step=None, config: DecodeConfig | None = None,
-                 **options):
+def decode_steps(
+    target,
+    tokenizer,
+    head,
+    prompt,
+    stats: GenerationStats | None = None,
+    profile=None,
+    calibrator=None,
+    copy_calibration=None,
+    inspect_step=None,
+    config: DecodeConfig | None = None,
+    **options,
+):
     """Yield the tokens each target pass emits (a list per pass) decoding one prompt; records every pass in
     `stats`. `config`, or `options` (DecodeConfig's fields, or the flat names `generate` takes); the other
     arguments are `Decoder`'s and `Decoder.steps`'."""
-    decoder = Decoder(target, tokenizer, head, _config(config, options), profile=profile, calibrator=calibrator,
-                      copy_calibration=copy_calibration)
+    decoder = Decoder(
+        target,
+        tokenizer,
+        head,
+        _config(config, options),
+        profile=profile,
+        calibrator=calibrator,
+        copy_calibration=copy_calibration,
+    )
     return (step.tokens for step in decoder.steps(prompt, stats, inspect_step))
 
 
-def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, config: DecodeConfig | None = None,
-             profile=None, calibrator=None, inspect_step=None, **options):
+def generate(
+    target,
+    tokenizer,
+    head,
+    prompt_or_messages,
+    stream: bool = False,
+    config: DecodeConfig | None = None,
+    profile=None,
+    calibrator=None,
+    inspect_step=None,
+    **options,
+):
     """Lossless speculative generation. Returns a GenerationResult, or with stream=True an iterator of text pieces.
 
     `config` (a DecodeConfig), or `options`: its fields (tree, budget, depth, top_k_draft, max_new_tokens, stop,
@@ -421,8 +513,12 @@ def generate(target, tokenizer, head, prompt_or_messages, stream: bool = False, 
     `Decoder` takes them; inspect_step: as `Decoder.steps` takes it.
     """
     decoder = Decoder(target, tokenizer, head, _config(config, options), profile=profile, calibrator=calibrator)
-    if isinstance(prompt_or_messages, list) and prompt_or_messages and not isinstance(prompt_or_messages[0], dict) \
-            and not is_token_ids(prompt_or_messages):
+    if (
+        isinstance(prompt_or_messages, list)
+        and prompt_or_messages
+        and not isinstance(prompt_or_messages[0], dict)
+        and not is_token_ids(prompt_or_messages)
+    ):
         if stream:
             raise ValueError("stream=True takes one prompt at a time")
         return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
@@ -453,8 +549,8 @@ def stream_text(tokenizer, steps):
         if text.endswith("\ufffd") or not text.startswith(sent):
             continue
         if len(text) > len(sent):
-            yield text[len(sent):]
+            yield text[len(sent) :]
         sent = text
     text = decode_text(tokenizer, ids)
     if text.startswith(sent) and len(text) > len(sent):
-        yield text[len(sent):]
+        yield text[len(sent) :]

@@ -119,20 +119,26 @@ def check_output_dir(out: Path, overwrite: bool, sources=(), option: str = "--ou
         src = Path(source).resolve()
         res = out.resolve()
         if res == src or src in res.parents or res in src.parents:
-            raise WriteError(f"{option} {str(out)!r} is the source {str(source)!r} (or contains or lies in it); "
-                             "write the output to another folder")
+            raise WriteError(
+                f"{option} {str(out)!r} is the source {str(source)!r} (or contains or lies in it); "
+                "write the output to another folder"
+            )
     if out.exists() and not out.is_dir():
         raise WriteError(f"{option} {str(out)!r} is a file; expected a folder (absent, empty, or with --overwrite)")
     here, res = Path.cwd().resolve(), out.resolve()
     if res == here or res in here.parents:  # the folder is replaced as a whole: the shell would sit in the old one
-        raise WriteError(f"{option} {str(out)!r} is the current folder or holds it; the output folder is replaced as "
-                         "a whole, so name another folder (or change to another folder first)")
+        raise WriteError(
+            f"{option} {str(out)!r} is the current folder or holds it; the output folder is replaced as "
+            "a whole, so name another folder (or change to another folder first)"
+        )
     if out.is_dir() and not overwrite:
         entries = sorted(p.name for p in out.iterdir())
         if entries:
             shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-            raise WriteError(f"{option} {str(out)!r} is not empty (it holds {shown}); pass --overwrite to replace "
-                             "the files this command writes there (the others are kept)")
+            raise WriteError(
+                f"{option} {str(out)!r} is not empty (it holds {shown}); pass --overwrite to replace "
+                "the files this command writes there (the others are kept)"
+            )
 
 
 def check_output_file(out, option: str = "--out") -> None:
@@ -273,8 +279,16 @@ def write_json_atomic(path: Path, data, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(data, indent=indent))
 
 
-def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None, version=None,
-             error: type[Exception] = ValueError) -> tuple[dict, dict]:
+def read_npz(
+    path,
+    names=(),
+    *,
+    what: str,
+    remedy: str,
+    kind: str | None = None,
+    version=None,
+    error: type[Exception] = ValueError,
+) -> tuple[dict, dict]:
     """(header, arrays) of an .npz archive eagletree wrote: its JSON `header` member and the arrays `names`.
 
     Whatever is wrong with the file (missing, not an archive, a single .npy array, damaged, no header, or with
@@ -289,8 +303,16 @@ def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None,
     # (an OSError is chained as the error's __cause__: the file may be fine and the error pass, e.g. too many open
     # files, so a caller that remembers bad files can tell; RuntimeError and NotImplementedError: an encrypted member
     # or an unknown compression)
-    damaged = (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError,
-               NotImplementedError)
+    damaged = (
+        KeyError,
+        ValueError,
+        OSError,
+        EOFError,
+        zipfile.BadZipFile,
+        zlib.error,
+        RuntimeError,
+        NotImplementedError,
+    )
     try:
         z = np.load(path, allow_pickle=False)
     except FileNotFoundError:
@@ -305,16 +327,22 @@ def read_npz(path, names=(), *, what: str, remedy: str, kind: str | None = None,
         try:
             header = json.loads(str(z["header"][()]))
         except damaged as e:
-            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from \
-                (e if isinstance(e, OSError) else None)
+            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from (
+                e if isinstance(e, OSError) else None
+            )
         if not isinstance(header, dict):
-            raise error(f"{path}: not a {what} file (its header is {json.dumps(header)[:40]}, not a JSON object); "
-                        f"{remedy}")
+            raise error(
+                f"{path}: not a {what} file (its header is {json.dumps(header)[:40]}, not a JSON object); {remedy}"
+            )
         if kind is not None and (header.get("format"), header.get("version")) != (kind, version):
-            raise error(f"{path}: format {header.get('format')!r} version {header.get('version')!r}, expected "
-                        f"{kind!r} version {version}; {remedy}")
+            raise error(
+                f"{path}: format {header.get('format')!r} version {header.get('version')!r}, expected "
+                f"{kind!r} version {version}; {remedy}"
+            )
         try:
             arrays = {name: z[name] for name in names}
         except damaged as e:
-            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from (e if isinstance(e, OSError) else None)
+            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from (
+                e if isinstance(e, OSError) else None
+            )
     return header, arrays

@@ -54,14 +54,24 @@ def head_to_load(target_name: str, head, required: bool = True):
     shipped = SHIPPED_HEADS.get(target_name)
     if shipped is None or not shipped.is_dir():
         if required:
-            raise ValueError(f"no head is shipped for target {target_name!r}; pass --head DIR "
-                             "(train one with train.py) or --head none for plain decoding")
+            raise ValueError(
+                f"no head is shipped for target {target_name!r}; pass --head DIR "
+                "(train one with train.py) or --head none for plain decoding"
+            )
         return None
     return shipped
 
 
-def load_models(target_name: str, head_dir=None, *, device=None, dtype: str | None = None, pack: str = "off",
-                head_dtype: str | None = "auto", draft_vocab: str = "head"):
+def load_models(
+    target_name: str,
+    head_dir=None,
+    *,
+    device=None,
+    dtype: str | None = None,
+    pack: str = "off",
+    head_dtype: str | None = "auto",
+    draft_vocab: str = "head",
+):
     """The target (`dtype` 'float32'/'bfloat16' or None for the device's default; Linears packed per `pack`, see
     `pack_target`), its tokenizer and the head in `head_dir` (None: no head) on the target's device, in the
     precision `draft_dtype(head_dtype)` picks (None: the one it was saved in), drafting over its own draft
@@ -70,13 +80,16 @@ def load_models(target_name: str, head_dir=None, *, device=None, dtype: str | No
     Returns (model, tokenizer, head, how many Linears were packed).
     """
     _check_draft_vocab_name(draft_vocab)  # before loading anything
-    model, tok = target.load_target(target_name, dtype=None if dtype is None else getattr(torch, dtype),
-                                    device=device)
+    model, tok = target.load_target(target_name, dtype=None if dtype is None else getattr(torch, dtype), device=device)
     packed = pack_target(model, pack)
     head = None
     if head_dir is not None:
-        head = load_head(head_dir, target_config=model.config, device=model.device,
-                         dtype=None if head_dtype is None else draft_dtype(head_dtype, model))
+        head = load_head(
+            head_dir,
+            target_config=model.config,
+            device=model.device,
+            dtype=None if head_dtype is None else draft_dtype(head_dtype, model),
+        )
         if draft_vocab == "full" and head.config.draft_vocab_size is not None:
             head.widen_vocab()  # refused, naming the flag, for a head with an lm_head of its own
         elif draft_vocab_for(draft_vocab, model) == "full" and head.can_widen_vocab():

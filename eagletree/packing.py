@@ -71,16 +71,21 @@ class KernelChoice:
 
     def __post_init__(self):
         if not self.sizes or not (len(self.sizes) == len(self.stock_s) == len(self.packed_s)):
-            raise ValueError(f"kernel choice needs one stock and one packed time per size, got sizes {self.sizes}, "
-                             f"stock {self.stock_s}, packed {self.packed_s}")
+            raise ValueError(
+                f"kernel choice needs one stock and one packed time per size, got sizes {self.sizes}, "
+                f"stock {self.stock_s}, packed {self.packed_s}"
+            )
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in self.sizes):
             raise ValueError(f"kernel choice sizes must be integers, got {self.sizes}")
         if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
             raise ValueError(f"kernel choice sizes must be distinct, ascending and >= 1, got {self.sizes}")
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
-                   for t in list(self.stock_s) + list(self.packed_s)):
-            raise ValueError(f"kernel choice times must be finite seconds >= 0, got stock {self.stock_s}, "
-                             f"packed {self.packed_s}")
+        if not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+            for t in list(self.stock_s) + list(self.packed_s)
+        ):
+            raise ValueError(
+                f"kernel choice times must be finite seconds >= 0, got stock {self.stock_s}, packed {self.packed_s}"
+            )
 
     @property
     def packed(self) -> list[bool]:
@@ -104,8 +109,10 @@ class KernelChoice:
 
     def summary(self) -> str:
         """One line: each size's decision with both timings."""
-        return ", ".join(f"N={n}: {'packed' if p else 'stock'} ({ps * 1e3:.1f} vs stock {ss * 1e3:.1f} ms)"
-                         for n, p, ps, ss in zip(self.sizes, self.packed, self.packed_s, self.stock_s))
+        return ", ".join(
+            f"N={n}: {'packed' if p else 'stock'} ({ps * 1e3:.1f} vs stock {ss * 1e3:.1f} ms)"
+            for n, p, ps, ss in zip(self.sizes, self.packed, self.packed_s, self.stock_s)
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "packed": self.packed}
@@ -132,9 +139,15 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not self.enabled or x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKABLE
-                or w.device.type != "cpu" or torch.is_autocast_enabled("cpu")
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if (
+            not self.enabled
+            or x.device.type != "cpu"
+            or x.dtype != w.dtype
+            or w.dtype not in PACKABLE
+            or w.device.type != "cpu"
+            or torch.is_autocast_enabled("cpu")
+            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        ):
             return F.linear(x, w, self.bias)
         if self.choice is not None and not self.choice.packs(x):
             return F.linear(x, w, self.bias)
@@ -190,8 +203,7 @@ def unpack_linears(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                   device="meta")
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 linear.weight, linear.bias, linear.training = child.weight, child.bias, child.training
                 setattr(parent, name, linear)
                 count += 1
@@ -250,8 +262,14 @@ def cpu_features() -> str:
         parts.append(f"family {fields['cpu family']} model {fields['model']}")
     if "flags" in fields or "Features" in fields:
         flags = set(fields.get("flags", fields.get("Features", "")).split())
-        widest = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
-                                                ("asimd", "NEON")) if flag in flags), "no AVX")
+        widest = next(
+            (
+                name
+                for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("asimd", "NEON"))
+                if flag in flags
+            ),
+            "no AVX",
+        )
         bf16 = [name for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
         parts += [widest, f"native bf16 ({', '.join(bf16)})" if bf16 else "no native bf16"]
     return "; ".join(parts)
@@ -262,8 +280,10 @@ def machine_key(model) -> str:
     dtype, torch version (its kernels), as a file-name-safe string."""
     cpu = re.sub(r"[^A-Za-z0-9]+", "-", f"{cpu_model()} {cpu_generation()}").strip("-")
     torch_version = re.sub(r"[^A-Za-z0-9.]+", "-", torch.__version__)
-    return (f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
-            f"-torch{torch_version}")
+    return (
+        f"{cpu}-{torch.get_num_threads()}t-{str(next(model.parameters()).dtype).removeprefix('torch.')}"
+        f"-torch{torch_version}"
+    )
 
 
 def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, extra=()) -> KernelChoice:
@@ -279,8 +299,9 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, e
     """
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
-        raise PackingError(f"measure_kernels needs a packed model (pack_linears); {type(model).__name__} has no "
-                           "PackedLinear")
+        raise PackingError(
+            f"measure_kernels needs a packed model (pack_linears); {type(model).__name__} has no PackedLinear"
+        )
     largest = max(linears, key=lambda m: m.weight.numel())
     timed = linears[::sample] + ([largest] if all(m is not largest for m in linears[::sample]) else [])
     scale = sum(m.weight.numel() for m in linears) / sum(m.weight.numel() for m in timed)
@@ -300,7 +321,7 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, e
     with torch.inference_mode():
         for rep in range(reps + 1):
             for n in sizes:
-                for kernel in (("stock", "packed") if rep % 2 else ("packed", "stock")):
+                for kernel in ("stock", "packed") if rep % 2 else ("packed", "stock"):
                     total = 0.0
                     for weight, packed, bias, factor in products:
                         x = inputs[(n, weight.shape[1])]
@@ -312,8 +333,13 @@ def measure_kernels(model, sizes=KERNEL_SIZES, reps: int = 3, sample: int = 4, e
                         total += (time.perf_counter() - start) * factor
                     if rep:  # round 0 warms up
                         times[(n, kernel)].append(total)
-    return KernelChoice(sizes, [min(times[(n, "stock")]) for n in sizes], [min(times[(n, "packed")]) for n in sizes],
-                        machine_key(model), time.perf_counter() - t0)
+    return KernelChoice(
+        sizes,
+        [min(times[(n, "stock")]) for n in sizes],
+        [min(times[(n, "packed")]) for n in sizes],
+        machine_key(model),
+        time.perf_counter() - t0,
+    )
 
 
 def kernel_choice_path(model) -> Path:
@@ -349,8 +375,10 @@ def draft_kernel_choice(head, target_model, lm_weight=None, lm_bias=None) -> Ker
     if choice is None or dtype == next(target_model.parameters()).dtype:
         return choice
     vocab = "own" if lm_weight is None else lm_weight.shape[0]
-    path = (cache_dir() / "profiles" / f"kernels-{target_identity(target_model.config)['fingerprint']}-draft-"
-                                       f"{head.config.head_type}-{vocab}-{machine_key(head)}.json")
+    path = (
+        cache_dir() / "profiles" / f"kernels-{target_identity(target_model.config)['fingerprint']}-draft-"
+        f"{head.config.head_type}-{vocab}-{machine_key(head)}.json"
+    )
     extra = () if lm_weight is None else ((lm_weight, lm_bias),)
     return load_or_measure_kernels(head, path, sample=1, extra=extra)
 

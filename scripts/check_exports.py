@@ -29,8 +29,9 @@ import torch
 def eagle_modules(repo: Path):
     """EAGLE's EConfig and its EAGLE-1/2 (cnets1) and EAGLE-3 (cnets) draft models, imported from the checkout."""
     if not (repo / "eagle" / "model" / "cnets1.py").is_file():
-        raise SystemExit(f"error: --eagle-repo {str(repo)!r} has no eagle/model/cnets1.py; pass a SafeAILab/EAGLE "
-                         "checkout")
+        raise SystemExit(
+            f"error: --eagle-repo {str(repo)!r} has no eagle/model/cnets1.py; pass a SafeAILab/EAGLE checkout"
+        )
     sys.path.insert(0, str(repo))
     from eagle.model import cnets, cnets1
     from eagle.model.configs import EConfig
@@ -46,8 +47,11 @@ def check(folder: Path, config_cls, model_cls, ours: dict, what: str) -> list[st
     # EAGLE pins transformers 4, whose configs take every config.json key as an attribute as written; under
     # transformers 5 `rope_scaling` aliases `rope_parameters` and EAGLE's _init_rope cannot run at all. So the
     # config is read the transformers-4 way, and EConfig's own rope_scaling validation is applied to it.
-    defaults = {k: v.default for k, v in inspect.signature(config_cls.__init__).parameters.items()
-                if v.default is not inspect.Parameter.empty}
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(config_cls.__init__).parameters.items()
+        if v.default is not inspect.Parameter.empty
+    }
     config = types.SimpleNamespace(**{**defaults, **raw})
     config_cls._rope_scaling_validation(config)
     bias = raw.get("bias", True)  # ea_model.py: con["bias"], else True
@@ -77,8 +81,10 @@ def check(folder: Path, config_cls, model_cls, ours: dict, what: str) -> list[st
         got = getattr(m, "base", None)
         if got is None or abs(float(got) - float(want)) > 1e-6 * float(want):
             problems.append(f"{what}: RoPE base {got}, the target's is {want}")
-    print(f"{what}: {len(state)} tensors, missing {result.missing_keys}, unexpected {result.unexpected_keys}, "
-          f"RoPE base {[getattr(m, 'base', None) for m in rope]}, fc bias {model.fc.bias is not None}")
+    print(
+        f"{what}: {len(state)} tensors, missing {result.missing_keys}, unexpected {result.unexpected_keys}, "
+        f"RoPE base {[getattr(m, 'base', None) for m in rope]}, fc bias {model.fc.bias is not None}"
+    )
     return problems
 
 
@@ -90,9 +96,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config_cls, model1, model3 = eagle_modules(args.eagle_repo)
 
-    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import Eagle3Head, load_head
-    from eagletree.draft_heads.export import exported_state, export_head
+    from eagletree.draft_heads.export import export_head, exported_state
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.target import load_target
 
     target, _ = load_target(args.target, dtype=torch.float32, device="cpu")
@@ -104,8 +110,9 @@ def main(argv=None) -> int:
         for h, fmt, model_cls in ((head, "eagle", model1), (head3, "eagle3", model3)):
             out = export_head(h, Path(tmp) / fmt, fmt, dtype=torch.float32, target=target)
             ours = exported_state(h, fmt, target.get_input_embeddings().weight if fmt == "eagle3" else None)
-            problems += check(out, config_cls, model_cls, {k: v.float() if v.is_floating_point() else v
-                                                            for k, v in ours.items()}, fmt)
+            problems += check(
+                out, config_cls, model_cls, {k: v.float() if v.is_floating_point() else v for k, v in ours.items()}, fmt
+            )
     for p in problems:
         print(f"PROBLEM {p}")
     print("ok: EAGLE's own code loads both exports" if not problems else f"{len(problems)} problem(s)")

@@ -19,7 +19,7 @@ from eagletree.target import load_target
 PROMPTS = [
     "Write a haiku about a lighthouse keeper.",
     "Explain in three sentences why the sky is blue.",
-    "def fizzbuzz(n):\n    \"\"\"Return the fizzbuzz string for n.\"\"\"\n",
+    'def fizzbuzz(n):\n    """Return the fizzbuzz string for n."""\n',
 ]
 CASES = [
     dict(tree="eagle2", budget=60, copy=False),
@@ -42,12 +42,19 @@ def main(max_new_tokens: int = 40) -> None:
         options = dict(case)
         use = options.pop("head", head)
         for prompt in PROMPTS:
-            out = generate(model, tok, use, [{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
-                           **options)
-            row = {"case": case if "head" not in case else {**case, "head": None}, "prompt": prompt[:20],
-                   "tokens": out.token_ids, "lengths": out.stats.accepted_lengths,
-                   "predicted": hashlib.sha256(json.dumps([round(p, 9) for p in out.stats.predicted]).encode())
-                   .hexdigest()[:16], "copied": out.stats.copied_tokens}
+            out = generate(
+                model, tok, use, [{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens, **options
+            )
+            row = {
+                "case": case if "head" not in case else {**case, "head": None},
+                "prompt": prompt[:20],
+                "tokens": out.token_ids,
+                "lengths": out.stats.accepted_lengths,
+                "predicted": hashlib.sha256(
+                    json.dumps([round(p, 9) for p in out.stats.predicted]).encode()
+                ).hexdigest()[:16],
+                "copied": out.stats.copied_tokens,
+            }
             print(json.dumps(row), flush=True)
 
 

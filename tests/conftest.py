@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagletree.target import TargetError
+
 from helpers import tiny_model
 
 # The real model's de-quantized cache, and the latency profiles and kernel choices measured on this machine,

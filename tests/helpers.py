@@ -10,9 +10,18 @@ def tiny_config(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     if kind == "llama":
         return LlamaConfig(**common)
@@ -49,7 +58,9 @@ def random_tree(n: int, max_depth: int, vocab: int, generator: torch.Generator, 
     return DraftTree(tokens, parents)
 
 
-def oracle_tree(root: int, truth: list[int], n: int, max_depth: int, vocab: int, generator, hit: float = 0.6) -> DraftTree:
+def oracle_tree(
+    root: int, truth: list[int], n: int, max_depth: int, vocab: int, generator, hit: float = 0.6
+) -> DraftTree:
     """A random tree that, with probability `hit` per level, also contains the true next token.
 
     `truth` is the target's own continuation after the root; this drives long accepted paths.
@@ -89,12 +100,14 @@ def path_logits_reference(model, prefix: torch.Tensor, tree: DraftTree) -> torch
         for leaf_path in tree.paths():
             ids = torch.cat([prefix, tree.tokens[leaf_path]])[None]
             logits = model(ids).logits[0].float()
-            out[leaf_path] = logits[prefix.numel():]
+            out[leaf_path] = logits[prefix.numel() :]
     return out
 
 
-WORDS = ("hello hi how are you fine thanks what is two plus four six the sky blue why because light "
-         "scatters tell me a joke no ok sure bye").split()
+WORDS = (
+    "hello hi how are you fine thanks what is two plus four six the sky blue why because light "
+    "scatters tell me a joke no ok sure bye"
+).split()
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -121,9 +134,18 @@ def tiny_conversations(n: int, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     pick = lambda k: " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (k,), generator=g))  # noqa: E731
-    return [Conversation(f"t{i}", [{"role": "user", "content": pick(5)}, {"role": "assistant", "content": pick(12)},
-                                   {"role": "user", "content": pick(4)}, {"role": "assistant", "content": pick(9)}])
-            for i in range(n)]
+    return [
+        Conversation(
+            f"t{i}",
+            [
+                {"role": "user", "content": pick(5)},
+                {"role": "assistant", "content": pick(12)},
+                {"role": "user", "content": pick(4)},
+                {"role": "assistant", "content": pick(9)},
+            ],
+        )
+        for i in range(n)
+    ]
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

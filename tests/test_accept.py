@@ -105,9 +105,16 @@ def test_chi_square_catches_sampled_siblings_judged_against_the_wrong_q(monkeypa
     assert min(p_first, p_pair) < 0.01, (p_first, p_pair)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
-                                      dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, top_k=20, top_p=0.5),
-                                      dict(temperature=0.5, top_p=0.9)])  # (temperature before top-p, as HF)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=5),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=0.9, top_k=20, top_p=0.5),
+        dict(temperature=0.5, top_p=0.9),
+    ],
+)  # (temperature before top-p, as HF)
 def test_warping_matches_hf_generate_sampling(sampling):
     """target_probs is the distribution `model.generate(do_sample=True)` draws its first token from."""
     from helpers import tiny_model
@@ -119,9 +126,14 @@ def test_warping_matches_hf_generate_sampling(sampling):
     probs = target_probs(logits[None], **sampling)[0]
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(prompt.expand(DRAWS, -1), attention_mask=torch.ones(DRAWS, 5, dtype=torch.long),
-                             do_sample=True, max_new_tokens=1, top_k=sampling.get("top_k", 0),
-                             **{k: v for k, v in sampling.items() if k != "top_k"})
+        out = model.generate(
+            prompt.expand(DRAWS, -1),
+            attention_mask=torch.ones(DRAWS, 5, dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=1,
+            top_k=sampling.get("top_k", 0),
+            **{k: v for k, v in sampling.items() if k != "top_k"},
+        )
     counts = torch.bincount(out[:, -1], minlength=probs.numel())
     assert chi_square_p(counts, probs) > 0.01
     # Control: the same draws are far from the distribution with the warping left out.

@@ -16,8 +16,10 @@ from eagletree.verify import DraftTree
 
 from helpers import tiny_config, tiny_model, tiny_tokenizer
 
-PROMPTS = [[{"role": "user", "content": "hello how are you"}],
-           [{"role": "system", "content": "fine thanks"}, {"role": "user", "content": "what is two plus four"}]]
+PROMPTS = [
+    [{"role": "user", "content": "hello how are you"}],
+    [{"role": "system", "content": "fine thanks"}, {"role": "user", "content": "what is two plus four"}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +38,57 @@ def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
     model, tok, head = tiny_setup
     methods = bench.method_grid(list(bench.METHODS), [3, 8], depth=3, top_k=3)
     report = bench.run_bench(model, tok, head, PROMPTS, methods, (0.0, 1.0), max_new_tokens=10, progress=False)
-    report.update(command="eagletree bench (test)", machine=bench.machine_info(model),
-                  settings={"target": "tiny", "head": "tiny", "prompts": "test", "depth": 3, "top_k_draft": 3})
+    report.update(
+        command="eagletree bench (test)",
+        machine=bench.machine_info(model),
+        settings={"target": "tiny", "head": "tiny", "prompts": "test", "depth": 3, "top_k_draft": 3},
+    )
     out = bench.write_outputs(report, tmp_path / "out")
 
-    for name in ("results.json", "results.md", "tokens_per_pass.png", "speedup.png", "accepted_lengths.png",
-                 "calibration.png"):
+    for name in (
+        "results.json",
+        "results.md",
+        "tokens_per_pass.png",
+        "speedup.png",
+        "accepted_lengths.png",
+        "calibration.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     assert {"command", "machine", "settings", "results", "calibration", "accept_by_rank"} <= set(data)
     labels = [m.label for m in methods]
-    assert labels == ["chain 3", "chain 4", "sequoia 3", "sequoia 8", "eagle2 3", "eagle2 8", "optimal 3",
-                      "optimal 8", "auto 3", "auto 8", "eagle2+copy 3", "eagle2+copy 8", "optimal+copy 3",
-                      "optimal+copy 8", "auto+copy 3", "auto+copy 8", "copy 3", "copy 8", "lookup", "packed"]
+    assert labels == [
+        "chain 3",
+        "chain 4",
+        "sequoia 3",
+        "sequoia 8",
+        "eagle2 3",
+        "eagle2 8",
+        "optimal 3",
+        "optimal 8",
+        "auto 3",
+        "auto 8",
+        "eagle2+copy 3",
+        "eagle2+copy 8",
+        "optimal+copy 3",
+        "optimal+copy 8",
+        "auto+copy 3",
+        "auto+copy 8",
+        "copy 3",
+        "copy 8",
+        "lookup",
+        "packed",
+    ]
     assert [r["label"] for r in data["results"]] == (["plain"] + labels) * 2
     for r in data["results"]:
-        assert {"tokens_per_pass", "predicted_tokens_per_pass", "tokens_per_s", "speedup", "identical",
-                "accepted_histogram"} <= set(r)
+        assert {
+            "tokens_per_pass",
+            "predicted_tokens_per_pass",
+            "tokens_per_s",
+            "speedup",
+            "identical",
+            "accepted_histogram",
+        } <= set(r)
         assert len(r["speedup"]["per_prompt"]) == len(PROMPTS)
         assert r["identical"] is (True if r["temperature"] == 0 else None), r["label"]  # lossless at T=0
         assert sum(r["accepted_histogram"].values()) == r["passes"] and r["tokens_per_pass"] >= 1.0
@@ -79,14 +115,22 @@ def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):
 
     monkeypatch.setattr(bench.runners, "run_tree", wrong)  # where run_bench looks it up
     messages = []
-    report = bench.run_bench(model, tok, head, PROMPTS[:1], bench.method_grid(["eagle2"], [4], 3, 3), (0.0,),
-                             max_new_tokens=6, progress=False, log=messages.append)
+    report = bench.run_bench(
+        model,
+        tok,
+        head,
+        PROMPTS[:1],
+        bench.method_grid(["eagle2"], [4], 3, 3),
+        (0.0,),
+        max_new_tokens=6,
+        progress=False,
+        log=messages.append,
+    )
     row = next(r for r in report["results"] if r["method"] == "eagle2")
     assert row["identical"] is False
     miss = row["mismatches"][0]
     assert miss["prompt"] == 0 and miss["position"] == 2 and miss["logit_gap"] > 0  # plain's token is the argmax
-    assert any("MISMATCH eagle2 4 on prompt 0: first difference at token 2" in m and "logit gap" in m
-               for m in messages)
+    assert any("MISMATCH eagle2 4 on prompt 0: first difference at token 2" in m and "logit gap" in m for m in messages)
     assert "NO (1)" in bench.markdown_table(report, 0.0)
 
 
@@ -119,18 +163,26 @@ def test_prompt_specs_and_jsonl(tmp_path):
         bench.load_prompts("mtbench:0")
     path = tmp_path / "p.jsonl"
     path.write_text('"hello"\n{"prompt": "how are you"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
-    assert bench.load_prompts(str(path)) == [[{"role": "user", "content": "hello"}],
-                                             [{"role": "user", "content": "how are you"}],
-                                             [{"role": "user", "content": "hi"}]]
+    assert bench.load_prompts(str(path)) == [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "user", "content": "how are you"}],
+        [{"role": "user", "content": "hi"}],
+    ]
     path.write_text('"hello"\n{"text": 3}\n')
     with pytest.raises(ValueError, match="line 2: expected a string"):
         bench.load_prompts(str(path))
-    for messages, message in (([{"role": "user"}], 'line 1: each message must be {"role": system|user|assistant, '
-                                                    '"content": str}, got {"role": "user"}'),
-                              ([{"role": "user", "content": 3}], "got {\"role\": \"user\", \"content\": 3}"),
-                              ([{"role": "bot", "content": "hi"}], "got {\"role\": \"bot\""),
-                              ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                               "line 1: the messages must end with the user's turn to answer, not the assistant's")):
+    for messages, message in (
+        (
+            [{"role": "user"}],
+            'line 1: each message must be {"role": system|user|assistant, "content": str}, got {"role": "user"}',
+        ),
+        ([{"role": "user", "content": 3}], 'got {"role": "user", "content": 3}'),
+        ([{"role": "bot", "content": "hi"}], 'got {"role": "bot"'),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "line 1: the messages must end with the user's turn to answer, not the assistant's",
+        ),
+    ):
         path.write_text(json.dumps({"messages": messages}) + "\n")
         with pytest.raises(ValueError) as e:  # (a jinja traceback after loading the target, before)
             bench.load_prompts(str(path))
@@ -150,34 +202,44 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert cli_main(["profile", "--config", "llama-9000"]) == 2
     assert "'llama-9000' is neither a built-in config (llama-3.1-8b)" in capsys.readouterr().err
     # the two commands' flags are their own: one the command does not read is refused by argparse, not ignored
-    for argv, flag in ((["bench", "--sizes", "1,2"], "--sizes"), (["profile", "--config", "llama-3.1-8b", "--budgets",
-                                                                   "8"], "--budgets")):
+    for argv, flag in (
+        (["bench", "--sizes", "1,2"], "--sizes"),
+        (["profile", "--config", "llama-3.1-8b", "--budgets", "8"], "--budgets"),
+    ):
         with pytest.raises(SystemExit):
             cli_main(argv)
         assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
-    for flags, message in ((["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
-                           (["--results", "no/such.json"], "--results 'no/such.json' does not exist")):
+    for flags, message in (
+        (["--tokens-per-pass", "nan"], "--tokens-per-pass must be a finite number >= 1"),
+        (["--results", "no/such.json"], "--results 'no/such.json' does not exist"),
+    ):
         assert cli_main(["profile", "--config", "llama-3.1-8b", *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
 
 
-@pytest.mark.parametrize("command, flags, message", [
-    ("profile", ["--config", "llama-3.1-8b", "--depth", "0"], "--depth: must be an integer >= 1, got '0'"),
-    ("profile", ["--config", "llama-3.1-8b", "--prefix", "-1"], "--prefix: must be an integer >= 1, got '-1'"),
-    ("profile", ["--config", "llama-3.1-8b", "--reps", "0"], "--reps: must be an integer >= 1, got '0'"),
-    ("bench", ["--lookup-tokens", "0"], "--lookup-tokens: must be an integer >= 1, got '0'"),
-    ("bench", ["--seed", "-1"], "--seed: must be an integer >= 0, got '-1'"),
-    ("bench", ["--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1, got '0'"),
-    ("plan", ["--engine", "vllm", "--max-nodes", "1"], "--max-nodes: must be an integer >= 2, got '1'"),
-    ("plan", ["--engine", "vllm", "--max-depth", "0"], "--max-depth: must be an integer >= 1, got '0'"),
-    ("plan", ["--engine", "vllm", "--top-k-draft", "0"], "--top-k-draft: must be an integer >= 1, got '0'"),
-    ("distill", ["--out", "x.jsonl", "--limit", "-1"], "--limit: must be an integer >= 0, got '-1'"),
-    ("distill", ["--out", "x.jsonl", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
-    ("distill", ["--out", "x.jsonl", "--max-new-tokens", "2.5"],
-     "--max-new-tokens: must be an integer >= 1, got '2.5'"),
-    ("features", ["--config", "c.yaml", "--shard-size", "0"], "--shard-size: must be an integer >= 1, got '0'"),
-    ("viz", ["--prompt", "hi", "--step", "0"], "--step: must be an integer >= 1, got '0'"),
-])
+@pytest.mark.parametrize(
+    "command, flags, message",
+    [
+        ("profile", ["--config", "llama-3.1-8b", "--depth", "0"], "--depth: must be an integer >= 1, got '0'"),
+        ("profile", ["--config", "llama-3.1-8b", "--prefix", "-1"], "--prefix: must be an integer >= 1, got '-1'"),
+        ("profile", ["--config", "llama-3.1-8b", "--reps", "0"], "--reps: must be an integer >= 1, got '0'"),
+        ("bench", ["--lookup-tokens", "0"], "--lookup-tokens: must be an integer >= 1, got '0'"),
+        ("bench", ["--seed", "-1"], "--seed: must be an integer >= 0, got '-1'"),
+        ("bench", ["--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1, got '0'"),
+        ("plan", ["--engine", "vllm", "--max-nodes", "1"], "--max-nodes: must be an integer >= 2, got '1'"),
+        ("plan", ["--engine", "vllm", "--max-depth", "0"], "--max-depth: must be an integer >= 1, got '0'"),
+        ("plan", ["--engine", "vllm", "--top-k-draft", "0"], "--top-k-draft: must be an integer >= 1, got '0'"),
+        ("distill", ["--out", "x.jsonl", "--limit", "-1"], "--limit: must be an integer >= 0, got '-1'"),
+        ("distill", ["--out", "x.jsonl", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
+        (
+            "distill",
+            ["--out", "x.jsonl", "--max-new-tokens", "2.5"],
+            "--max-new-tokens: must be an integer >= 1, got '2.5'",
+        ),
+        ("features", ["--config", "c.yaml", "--shard-size", "0"], "--shard-size: must be an integer >= 1, got '0'"),
+        ("viz", ["--prompt", "hi", "--step", "0"], "--step: must be an integer >= 1, got '0'"),
+    ],
+)
 def test_counts_out_of_range_are_refused_before_loading(command, flags, message, capsys):
     with pytest.raises(SystemExit) as e:  # (--depth 0 looped forever; the others failed after loading)
         cli_main([command, *flags])
@@ -190,9 +252,32 @@ def test_cli_runs_end_to_end_on_a_jsonl_file(tiny_setup, tmp_path, monkeypatch, 
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
     (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n')
     out = tmp_path / "out"
-    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
-                     str(tmp_path / "p.jsonl"), "--methods", "eagle2,sequoia,lookup", "--budgets", "4",
-                     "--temperatures", "0", "--max-new-tokens", "6", "-o", str(out), "--pack", "off"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--target",
+                "tiny",
+                "--head",
+                str(tmp_path / "head"),
+                "--prompts",
+                str(tmp_path / "p.jsonl"),
+                "--methods",
+                "eagle2,sequoia,lookup",
+                "--budgets",
+                "4",
+                "--temperatures",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "-o",
+                str(out),
+                "--pack",
+                "off",
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "results.json").read_text())
     assert [r["label"] for r in data["results"]] == ["plain", "eagle2 4", "sequoia 4", "lookup"]
     assert data["settings"]["budgets"] == [4] and data["prompts"] == 2
@@ -219,9 +304,32 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     monkeypatch.setattr(bench.runners, "run_hf", spy)
     out = tmp_path / "out"
     (tmp_path / "p.jsonl").write_text('"hello how are you"\n')
-    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"),
-                     "--methods", "eagle2", "--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6",
-                     "-o", str(out), "--pack", "on"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--target",
+                "tiny",
+                "--head",
+                str(tmp_path / "head"),
+                "--prompts",
+                str(tmp_path / "p.jsonl"),
+                "--methods",
+                "eagle2",
+                "--budgets",
+                "4",
+                "--temperatures",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "-o",
+                str(out),
+                "--pack",
+                "on",
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "results.json").read_text())
     assert [r["label"] for r in data["results"]] == ["plain", "packed", "eagle2 4"]
     assert all(r["identical"] for r in data["results"]) and data["settings"]["packed"] is True
@@ -237,9 +345,32 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     assert "speedup vs plain, same kernels" in (out / "results.md").read_text()
     # 'packed' listed after a tree method still runs first: the tree row's same-kernels speedup is against it
     # (it was against stock plain decoding, the kernels' own gain included)
-    assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"),
-                     "--methods", "eagle2,packed", "--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6",
-                     "-o", str(tmp_path / "out2"), "--pack", "on"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--target",
+                "tiny",
+                "--head",
+                str(tmp_path / "head"),
+                "--prompts",
+                str(tmp_path / "p.jsonl"),
+                "--methods",
+                "eagle2,packed",
+                "--budgets",
+                "4",
+                "--temperatures",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "-o",
+                str(tmp_path / "out2"),
+                "--pack",
+                "on",
+            ]
+        )
+        == 0
+    )
     again = json.loads((tmp_path / "out2" / "results.json").read_text())
     assert [r["label"] for r in again["results"]] == ["plain", "packed", "eagle2 4"]
     # +copy rows copy from the head's datastore.npz too (read once for the whole run), unless --datastore none; the
@@ -248,30 +379,104 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
 
     TokenStore([5, 6, 7, 8, 9, 10, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", vocab_fingerprint(tok))
     stores, real_method = [], bench.runners.run_method
-    monkeypatch.setattr(bench.runners, "run_method", lambda *a, **kw: stores.append(kw["store"]) or real_method(*a, **kw))
+    monkeypatch.setattr(
+        bench.runners, "run_method", lambda *a, **kw: stores.append(kw["store"]) or real_method(*a, **kw)
+    )
     for flag, want in (([], [5, 6, 7, 8, 9, 10, SEPARATOR]), (["--datastore", "none"], None)):
-        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
-                         str(tmp_path / "p.jsonl"), "--methods", "eagle2+copy", "--budgets", "4", "--temperatures", "0",
-                         "--max-new-tokens", "6", "-o", str(tmp_path / "out3"), "--pack", "off", *flag]) == 0
+        assert (
+            cli_main(
+                [
+                    "bench",
+                    "--target",
+                    "tiny",
+                    "--head",
+                    str(tmp_path / "head"),
+                    "--prompts",
+                    str(tmp_path / "p.jsonl"),
+                    "--methods",
+                    "eagle2+copy",
+                    "--budgets",
+                    "4",
+                    "--temperatures",
+                    "0",
+                    "--max-new-tokens",
+                    "6",
+                    "-o",
+                    str(tmp_path / "out3"),
+                    "--pack",
+                    "off",
+                    *flag,
+                ]
+            )
+            == 0
+        )
         settings = json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]
-        assert len(stores) > 1 and len({id(s) for s in stores}) == 1 and (settings["datastore"] is None) == (want is None)
+        assert (
+            len(stores) > 1 and len({id(s) for s in stores}) == 1 and (settings["datastore"] is None) == (want is None)
+        )
         assert (stores[0] if want is None else stores[0].tokens.tolist()) == want
         stores.clear()
     # a store made for another tokenizer is refused by decoding (a warning), and the settings do not name it
     TokenStore([5, 6, 7, 8, 9, 10, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", "another-tokenizer")
     with pytest.warns(UserWarning, match="made with tokenizer another-tokenizer"):
-        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
-                         str(tmp_path / "p.jsonl"), "--methods", "eagle2+copy", "--budgets", "4", "--temperatures", "0",
-                         "--max-new-tokens", "6", "-o", str(tmp_path / "out3"), "--pack", "off"]) == 0
+        assert (
+            cli_main(
+                [
+                    "bench",
+                    "--target",
+                    "tiny",
+                    "--head",
+                    str(tmp_path / "head"),
+                    "--prompts",
+                    str(tmp_path / "p.jsonl"),
+                    "--methods",
+                    "eagle2+copy",
+                    "--budgets",
+                    "4",
+                    "--temperatures",
+                    "0",
+                    "--max-new-tokens",
+                    "6",
+                    "-o",
+                    str(tmp_path / "out3"),
+                    "--pack",
+                    "off",
+                ]
+            )
+            == 0
+        )
     assert json.loads((tmp_path / "out3" / "results.json").read_text())["settings"]["datastore"] is None
     # without a copying row the store is not read at all: no warning (the file written again, so that a refusal
     # remembered from above would not hide one), and not named
     TokenStore([5, 6, 7, 8, 9, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", "another-tokenizer")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cli_main(["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts",
-                         str(tmp_path / "p.jsonl"), "--methods", "eagle2", "--budgets", "4", "--temperatures", "0",
-                         "--max-new-tokens", "6", "-o", str(tmp_path / "out4"), "--pack", "off"]) == 0
+        assert (
+            cli_main(
+                [
+                    "bench",
+                    "--target",
+                    "tiny",
+                    "--head",
+                    str(tmp_path / "head"),
+                    "--prompts",
+                    str(tmp_path / "p.jsonl"),
+                    "--methods",
+                    "eagle2",
+                    "--budgets",
+                    "4",
+                    "--temperatures",
+                    "0",
+                    "--max-new-tokens",
+                    "6",
+                    "-o",
+                    str(tmp_path / "out4"),
+                    "--pack",
+                    "off",
+                ]
+            )
+            == 0
+        )
     assert json.loads((tmp_path / "out4" / "results.json").read_text())["settings"]["datastore"] is None
 
 
@@ -285,9 +490,32 @@ def test_rank_acceptance_counts_accepted_sibling_ranks():
 def test_profile_on_cpu_with_a_config_file(tmp_path, capsys):
     tiny_config("llama").to_json_file(tmp_path / "config.json")
     out = tmp_path / "profile"
-    assert cli_main(["profile", "--config", str(tmp_path / "config.json"), "--device", "cpu",
-                     "--sizes", "1,4,8", "--reps", "1", "--prefix", "16", "--depth", "3", "--top-k-draft", "3",
-                     "--tokens-per-pass", "1.5", "-o", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "profile",
+                "--config",
+                str(tmp_path / "config.json"),
+                "--device",
+                "cpu",
+                "--sizes",
+                "1,4,8",
+                "--reps",
+                "1",
+                "--prefix",
+                "16",
+                "--depth",
+                "3",
+                "--top-k-draft",
+                "3",
+                "--tokens-per-pass",
+                "1.5",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "profile.json").read_text())
     assert [r["n"] for r in data["rows"]] == [1, 4, 8] and data["rows"][0]["ratio"] == 1.0
     assert data["rows"][0]["draft_ms"] == 0.0 and data["rows"][1]["draft_level_ms"] > 0
@@ -326,11 +554,14 @@ def test_a_results_file_that_is_not_a_bench_result_is_named(tmp_path):
 
 
 def test_projection_from_measured_tokens_per_pass():
-    rows = [{"n": 1, "forward_ms": 10.0, "engine_ms": 0.0, "draft_level_ms": 0.0, "step_over_t1": 1.0},
-            {"n": 8, "forward_ms": 10.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0},
-            {"n": 16, "forward_ms": 12.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0}]
-    out = bench.project(rows, {("eagle2", 16, 6): 2.6, ("chain", 7, 6): 1.5, ("auto", 16, 6): 9.0,
-                               ("eagle2", 60, 6): 3.0})
+    rows = [
+        {"n": 1, "forward_ms": 10.0, "engine_ms": 0.0, "draft_level_ms": 0.0, "step_over_t1": 1.0},
+        {"n": 8, "forward_ms": 10.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0},
+        {"n": 16, "forward_ms": 12.0, "engine_ms": 1.0, "draft_level_ms": 1.0, "step_over_t1": 1.0},
+    ]
+    out = bench.project(
+        rows, {("eagle2", 16, 6): 2.6, ("chain", 7, 6): 1.5, ("auto", 16, 6): 9.0, ("eagle2", 60, 6): 3.0}
+    )
     assert [(p["method"], p["budget"]) for p in out] == [("eagle2", 16), ("chain", 7)]  # auto and N > 16 left out
     assert out[0]["step_over_t1"] == pytest.approx((12 + 1 + 6) / 10) and out[0]["speedup"] == pytest.approx(2.6 / 1.9)
 
@@ -338,7 +569,12 @@ def test_projection_from_measured_tokens_per_pass():
 def test_builtin_config_has_the_written_down_sizes():
     c = bench.build_config("llama-3.1-8b")
     assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.intermediate_size, c.vocab_size) == (
-        4096, 32, 8, 14336, 128256)
+        4096,
+        32,
+        8,
+        14336,
+        128256,
+    )
 
 
 def test_speedup_spread_skips_prompts_without_a_decoding_rate():
@@ -386,14 +622,15 @@ def test_head_to_load_names_the_shipped_head_or_asks_for_one(tmp_path):
 
 
 def test_the_cli_parses_without_torch_matplotlib_or_transformers():
-    code = ("import sys, eagletree.cli; "
-            "print([m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules])")
+    code = "import sys, eagletree.cli; print([m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     # a mistyped flag is answered by the parser, before any command module (and torch) loads
-    code = ("import sys, eagletree.cli\n"
-            "try:\n    eagletree.cli.main(['generate', '--prompt', 'hi', '--tree', 'bushy'])\n"
-            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
+    code = (
+        "import sys, eagletree.cli\n"
+        "try:\n    eagletree.cli.main(['generate', '--prompt', 'hi', '--tree', 'bushy'])\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "2 False" and "invalid choice: 'bushy'" in run.stderr
 
@@ -415,18 +652,31 @@ def test_plain_decoding_ignores_the_models_own_generation_settings(tiny_setup):
         model.generation_config.repetition_penalty, model.generation_config.top_k = 1.0, 50
 
 
-def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_before_loading(tiny_setup, tmp_path,
-                                                                                        monkeypatch, capsys):
+def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_before_loading(
+    tiny_setup, tmp_path, monkeypatch, capsys
+):
     model, tok, _ = tiny_setup
     loads = []
-    monkeypatch.setattr("eagletree.target.load_target",
-                        lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok))
+    monkeypatch.setattr(
+        "eagletree.target.load_target", lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok)
+    )
     (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n')
-    args = ["bench", "--target", "tiny", "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "6",
-            "--pack", "off"]
+    args = [
+        "bench",
+        "--target",
+        "tiny",
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--pack",
+        "off",
+    ]
     # lookup alone has no budget axis: the plots crashed after the run, before results.json was written
-    assert cli_main(args + ["--head", "none", "--methods", "lookup", "--temperatures", "0", "-o",
-                            str(tmp_path / "a")]) == 0
+    assert (
+        cli_main(args + ["--head", "none", "--methods", "lookup", "--temperatures", "0", "-o", str(tmp_path / "a")])
+        == 0
+    )
     data = json.loads((tmp_path / "a" / "results.json").read_text())
     assert [r["label"] for r in data["results"]] == ["plain", "lookup"] and "speedup.png" not in data["plots"]
     loads.clear()

@@ -1,4 +1,5 @@
-"""`eagletree generate` / `chat` and list prompts on a tiny random model (the real model runs in the README's command)."""
+"""`eagletree generate` / `chat` and list prompts on a tiny random model (the real model runs in the README's
+command)."""
 
 import io
 import json
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from eagletree.cli import main as cli_main
-from eagletree.draft_heads import EagleHead
 from eagletree.decoding import generate
+from eagletree.draft_heads import EagleHead
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -26,17 +27,42 @@ def tiny_cli(tmp_path, monkeypatch):
 
 def test_generate_json_and_compare_plain(tiny_cli, capsys):
     _, _, args = tiny_cli
-    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
-                     "--compare-plain", "--budget", "6"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                *args,
+                "--prompt",
+                "hello how are you",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--compare-plain",
+                "--budget",
+                "6",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert {"text", "new_tokens", "passes", "tokens_per_pass", "tokens_per_s", "plain_tokens_per_s", "speedup",
-            "identical_to_plain"} <= set(result)
+    assert {
+        "text",
+        "new_tokens",
+        "passes",
+        "tokens_per_pass",
+        "tokens_per_s",
+        "plain_tokens_per_s",
+        "speedup",
+        "identical_to_plain",
+    } <= set(result)
     assert result["new_tokens"] == 12 and result["identical_to_plain"] is True and result["text"]
     # Like for like: vs plain decoding with the same kernels, vs stock HF generate, and the kernels' own gain.
     assert {"hf_tokens_per_s", "speedup_vs_hf", "kernels_gain", "kernels"} <= set(result)
     assert result["speedup_vs_hf"] == pytest.approx(result["tokens_per_s"] / result["hf_tokens_per_s"], abs=2e-3)
     choice = result["kernels"]["choice"]  # --pack auto measured both kernels here
-    assert result["kernels"]["kernels"] in ("stock", "packed", "mixed") and len(choice["stock_s"]) == len(choice["sizes"])
+    assert result["kernels"]["kernels"] in ("stock", "packed", "mixed") and len(choice["stock_s"]) == len(
+        choice["sizes"]
+    )
     # the drafter's kernels: the target's choice, or one measured in the head's own precision (bf16 drafting)
     assert result["draft_kernels"]["kernels"] in ("stock", "packed", "mixed")
     if result["draft_kernels"]["choice"] is not None:
@@ -56,22 +82,87 @@ def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cl
     _, _, args = tiny_cli
     plain = Run(list(range(20)), seconds=3.0, first_seconds=1.0, accepted_lengths=[1] + [1] * 19)  # 19 tokens in 2 s
     monkeypatch.setattr(commands, "run_hf", lambda *a, **kw: plain)
-    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
-                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                *args,
+                "--prompt",
+                "hello how are you",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--compare-plain",
+                "--budget",
+                "6",
+                "--temperature",
+                "1",
+                "--seed",
+                "3",
+                "--pack",
+                "off",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["speedup_basis"] == "after the first pass" and "identical_to_plain" not in result
     assert result["plain_tokens_per_s"] == 9.5 and result["hf_tokens_per_s"] == 9.5  # stock kernels: one run
     assert result["speedup"] == pytest.approx(result["decode_tokens_per_s"] / 9.5, abs=2e-3)
     assert result["decode_tokens_per_s"] != result["tokens_per_s"]
-    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12",
-                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                *args,
+                "--prompt",
+                "hello how are you",
+                "--max-new-tokens",
+                "12",
+                "--compare-plain",
+                "--budget",
+                "6",
+                "--temperature",
+                "1",
+                "--seed",
+                "3",
+                "--pack",
+                "off",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.search(r"\| rates after the first pass from here on \(sampled answers differ in length\): [\d.]+ "
-                     r"tokens/s \| plain decoding, same kernels \(stock\): 9.5 tokens/s \| speedup [\d.]+x", line)
+    assert re.search(
+        r"\| rates after the first pass from here on \(sampled answers differ in length\): [\d.]+ "
+        r"tokens/s \| plain decoding, same kernels \(stock\): 9.5 tokens/s \| speedup [\d.]+x",
+        line,
+    )
     # a run without tokens after its first pass has no such rate: end to end, as greedy
     plain = Run([5], seconds=1.0, first_seconds=1.0, accepted_lengths=[1])
-    assert cli_main(["generate", *args, "--prompt", "hello how are you", "--max-new-tokens", "12", "--json",
-                     "--compare-plain", "--budget", "6", "--temperature", "1", "--seed", "3", "--pack", "off"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                *args,
+                "--prompt",
+                "hello how are you",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--compare-plain",
+                "--budget",
+                "6",
+                "--temperature",
+                "1",
+                "--seed",
+                "3",
+                "--pack",
+                "off",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["speedup_basis"] == "end to end" and result["plain_tokens_per_s"] == 1.0
 
@@ -150,12 +241,15 @@ def test_output_paths_and_fixed_shapes_are_refused_before_any_work(tiny_cli, cap
     _, _, args = tiny_cli
     (tmp_path / "a.txt").write_text("x")
     for argv, message in (
-            (["bench", *args, "--quick", "-o", str(tmp_path / "a.txt")], "-o/--out '.*a.txt' is a file; expected a folder"),
-            (["viz", *args, "--prompt", "hi", "-o", str(tmp_path)], "-o/--output '.*' is a folder; expected a file"),
-            (["viz", *args, "--prompt", "hi", "-o", str(tmp_path / "a.txt" / "t.html")], "'.*a.txt' is a file"),
-            (["generate", *args, "--prompt", "hi", "--tree", "chain", "--copy", "on"],
-             "--copy on needs a searched tree .*--tree chain is a fixed shape"),
-            (["calibrate-copy", *args, "--max-new-tokens", "1"], "--max-new-tokens must be >= 2 for calibrate-copy")):
+        (["bench", *args, "--quick", "-o", str(tmp_path / "a.txt")], "-o/--out '.*a.txt' is a file; expected a folder"),
+        (["viz", *args, "--prompt", "hi", "-o", str(tmp_path)], "-o/--output '.*' is a folder; expected a file"),
+        (["viz", *args, "--prompt", "hi", "-o", str(tmp_path / "a.txt" / "t.html")], "'.*a.txt' is a file"),
+        (
+            ["generate", *args, "--prompt", "hi", "--tree", "chain", "--copy", "on"],
+            "--copy on needs a searched tree .*--tree chain is a fixed shape",
+        ),
+        (["calibrate-copy", *args, "--max-new-tokens", "1"], "--max-new-tokens must be >= 2 for calibrate-copy"),
+    ):
         assert cli_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err), (argv, err)
@@ -179,19 +273,56 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
     prompt = "one two three four one two three four one two"
     runs = {}
     for copy in ("on", "off"):
-        assert cli_main(["generate", *args, "--prompt", prompt, "--max-new-tokens", "24", "--json", "--copy", copy,
-                         "--budget", "12", "--tree", "eagle2"]) == 0
+        assert (
+            cli_main(
+                [
+                    "generate",
+                    *args,
+                    "--prompt",
+                    prompt,
+                    "--max-new-tokens",
+                    "24",
+                    "--json",
+                    "--copy",
+                    copy,
+                    "--budget",
+                    "12",
+                    "--tree",
+                    "eagle2",
+                ]
+            )
+            == 0
+        )
         runs[copy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert runs["on"]["method"] == "eagle2+copy" and runs["off"]["method"] == "eagle2"
     assert runs["off"]["copied_tokens"] == 0 and runs["on"]["text"] == runs["off"]["text"]
-    assert cli_main(["generate", "--target", "tiny", "--head", "none", "--prompt", prompt, "--max-new-tokens", "8",
-                     "--json"]) == 0
+    assert (
+        cli_main(
+            ["generate", "--target", "tiny", "--head", "none", "--prompt", prompt, "--max-new-tokens", "8", "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "plain"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps(prompt) + "\n" + json.dumps("five six five six five six") + "\n")
     out = tmp_path / "copy.json"
-    assert cli_main(["calibrate-copy", *args, "--prompts", str(prompts), "--max-new-tokens", "24", "--budget", "12",
-                     "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "calibrate-copy",
+                *args,
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "24",
+                "--budget",
+                "12",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"wrote {out}: ") and "accepted on 2 prompts" in line
     saved = json.loads(out.read_text())
@@ -216,11 +347,31 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, m
     before = (head_dir / COPY_CALIBRATION).read_text()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps("one two three four one two three four one two") + "\n")
-    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--draft-vocab", "full",
-                     "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "8"]) == 0
+    assert (
+        cli_main(
+            [
+                "calibrate-copy",
+                "--target",
+                "tiny",
+                "--head",
+                str(head_dir),
+                "--draft-vocab",
+                "full",
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "16",
+                "--budget",
+                "8",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     vocab = model.config.vocab_size
-    assert line.startswith(f"wrote {head_dir / COPY_CALIBRATION_FULL_VOCAB}: ") and f"drafting over {vocab} tokens" in line
+    assert (
+        line.startswith(f"wrote {head_dir / COPY_CALIBRATION_FULL_VOCAB}: ") and f"drafting over {vocab} tokens" in line
+    )
     assert (head_dir / COPY_CALIBRATION).read_text() == before
     assert CopyCalibration.load(head_dir / COPY_CALIBRATION_FULL_VOCAB).draft_vocab_size == vocab
     # a run that tried no copied span leaves the table as it was
@@ -230,10 +381,15 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, m
     monkeypatch.setattr(commands, "measure_copy_calibration", lambda *a, **k: pytest.fail("measured"))
     assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts)]) == 2
     assert f"{head_dir / COPY_CALIBRATION} holds a copy table already; pass --overwrite" in capsys.readouterr().err
-    monkeypatch.setattr(commands, "measure_copy_calibration",
-                        lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0}))
-    assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts),
-                     "--overwrite"]) == 2
+    monkeypatch.setattr(
+        commands, "measure_copy_calibration", lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0})
+    )
+    assert (
+        cli_main(
+            ["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts), "--overwrite"]
+        )
+        == 2
+    )
     assert "no copied span was tried on these 1 prompts" in capsys.readouterr().err
     assert (head_dir / COPY_CALIBRATION).read_text() == before
 

@@ -5,12 +5,11 @@ import random
 
 import pytest
 import torch
+from test_tree_search import connected_subtrees, drafter, paths_of
 
 from eagletree.tree_search import eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand
 from eagletree.tree_search.copy import CopyCalibration, CopyTrie, NgramIndex, bin_labels, copy_trie, match_bin
 from eagletree.verify import accept_tree
-
-from test_tree_search import connected_subtrees, drafter, paths_of
 
 
 def naive_matches(tokens, max_ngram, max_match):
@@ -30,8 +29,8 @@ def test_index_built_incrementally_finds_what_a_rescan_finds():
     tokens = [rng.randrange(5) for _ in range(300)]
     index = NgramIndex(max_ngram=3, max_match=16)
     for i in range(0, 300, 7):
-        index.extend(tokens[i:i + 7])  # committed a pass at a time
-        ref = naive_matches(tokens[:i + 7], 3, 16)
+        index.extend(tokens[i : i + 7])  # committed a pass at a time
+        ref = naive_matches(tokens[: i + 7], 3, 16)
         got = index.matches(per_ngram=10_000)
         assert dict((end, length) for length, end in got) == ref
         assert [m[0] for m in got] == sorted((m[0] for m in got), reverse=True)  # longest first
@@ -72,8 +71,9 @@ def test_copies_are_looked_up_after_a_draft_path_and_grafted_under_its_node():
         assert (20, 1, 2, 3, 4) in paths_of(tree)  # the head's 1, then what followed 1 before
         two = next(v for v in range(len(tree)) if tree.tokens[tree.path_to(v)].tolist() == [20, 1, 2])
         assert tree.copy_info[two] == (match_bin(1), 0)
-        without = search(path_expand(child_probs), 20, budget=12, depth=2, top_k=2,
-                         copies=copy_trie_without_lookup(trie))
+        without = search(
+            path_expand(child_probs), 20, budget=12, depth=2, top_k=2, copies=copy_trie_without_lookup(trie)
+        )
         assert (20, 1, 2, 3) not in paths_of(without)
 
 
@@ -168,8 +168,9 @@ def random_lookup(vocab, length, share=0.6):
     def lookup(path):
         if path not in cache:
             rng = random.Random(str(path))
-            cache[path] = random_trie(rng.randrange(10**6), vocab, spans=2, length=length) \
-                if rng.random() < share else None
+            cache[path] = (
+                random_trie(rng.randrange(10**6), vocab, spans=2, length=length) if rng.random() < share else None
+            )
         return cache[path]
 
     return lookup
@@ -223,8 +224,10 @@ def test_copies_looked_up_under_head_nodes_equal_brute_force_and_batched_equals_
         trie.lookup = random_lookup(12, 6)
         for search, fast in assert_batched_equals_reference(child_probs, trie, seed).items():
             plain = copy_trie_without_lookup(trie)
-            grew += fast.expected_tokens > search(path_expand(child_probs), 0, 20, depth=3, top_k=3,
-                                                  copies=plain).expected_tokens + 1e-9
+            grew += (
+                fast.expected_tokens
+                > search(path_expand(child_probs), 0, 20, depth=3, top_k=3, copies=plain).expected_tokens + 1e-9
+            )
     assert grew > 10  # the looked-up copies are chosen, not only allowed
 
 
@@ -240,8 +243,13 @@ def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_p
         p[1], p[2] = 0.6, 0.32
         return p
 
-    trie = CopyTrie([-1, 2, 3, 4, 5, 3, 2, 1, 4], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [1.0] + [0.9] * 8,
-                    [None] + [(4, j) for j in range(8)], [0, 1, 2, 3, 4, 5, 6, 7, 8])
+    trie = CopyTrie(
+        [-1, 2, 3, 4, 5, 3, 2, 1, 4],
+        [-1, 0, 1, 2, 3, 4, 5, 6, 7],
+        [1.0] + [0.9] * 8,
+        [None] + [(4, j) for j in range(8)],
+        [0, 1, 2, 3, 4, 5, 6, 7, 8],
+    )
     tree = optimal_search(path_expand(child_probs), 0, budget=12, depth=2, top_k=2, copies=trie)
     kids = tree.children()
     assert sorted(tree.tokens[kids[0]].tolist()) == [1, 2]  # the copy's 2 merged with the head's 2
@@ -296,7 +304,9 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
     cal.save(tmp_path / "c.json")
     back = CopyCalibration.load(tmp_path / "c.json")
     assert torch.allclose(back.prior, cal.measured().clamp(0.01, 0.99)) and back.max_len == 3
-    assert back.prior[2].tolist() == pytest.approx([(6 + 1) / 9, (6 + 2 * 7 / 9) / 9, (0 + 2 * float(back.prior[2, 1])) / 8])
+    assert back.prior[2].tolist() == pytest.approx(
+        [(6 + 1) / 9, (6 + 2 * 7 / 9) / 9, (0 + 2 * float(back.prior[2, 1])) / 8]
+    )
     assert back.prior[0].tolist() == pytest.approx([0.5] * 3)  # never tried: the prior all along
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a copy calibration file"):
@@ -307,14 +317,18 @@ def test_calibration_learns_from_verified_trees_and_round_trips(tmp_path):
         CopyCalibration(max_len=3, prior=[[0.5] * 4] * 5)
     # A table measured with other match bins values other matches: refused, naming the fix.
     (tmp_path / "other.json").write_text(json.dumps({"match_bins": [1, 2, 3, 4, 8, 16], "rate": [[0.5] * 3] * 6}))
-    with pytest.raises(ValueError, match=r"match bins \[1, 2, 3, 4, 8, 16\], expected \[1, 2, 3, 4, 8\].*calibrate-copy"):
+    with pytest.raises(
+        ValueError, match=r"match bins \[1, 2, 3, 4, 8, 16\], expected \[1, 2, 3, 4, 8\].*calibrate-copy"
+    ):
         CopyCalibration.load(tmp_path / "other.json")
     # damaged tables are one error naming the file (they crashed generate: IndexError, TypeError)
     bins = [1, 2, 3, 4, 8]
-    for data, message in (({"match_bins": bins, "rate": []}, "rate must be a table"),
-                          ({"match_bins": 5, "rate": [[0.5]] * 5}, "match bins 5, expected"),
-                          ({"match_bins": bins, "rate": [[]] * 5}, "at least one position"),
-                          ({"match_bins": bins, "rate": [[0.5, 0.5], [0.5]] * 2 + [[0.5]]}, "c.json")):
+    for data, message in (
+        ({"match_bins": bins, "rate": []}, "rate must be a table"),
+        ({"match_bins": 5, "rate": [[0.5]] * 5}, "match bins 5, expected"),
+        ({"match_bins": bins, "rate": [[]] * 5}, "at least one position"),
+        ({"match_bins": bins, "rate": [[0.5, 0.5], [0.5]] * 2 + [[0.5]]}, "c.json"),
+    ):
         (tmp_path / "c.json").write_text(json.dumps(data))
         with pytest.raises(ValueError, match=message):
             CopyCalibration.load(tmp_path / "c.json")

@@ -6,14 +6,27 @@ import warnings
 import pytest
 
 from eagletree.train.data import (
-    DataError, DataWarning, base_id, from_hf_dataset, is_heldout, load_dataset, read_json_file, split, stats,
+    DataError,
+    DataWarning,
+    base_id,
+    from_hf_dataset,
+    is_heldout,
+    load_dataset,
+    read_json_file,
+    split,
+    stats,
 )
 
 RECORDS = [
-    {"id": f"c{i}_{i % 2}", "flag": i % 2 == 0, "none": None, "conversations": [
-        {"from": "human", "value": f"question {i} with ünïcode ✓ and \"quotes\" ]}}"},
-        {"from": "gpt", "value": f"answer {i}"},
-    ]}
+    {
+        "id": f"c{i}_{i % 2}",
+        "flag": i % 2 == 0,
+        "none": None,
+        "conversations": [
+            {"from": "human", "value": f'question {i} with ünïcode ✓ and "quotes" ]}}'},
+            {"from": "gpt", "value": f"answer {i}"},
+        ],
+    }
     for i in range(12)
 ]
 
@@ -63,12 +76,15 @@ def test_damage_inside_the_file_is_an_error(tmp_path):
         read_json_file(path)
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[{"id": 1, "conversations": []}{"id": 2, "conversations": []}]', "expected ',' or ']' after record 0"),
-    ('[{"id": 1, "conversations": []}}', "expected ',' or ']' after record 0"),
-    ('[{"id": 1, "conversations": [}]', "record 0 is not valid JSON"),
-    ('[3, 4]', "record 0 should start with '{'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[{"id": 1, "conversations": []}{"id": 2, "conversations": []}]', "expected ',' or ']' after record 0"),
+        ('[{"id": 1, "conversations": []}}', "expected ',' or ']' after record 0"),
+        ('[{"id": 1, "conversations": [}]', "record 0 is not valid JSON"),
+        ("[3, 4]", "record 0 should start with '{'"),
+    ],
+)
 def test_damaged_arrays_are_errors_not_truncations(tmp_path, text, message):
     path = tmp_path / "d.json"
     path.write_text(text)
@@ -80,8 +96,9 @@ def test_damaged_arrays_are_errors_not_truncations(tmp_path, text, message):
 def test_a_pretty_printed_object_is_named_as_one_not_as_bad_json(tmp_path, name):
     path = tmp_path / name
     path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}, indent=1) + "\n")
-    with pytest.raises(DataError, match=f"{name} is one JSON object spread over 8 lines, not records: expected a "
-                                        "JSON array of records"):  # (was "line 1 is not valid JSON")
+    with pytest.raises(
+        DataError, match=f"{name} is one JSON object spread over 8 lines, not records: expected a JSON array of records"
+    ):  # (was "line 1 is not valid JSON")
         read_json_file(path)
 
 
@@ -98,9 +115,19 @@ def test_bom_line_separators_and_bad_utf8(tmp_path):
 
 def test_jsonl_and_openai_messages(tmp_path):
     path = tmp_path / "d.jsonl"
-    lines = [json.dumps({"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-                                                {"role": "assistant", "content": "yo"}]}),
-             json.dumps(RECORDS[1])]
+    lines = [
+        json.dumps(
+            {
+                "id": "a",
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                ],
+            }
+        ),
+        json.dumps(RECORDS[1]),
+    ]
     path.write_text("\n".join(lines) + "\n")
     data = read_json_file(path)
     assert [c.id for c in data.conversations] == ["a", "c1_1"]
@@ -113,26 +140,35 @@ def test_jsonl_and_openai_messages(tmp_path):
 def test_hf_dataset():
     import datasets
 
-    ds = datasets.Dataset.from_list([{"id": "x", "messages": [{"role": "user", "content": "q"},
-                                                             {"role": "assistant", "content": "a"}]}])
+    ds = datasets.Dataset.from_list(
+        [{"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    )
     data = load_dataset(ds)
     assert data.conversations[0].messages[1] == {"role": "assistant", "content": "a"}
     with pytest.raises(DataError, match=r"needs a 'conversations' or 'messages' column, has \['text'\]"):
         from_hf_dataset(datasets.Dataset.from_list([{"text": "t"}]))
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "does not exist"),
-    ("", "is empty"),
-    ("   \n", "is empty"),
-    ('[{"id": "a", "text": "hi"}]', r"record 0: record has no 'conversations'"),
-    ('[{"id": "a", "conversations": [{"from": "robot", "value": "x"}]}]', r"record 0, turn 0: unknown role 'robot'"),
-    ('[{"id": "a", "conversations": "hi"}]', "the turns must be a list"),
-    ('[{"id": "a", "conversations": [{"from": "human"}]}]', "expected an object with 'from' and 'value'"),
-    ('{"a": 1}', r"line 1: record has no 'conversations'"),
-    ('[{"id": "a", "messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}]',
-     r"turn 0: 'weight' must be 0 \(not trained on\) or 1, got 0.5"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("", "is empty"),
+        ("   \n", "is empty"),
+        ('[{"id": "a", "text": "hi"}]', r"record 0: record has no 'conversations'"),
+        (
+            '[{"id": "a", "conversations": [{"from": "robot", "value": "x"}]}]',
+            r"record 0, turn 0: unknown role 'robot'",
+        ),
+        ('[{"id": "a", "conversations": "hi"}]', "the turns must be a list"),
+        ('[{"id": "a", "conversations": [{"from": "human"}]}]', "expected an object with 'from' and 'value'"),
+        ('{"a": 1}', r"line 1: record has no 'conversations'"),
+        (
+            '[{"id": "a", "messages": [{"role": "assistant", "content": "a", "weight": 0.5}]}]',
+            r"turn 0: 'weight' must be 0 \(not trained on\) or 1, got 0.5",
+        ),
+    ],
+)
 def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
     path = tmp_path / "bad.json"
     if content is not None:
@@ -145,19 +181,23 @@ def test_bad_data_errors_name_file_and_record(tmp_path, content, message):
 def test_records_without_ids_keep_their_split_when_the_file_is_renamed_or_reordered(tmp_path):
     from eagletree.train.data import split
 
-    records = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}]}
-               for i in range(300)]
+    records = [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(300)
+    ]
     sides = []
     for name, recs in (("train.json", records), ("copy.json", records[::-1])):
         train, heldout = split(read_json_file(write_json(tmp_path / name, recs)), 0.05)
-        sides.append((sorted(c.messages[0]["content"] for c in train), sorted(c.messages[0]["content"] for c in heldout)))
+        sides.append(
+            (sorted(c.messages[0]["content"] for c in train), sorted(c.messages[0]["content"] for c in heldout))
+        )
     assert sides[0] == sides[1] and 0 < len(sides[0][1]) < 40  # (the file's name and record index moved them)
 
 
 def test_the_data_command_counts_a_file_and_names_bad_input(tmp_path, capsys):
-    from eagletree.cli import main
-
     import warnings
+
+    from eagletree.cli import main
 
     path = write_json(tmp_path / "d.json", RECORDS[:3])
     shown = warnings.formatwarning
@@ -172,8 +212,12 @@ def test_the_data_command_counts_a_file_and_names_bad_input(tmp_path, capsys):
 
 
 def _chat(conv_id, answer):
-    return json.dumps({"id": conv_id, "messages": [{"role": "user", "content": f"q {conv_id}"},
-                                                   {"role": "assistant", "content": answer}]})
+    return json.dumps(
+        {
+            "id": conv_id,
+            "messages": [{"role": "user", "content": f"q {conv_id}"}, {"role": "assistant", "content": answer}],
+        }
+    )
 
 
 def test_several_files_are_one_dataset_a_repeated_id_taken_from_the_later_file(tmp_path, capsys):
@@ -183,18 +227,28 @@ def test_several_files_are_one_dataset_a_repeated_id_taken_from_the_later_file(t
     first.write_text("\n".join([_chat("a", "a1"), _chat("b", "b1"), _chat("c", "c1")]) + "\n")
     # c twice in one file stays twice; b is answered again: the later file's b replaces it, at its own place
     second.write_text("\n".join([_chat("d", "d2"), _chat("b", "b2"), _chat("e", "e2"), _chat("e", "e2 again")]) + "\n")
-    with pytest.warns(DataWarning, match=rf"1 conversations replaced by a later source's with the same id "
-                                         rf"\({second} replaced 1\)"):
+    with pytest.warns(
+        DataWarning,
+        match=rf"1 conversations replaced by a later source's with the same id "
+        rf"\({second} replaced 1\)",
+    ):
         data = load_dataset(f"{first},{second}")
     assert [(c.id, c.messages[-1]["content"]) for c in data.conversations] == [
-        ("a", "a1"), ("c", "c1"), ("d", "d2"), ("b", "b2"), ("e", "e2"), ("e", "e2 again")]
+        ("a", "a1"),
+        ("c", "c1"),
+        ("d", "d2"),
+        ("b", "b2"),
+        ("e", "e2"),
+        ("e", "e2 again"),
+    ]
     assert data.replaced == 1 and data.source == f"{first},{second}"
     assert data.file_bytes == first.stat().st_size + second.stat().st_size
     assert stats(data)["replaced"] == 1
     # the other way round, the first file's b wins; spaces around the commas are allowed
     with pytest.warns(DataWarning, match=rf"\({first} replaced 1\)"):
-        assert [c.messages[-1]["content"] for c in load_dataset(f"{second} , {first}").conversations
-                if c.id == "b"] == ["b1"]
+        assert [
+            c.messages[-1]["content"] for c in load_dataset(f"{second} , {first}").conversations if c.id == "b"
+        ] == ["b1"]
     with pytest.warns(DataWarning):
         assert main(["data", "--dataset", f"{first},{second}"]) == 0
     out = capsys.readouterr().out
@@ -228,15 +282,28 @@ def test_sharegpt_among_several_sources_is_read_for_training_without_its_known_c
         data = load_training_data(f"sharegpt,{mine}")
     said = [str(w.message) for w in caught]
     assert len(said) == 1 and "mine.jsonl: the last line is cut off" in said[0]
-    assert data.conversations[-1].id == "m0" and len(data.conversations) == len(load_dataset("sharegpt").conversations) + 1
+    assert (
+        data.conversations[-1].id == "m0" and len(data.conversations) == len(load_dataset("sharegpt").conversations) + 1
+    )
 
 
 def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     # OpenAI's fine-tuning convention, in both formats: weight 0 is kept (not trained on), weight 1 is the default
-    path = write_json(tmp_path / "w.json", [
-        {"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
-                                 {"role": "user", "content": "r"}, {"role": "assistant", "content": "b", "weight": 1}]},
-        {"id": "b", "conversations": [{"from": "gpt", "value": "c", "weight": 0}]}])
+    path = write_json(
+        tmp_path / "w.json",
+        [
+            {
+                "id": "a",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "weight": 0},
+                    {"role": "user", "content": "r"},
+                    {"role": "assistant", "content": "b", "weight": 1},
+                ],
+            },
+            {"id": "b", "conversations": [{"from": "gpt", "value": "c", "weight": 0}]},
+        ],
+    )
     data = read_json_file(path)
     assert data.conversations[0].messages[1] == {"role": "assistant", "content": "a", "weight": 0}
     assert data.conversations[0].messages[3] == {"role": "assistant", "content": "b"}
@@ -244,8 +311,9 @@ def test_an_assistant_turn_of_weight_0_is_context(tmp_path):
     # a weight on a user turn means nothing (never trained on); a file without ids whose text holds an escaped lone
     # surrogate (scraped chats) gets an id too (its hash failed to encode)
     path = tmp_path / "s.jsonl"
-    path.write_text('{"messages": [{"role": "user", "content": "q \\ud83d", "weight": 0}, '
-                    '{"role": "assistant", "content": "a"}]}\n')
+    path.write_text(
+        '{"messages": [{"role": "user", "content": "q \\ud83d", "weight": 0}, {"role": "assistant", "content": "a"}]}\n'
+    )
     conv = read_json_file(path).conversations[0]
     assert conv.messages[0] == {"role": "user", "content": "q \ud83d"} and conv.id.startswith("text-")
 
@@ -279,8 +347,12 @@ def test_real_sharegpt_is_recovered_and_split():
 
 @pytest.mark.real
 def test_data_stats_cli():
-    out = subprocess.run([sys.executable, "-m", "eagletree.cli", "data", "--dataset", "sharegpt", "--stats"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "eagletree.cli", "data", "--dataset", "sharegpt", "--stats"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     s = json.loads(out.stdout)
     assert s["conversations"] >= 17_000 and s["truncated"] is True
     assert {"conversations", "train", "heldout", "truncated", "turns"} <= set(s)

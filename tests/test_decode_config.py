@@ -5,8 +5,17 @@ import dataclasses
 import pytest
 
 from eagletree.cli import build_parser
-from eagletree.decode_config import (CPU_BUDGET, GPU_BUDGET, TREE_KINDS, CopyOptions, DecodeConfig, OptionError,
-                                     Sampling, TreeKind, default_budget)
+from eagletree.decode_config import (
+    CPU_BUDGET,
+    GPU_BUDGET,
+    TREE_KINDS,
+    CopyOptions,
+    DecodeConfig,
+    OptionError,
+    Sampling,
+    TreeKind,
+    default_budget,
+)
 
 
 def test_tree_kinds_know_static_from_searched():
@@ -30,10 +39,16 @@ def test_copying_defaults_to_on_for_searched_trees_and_is_refused_on_fixed_shape
         CopyOptions(datastore=3)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("depth", 0, "depth must be >= 1, got 0"), ("budget", 0, "budget must be >= 1, got 0"),
-    ("top_k_draft", 0, "top_k_draft must be >= 1"), ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
-    ("max_new_tokens", 2.5, "max_new_tokens must be an integer, got 2.5")])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("depth", 0, "depth must be >= 1, got 0"),
+        ("budget", 0, "budget must be >= 1, got 0"),
+        ("top_k_draft", 0, "top_k_draft must be >= 1"),
+        ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
+        ("max_new_tokens", 2.5, "max_new_tokens must be an integer, got 2.5"),
+    ],
+)
 def test_a_config_out_of_range_names_the_field_and_the_value(field, value, message):
     with pytest.raises(OptionError, match=message) as e:
         DecodeConfig(**{field: value})
@@ -41,19 +56,22 @@ def test_a_config_out_of_range_names_the_field_and_the_value(field, value, messa
 
 
 def test_sampling_is_checked_on_construction():
-    for bad, message in (({"top_p": 2.0}, r"top_p must be > 0 and <= 1.0, got 2.0"),
-                         ({"temperature": float("nan")}, "temperature must be a finite number"),
-                         ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or >= 1e-20"),
-                         ({"top_k": -1}, r"top_k must be >= 0, got -1 \(0 = no top-k filter\)"),
-                         ({"seed": -1}, "seed must be >= 0")):
+    for bad, message in (
+        ({"top_p": 2.0}, r"top_p must be > 0 and <= 1.0, got 2.0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or >= 1e-20"),
+        ({"top_k": -1}, r"top_k must be >= 0, got -1 \(0 = no top-k filter\)"),
+        ({"seed": -1}, "seed must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=message):
             Sampling(**bad)
     assert Sampling().greedy and not Sampling(temperature=0.7).greedy
 
 
 def test_a_config_is_frozen_and_from_options_maps_the_flat_names():
-    config = DecodeConfig.from_options(tree="optimal", budget=16, temperature=0.5, seed=3, copy=False, copy_len=8,
-                                       store=None, stop=["<|im_end|>"])
+    config = DecodeConfig.from_options(
+        tree="optimal", budget=16, temperature=0.5, seed=3, copy=False, copy_len=8, store=None, stop=["<|im_end|>"]
+    )
     assert config.sampling == Sampling(temperature=0.5, seed=3) and config.stop == ("<|im_end|>",)
     assert config.copy == CopyOptions(enabled=False, length=8, datastore=None)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -80,12 +98,14 @@ def test_the_command_line_and_the_library_share_defaults_and_rules():
     assert config == DecodeConfig()  # one set of defaults: auto, budget by device, depth 6, top-k 10, copies on
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--head", "none"])
     assert not DecodeConfig.from_args(args).copies  # --head none: plain decoding unless --copy on
-    for flags, message in ((["--depth", "0"], "--depth must be >= 1, got 0"),
-                           (["--top-p", "2"], "--top-p must be > 0 and <= 1.0, got 2.0"),
-                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-                           (["--tree", "chain", "--copy", "on"], "--copy on needs a searched tree"),
-                           (["--copy", "off", "--datastore", "x.npz"], "--datastore x.npz adds retrieved spans"),
-                           (["--datastore", "no/such.npz"], "--datastore 'no/such.npz': no such file")):
+    for flags, message in (
+        (["--depth", "0"], "--depth must be >= 1, got 0"),
+        (["--top-p", "2"], "--top-p must be > 0 and <= 1.0, got 2.0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--tree", "chain", "--copy", "on"], "--copy on needs a searched tree"),
+        (["--copy", "off", "--datastore", "x.npz"], "--datastore x.npz adds retrieved spans"),
+        (["--datastore", "no/such.npz"], "--datastore 'no/such.npz': no such file"),
+    ):
         args = build_parser().parse_args(["generate", "--prompt", "hi", *flags])
         with pytest.raises(ValueError, match=message):
             DecodeConfig.from_args(args)
@@ -95,6 +115,7 @@ def test_the_library_decodes_with_the_device_default_too():
     from eagletree.decoding import Decoder
     from eagletree.draft_heads import EagleHead
     from eagletree.tree_search import LatencyProfile
+
     from helpers import tiny_model, tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -104,5 +125,9 @@ def test_the_library_decodes_with_the_device_default_too():
     assert decoder.searcher.budget == CPU_BUDGET and decoder.config.copies
     plain = DecodeConfig(max_new_tokens=12, copy=CopyOptions(enabled=False))
     want = Decoder(model, tok, None, plain).generate([5, 6, 7, 5, 6]).token_ids
-    assert Decoder(model, tok, head, DecodeConfig(max_new_tokens=12), profile=LatencyProfile(
-        [1, 8], [0.01, 0.011])).generate([5, 6, 7, 5, 6]).token_ids == want  # lossless: plain decoding's tokens
+    assert (
+        Decoder(model, tok, head, DecodeConfig(max_new_tokens=12), profile=LatencyProfile([1, 8], [0.01, 0.011]))
+        .generate([5, 6, 7, 5, 6])
+        .token_ids
+        == want
+    )  # lossless: plain decoding's tokens

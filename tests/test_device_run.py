@@ -46,7 +46,9 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files} | {"header": np.array(json.dumps(header))}
     np.savez_compressed(old, **arrays)
-    with pytest.raises(DataError, match=r"old.npz: made with no loss-mask version .* renders version \d+ .* pack it again"):
+    with pytest.raises(
+        DataError, match=r"old.npz: made with no loss-mask version .* renders version \d+ .* pack it again"
+    ):
         pretokenized.load(old, tok)
     cut = tmp_path / "cut.npz"
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -56,16 +58,23 @@ def test_pretokenized_round_trip_and_refusals(tmp_path):
     np.save(tmp_path / "array.npy", np.arange(3))
     (tmp_path / "array.npz").write_bytes((tmp_path / "array.npy").read_bytes())
     (tmp_path / "text.npz").write_text("not a zip")
-    np.savez_compressed(tmp_path / "store.npz", tokens=np.arange(3), header=np.array(json.dumps(
-        {"format": "eagletree-datastore", "version": 1})))
+    np.savez_compressed(
+        tmp_path / "store.npz",
+        tokens=np.arange(3),
+        header=np.array(json.dumps({"format": "eagletree-datastore", "version": 1})),
+    )
     np.savez_compressed(tmp_path / "nohead.npz", ids=np.arange(3))
-    np.savez_compressed(tmp_path / "nocounts.npz", **(arrays | {"header": np.array(json.dumps(
-        {"format": "eagletree-pretokenized", "version": 1}))}))
-    for name, message in [("array.npz", r"not a pre-tokenized data file \(a single array, not an .npz archive\)"),
-                          ("text.npz", "not a pre-tokenized data file"),
-                          ("store.npz", "format 'eagletree-datastore' version 1, expected 'eagletree-pretokenized'"),
-                          ("nohead.npz", "not a pre-tokenized data file \\(no readable header"),
-                          ("missing.npz", "pre-tokenized data '.*missing.npz' does not exist")]:
+    np.savez_compressed(
+        tmp_path / "nocounts.npz",
+        **(arrays | {"header": np.array(json.dumps({"format": "eagletree-pretokenized", "version": 1}))}),
+    )
+    for name, message in [
+        ("array.npz", r"not a pre-tokenized data file \(a single array, not an .npz archive\)"),
+        ("text.npz", "not a pre-tokenized data file"),
+        ("store.npz", "format 'eagletree-datastore' version 1, expected 'eagletree-pretokenized'"),
+        ("nohead.npz", "not a pre-tokenized data file \\(no readable header"),
+        ("missing.npz", "pre-tokenized data '.*missing.npz' does not exist"),
+    ]:
         for read in (pretokenized.load, pretokenized.read_header):
             with pytest.raises(DataError, match=message):
                 read(tmp_path / name)
@@ -83,8 +92,19 @@ def test_training_on_pretokenized_records_equals_training_on_conversations(tmp_p
     records, _ = pretokenized.load(path, tok)
     heads = []
     for name, data in (("conv", convs), ("pre", records)):
-        cfg = TrainConfig(out_dir=str(tmp_path / name), report_to="none", steps=4, grad_accum=2, save_every=4,
-                          warmup_steps=1, max_len=24, lr=1e-3, device="cpu", draft_vocab=40, draft_vocab_sample=4)
+        cfg = TrainConfig(
+            out_dir=str(tmp_path / name),
+            report_to="none",
+            steps=4,
+            grad_accum=2,
+            save_every=4,
+            warmup_steps=1,
+            max_len=24,
+            lr=1e-3,
+            device="cpu",
+            draft_vocab=40,
+            draft_vocab_sample=4,
+        )
         heads.append(train(cfg, model_and_tokenizer=(tiny_model("llama"), tok), conversations=data, progress=False))
     (a, sa), (b, sb) = heads
     assert sa["truncated"] == sb["truncated"] > 0 and sa["tokens"] == sb["tokens"]  # cut again to max_len 24
@@ -98,8 +118,11 @@ def _pieces(tmp_path, contents: dict) -> Path:
     folder.mkdir()
     for name, data in contents.items():
         (folder / name).write_bytes(data)
-    manifest = {"format": device_run.FORMAT, "payload": "c",
-                "pieces": [{"name": n, "bytes": len(d), "sha256": device_run.sha256(folder / n)} for n, d in contents.items()]}
+    manifest = {
+        "format": device_run.FORMAT,
+        "payload": "c",
+        "pieces": [{"name": n, "bytes": len(d), "sha256": device_run.sha256(folder / n)} for n, d in contents.items()],
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -153,26 +176,83 @@ def test_rehearsal_packs_unpacks_into_a_fresh_folder_and_runs_every_stage(tmp_pa
     """The device's sequence on CPU: pack, check, run --dry-run with only what the device has (python -S,
     no gguf/scipy/datasets/... from this machine: the carried gguf package and data only)."""
     share = tmp_path / "share.jsonl"
-    share.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Say something about the number {i}."},
-        {"from": "gpt", "value": f"The number {i} is a fine number, and here is a sentence about it."}]}) + "\n"
-        for i in range(12)))
+    share.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"c{i}",
+                    "conversations": [
+                        {"from": "human", "value": f"Say something about the number {i}."},
+                        {"from": "gpt", "value": f"The number {i} is a fine number, and here is a sentence about it."},
+                    ],
+                }
+            )
+            + "\n"
+            for i in range(12)
+        )
+    )
     distill = tmp_path / "distill.jsonl"
-    distill.write_text("".join(json.dumps({"id": f"d{i}", "messages": [
-        {"role": "user", "content": f"Count to {i}."}, {"role": "assistant", "content": " ".join(map(str, range(i)))}],
-        "finish": "eos"}) + "\n" for i in range(2, 8)))
+    distill.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"d{i}",
+                    "messages": [
+                        {"role": "user", "content": f"Count to {i}."},
+                        {"role": "assistant", "content": " ".join(map(str, range(i)))},
+                    ],
+                    "finish": "eos",
+                }
+            )
+            + "\n"
+            for i in range(2, 8)
+        )
+    )
     pieces = tmp_path / "pieces"
     py = sys.executable
-    subprocess.run([py, str(DEVICE / "pack.py"), "--out", str(pieces), "--dataset", str(share), "--distill",
-                    str(distill), "--max-len", "96"], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            py,
+            str(DEVICE / "pack.py"),
+            "--out",
+            str(pieces),
+            "--dataset",
+            str(share),
+            "--distill",
+            str(distill),
+            "--max-len",
+            "96",
+        ],
+        check=True,
+        cwd=REPO,
+    )
     manifest = json.loads((pieces / "manifest.json").read_text())
     assert [p["name"] for p in manifest["pieces"]][-1] == "payload.tar" and len(manifest["pieces"]) == 3
     assert manifest["data"]["distill"]["records"] >= 5 and manifest["data"]["sharegpt"]["records"] >= 10
     assert subprocess.run([py, str(DEVICE / "run.py"), "check", "--pieces", str(pieces)], cwd=REPO).returncode == 0
     out = tmp_path / "out"
-    proc = subprocess.run([py, str(DEVICE / "run.py"), "run", "--pieces", str(pieces), "--out", str(out), "--dry-run",
-                           "--simulate-device", "--work-root", str(tmp_path / "work"), "--scale", "4", "--limit", "3000"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            py,
+            str(DEVICE / "run.py"),
+            "run",
+            "--pieces",
+            str(pieces),
+            "--out",
+            str(out),
+            "--dry-run",
+            "--simulate-device",
+            "--work-root",
+            str(tmp_path / "work"),
+            "--scale",
+            "4",
+            "--limit",
+            "3000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     record = json.loads((out / "run.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [s["stage"] for s in record["stages"]] == ["env", "checks", "profile", "smollm2", "train"]
@@ -187,7 +267,10 @@ def test_rehearsal_packs_unpacks_into_a_fresh_folder_and_runs_every_stage(tmp_pa
     assert all(r["identical"] for r in bench["results"] if r["temperature"] == 0)
     trained = json.loads((out / "train" / "results.json").read_text())
     assert trained["conversations"] == manifest["data"]["sharegpt"]["records"] + manifest["data"]["distill"]["records"]
-    assert trained["mtbench"]["trained"]["tokens_per_pass"] >= 1.0 and (out / "train" / "head" / "model.safetensors").is_file()
+    assert (
+        trained["mtbench"]["trained"]["tokens_per_pass"] >= 1.0
+        and (out / "train" / "head" / "model.safetensors").is_file()
+    )
     assert not list((tmp_path / "work").iterdir())  # the unpacked folder is removed after the run
 
 
@@ -195,7 +278,7 @@ def test_docs_gpu_section_names_the_stages_limits_and_pieces_the_code_uses():
     from eagletree.target import ALIASES
 
     results = (REPO / "docs" / "results.md").read_text()
-    section = results[results.index("## The GPU run (prepared, not run)"):]
+    section = results[results.index("## The GPU run (prepared, not run)") :]
     table = {m.group(1): int(m.group(2)) for m in re.finditer(r"^   \| (\w+) \| (\d+) s \|", section, re.M)}
     assert table == dict(device_run.STAGES)
     assert f"within {device_run.RUN_LIMIT:.0f} s in all" in section

@@ -30,8 +30,11 @@ def mixed_length_conversations():
     convs = tiny_conversations(7)
     convs[2].messages[0]["content"] += " one two three four five six seven eight"  # a longer prompt in the batch
     convs.append(Conversation("starts-with-assistant", [{"role": "assistant", "content": "hi"}]))
-    convs.append(Conversation("with-system", [{"role": "system", "content": "be brief"},
-                                              {"role": "user", "content": "red green"}]))
+    convs.append(
+        Conversation(
+            "with-system", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red green"}]
+        )
+    )
     return convs
 
 
@@ -43,11 +46,21 @@ def test_first_turns_take_the_prompt_up_to_the_first_user_turn():
 
 
 def multi_turn_conversations():
-    return [Conversation("c_0", [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-                                 {"role": "user", "content": "three"}, {"role": "assistant", "content": "four"},
-                                 {"role": "user", "content": " "}, {"role": "assistant", "content": "five"},
-                                 {"role": "user", "content": "six"}]),
-            Conversation("d", [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}])]
+    return [
+        Conversation(
+            "c_0",
+            [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "two"},
+                {"role": "user", "content": "three"},
+                {"role": "assistant", "content": "four"},
+                {"role": "user", "content": " "},
+                {"role": "assistant", "content": "five"},
+                {"role": "user", "content": "six"},
+            ],
+        ),
+        Conversation("d", [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}]),
+    ]
 
 
 def test_later_turns_are_the_conversation_so_far_with_ids_the_split_reads_as_the_same_chat():
@@ -69,15 +82,25 @@ def test_later_turns_are_the_conversation_so_far_with_ids_the_split_reads_as_the
 def test_later_turns_are_answered_greedily_and_refuse_a_file_of_first_turns(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     out = tmp_path / "later.jsonl"
-    counts = distill(model, tok, multi_turn_conversations(), out, max_new_tokens=5, batch_size=2, progress=False,
-                     turns="later", max_prompt_tokens=10_000)
+    counts = distill(
+        model,
+        tok,
+        multi_turn_conversations(),
+        out,
+        max_new_tokens=5,
+        batch_size=2,
+        progress=False,
+        turns="later",
+        max_prompt_tokens=10_000,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert counts["answered"] == 2 and [r["id"] for r in records] == ["c_0@turn2", "c_0@turn4"]
     for r in records:
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 5)
         # the dataset's earlier answers are context (weight 0): training learns the target's answer only
-        assert [m.get("weight") for m in r["messages"] if m["role"] == "assistant"] == \
-            [0] * (sum(m["role"] == "assistant" for m in r["messages"]) - 1) + [None]
+        assert [m.get("weight") for m in r["messages"] if m["role"] == "assistant"] == [0] * (
+            sum(m["role"] == "assistant" for m in r["messages"]) - 1
+        ) + [None]
     from eagletree.train.render import render
 
     convs = load_dataset(str(out)).conversations
@@ -138,8 +161,11 @@ def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path,
     assert counts["already"] == 9 and counts["answered"] == 1
     assert sorted(json.loads(line)["id"] for line in out.read_text().split("\n") if line) == sorted(c.id for c in convs)
     assert distill(model, tok, convs, out, **options)["answered"] == 0  # nothing left to do
-    with pytest.raises(DistillError, match=r"line 1 was made with .*'temperature': 1.0.* this run asks for "
-                                           r".*'temperature': 0.0"):
+    with pytest.raises(
+        DistillError,
+        match=r"line 1 was made with .*'temperature': 1.0.* this run asks for "
+        r".*'temperature': 0.0",
+    ):
         distill(model, tok, convs, out, max_new_tokens=6, progress=False)
 
 
@@ -174,31 +200,54 @@ def test_answers_stop_at_the_models_own_stop_tokens(tmp_path):
 def test_limits_long_prompts_and_bad_values(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     convs = mixed_length_conversations()
-    counts = distill(model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=4, limit=4, max_prompt_tokens=9,
-                     progress=False)  # t0..t3, of which t2's prompt has 16 tokens
+    counts = distill(
+        model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=4, limit=4, max_prompt_tokens=9, progress=False
+    )  # t0..t3, of which t2's prompt has 16 tokens
     assert (counts["answered"], counts["skipped_long_prompt"]) == (3, 1)
     assert "t2" not in answered_ids(tmp_path / "a.jsonl")
     # The long prompts alone (what a file made with a lower max_prompt_tokens left out): t2 only.
-    counts = distill(model, tok, convs, tmp_path / "long.jsonl", max_new_tokens=4, limit=4, min_prompt_tokens=10,
-                     max_prompt_tokens=64, progress=False)
+    counts = distill(
+        model,
+        tok,
+        convs,
+        tmp_path / "long.jsonl",
+        max_new_tokens=4,
+        limit=4,
+        min_prompt_tokens=10,
+        max_prompt_tokens=64,
+        progress=False,
+    )
     assert (counts["answered"], counts["skipped_short_prompt"], counts["skipped_long_prompt"]) == (1, 3, 0)
     assert answered_ids(tmp_path / "long.jsonl") == {"t2"}
     # Only the prompts a regular expression finds something in (e.g. code questions for a datastore); counted, and
     # --limit takes the first N of those.
-    counts = distill(model, tok, convs, tmp_path / "m.jsonl", max_new_tokens=4, match="(?i)SEVEN EIGHT$|^red green$",
-                     progress=False)
+    counts = distill(
+        model, tok, convs, tmp_path / "m.jsonl", max_new_tokens=4, match="(?i)SEVEN EIGHT$|^red green$", progress=False
+    )
     assert answered_ids(tmp_path / "m.jsonl") == {"t2", "with-system"}
     assert (counts["answered"], counts["skipped_no_match"]) == (2, len(user_turns(convs)) - 2)
-    counts = distill(model, tok, convs, tmp_path / "m1.jsonl", max_new_tokens=4, match="seven eight$|^red green$",
-                     limit=1, progress=False)
+    counts = distill(
+        model,
+        tok,
+        convs,
+        tmp_path / "m1.jsonl",
+        max_new_tokens=4,
+        match="seven eight$|^red green$",
+        limit=1,
+        progress=False,
+    )
     assert answered_ids(tmp_path / "m1.jsonl") == {"t2"}
-    for kw, message in ((dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
-                        (dict(match="(unclosed"), r"match must be a regular expression, got '\(unclosed' \(missing \)"),
-                        (dict(min_prompt_tokens=300, max_prompt_tokens=256),
-                         r"min_prompt_tokens \(300\) must not exceed max_prompt_tokens \(256\)"),
-                        (dict(min_prompt_tokens=-1), "min_prompt_tokens must be an integer >= 0, got -1"),
-                        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
-                        (dict(temperature=-0.5), "temperature must be >= 0, got -0.5")):
+    for kw, message in (
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(match="(unclosed"), r"match must be a regular expression, got '\(unclosed' \(missing \)"),
+        (
+            dict(min_prompt_tokens=300, max_prompt_tokens=256),
+            r"min_prompt_tokens \(300\) must not exceed max_prompt_tokens \(256\)",
+        ),
+        (dict(min_prompt_tokens=-1), "min_prompt_tokens must be an integer >= 0, got -1"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
+        (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+    ):
         with pytest.raises(DistillError, match=message):
             distill(model, tok, convs, tmp_path / "b.jsonl", progress=False, **kw)
     bad = tmp_path / "c.jsonl"
@@ -224,14 +273,17 @@ def test_skip_answered_leaves_out_prompts_another_file_answers(tmp_path):
     # A complete last record without its newline counts; a path may be given alone.
     three = tmp_path / "three.jsonl"
     three.write_bytes(short.read_bytes().rstrip(b"\n"))
-    counts = distill(model, tok, convs, tmp_path / "rest.jsonl", max_new_tokens=4, skip_answered=three,
-                     progress=False)
+    counts = distill(model, tok, convs, tmp_path / "rest.jsonl", max_new_tokens=4, skip_answered=three, progress=False)
     assert (counts["answered"], counts["skipped_answered_elsewhere"]) == (3, 3)
     assert answered_ids(tmp_path / "rest.jsonl") == {"t0", "t1", "t2"}
-    for others, message in (((tmp_path / "missing.jsonl",), "skip_answered: .*missing.jsonl is not a file; expected a "
-                             "JSONL file"), ((short,), "skip_answered: .*short.jsonl is the output file itself"),
-                            ((tmp_path / "bad.jsonl",), "bad.jsonl: line 1 is not a distillation record .*; pass "
-                             "another --skip-answered file")):
+    for others, message in (
+        ((tmp_path / "missing.jsonl",), "skip_answered: .*missing.jsonl is not a file; expected a JSONL file"),
+        ((short,), "skip_answered: .*short.jsonl is the output file itself"),
+        (
+            (tmp_path / "bad.jsonl",),
+            "bad.jsonl: line 1 is not a distillation record .*; pass another --skip-answered file",
+        ),
+    ):
         (tmp_path / "bad.jsonl").write_text('{"something": "else"}\n')
         with pytest.raises(DistillError, match=message):
             distill(model, tok, convs, short, max_new_tokens=4, skip_answered=others, progress=False)
@@ -242,21 +294,35 @@ def test_sampled_answers_follow_the_seed(tmp_path):
     convs = tiny_conversations(4)
     texts = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        distill(model, tok, convs, tmp_path / f"{name}.jsonl", max_new_tokens=8, temperature=1.0, seed=seed,
-                progress=False)
+        distill(
+            model, tok, convs, tmp_path / f"{name}.jsonl", max_new_tokens=8, temperature=1.0, seed=seed, progress=False
+        )
         texts.append((tmp_path / f"{name}.jsonl").read_text())
     assert texts[0] == texts[1] != texts[2]
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(out_dir=str(tmp_path), report_to="none", steps=2, grad_accum=2, save_every=2, warmup_steps=1,
-                max_len=40, lr=1e-3, device="cpu")
+    base = dict(
+        out_dir=str(tmp_path),
+        report_to="none",
+        steps=2,
+        grad_accum=2,
+        save_every=2,
+        warmup_steps=1,
+        max_len=40,
+        lr=1e-3,
+        device="cpu",
+    )
     return TrainConfig(**(base | kw))
 
 
 def _train(cfg):
-    return train(cfg, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                 conversations=tiny_conversations(8), progress=False)
+    return train(
+        cfg,
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(8),
+        progress=False,
+    )
 
 
 def test_init_head_starts_from_the_saved_weights(tmp_path):
@@ -293,9 +359,13 @@ def test_a_checkpoint_takes_precedence_over_init_head_on_resume(tmp_path):
     cfg = _cfg(tmp_path / "b", init_head=str(tmp_path / "a" / "head"), steps=4)
     straight, _ = _train(cfg)
     _train(_cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=4, stop_after=2))
-    resumed, _ = train(_cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=4), resume=True,
-                       model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                       conversations=tiny_conversations(8), progress=False)
+    resumed, _ = train(
+        _cfg(tmp_path / "c", init_head=str(tmp_path / "a" / "head"), steps=4),
+        resume=True,
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(8),
+        progress=False,
+    )
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert (a - b).abs().max() <= 1e-6, name
 
@@ -333,8 +403,13 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), heldout_fraction=0.3, eval_conversations=2)
     with pytest.raises(TrainingError, match=r"has 0 held-out conversations.*set eval_dataset"):
         evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4)
-    cfg = _cfg(tmp_path, dataset=str(tmp_path / "distilled.jsonl"), eval_dataset=str(tmp_path / "all.jsonl"),
-               heldout_fraction=0.3, eval_conversations=2)
+    cfg = _cfg(
+        tmp_path,
+        dataset=str(tmp_path / "distilled.jsonl"),
+        eval_dataset=str(tmp_path / "all.jsonl"),
+        heldout_fraction=0.3,
+        eval_conversations=2,
+    )
     metrics = evaluate_run(cfg, head, n_prompts=2, max_new_tokens=4, mtbench=2)
     assert metrics["eagle2_60"]["prompts"] == 2 and metrics["agreement"]["chains"] > 0
     assert devices[-1] == cfg.device == "cpu"  # the run's device (it loaded the default device before)
@@ -344,7 +419,9 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
         assert table["questions"] == 2 and table["max_new_tokens"] == 128
         assert list(table["tokens_per_pass"]) == ["writing", "coding", "mean"]
         assert all(v >= 1.0 for v in table["tokens_per_pass"].values())
-    assert metrics["agreement_own_answers"]["positions"] == metrics["eagle2_60"]["new_tokens"] - 2  # last one has no next
+    assert (
+        metrics["agreement_own_answers"]["positions"] == metrics["eagle2_60"]["new_tokens"] - 2
+    )  # last one has no next
     # The head alone, and with copied spans (same prompts, same lossless answers); the copy calibration is saved.
     assert metrics["eagle2_60_copy"]["new_tokens"] == metrics["eagle2_60"]["new_tokens"]
     (tmp_path / "run" / "head").mkdir(parents=True, exist_ok=True)
@@ -364,11 +441,29 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
 
     model, tok = smollm2
     loads = []  # the command's default target, handed the session's copy of it (not loaded again three times)
-    monkeypatch.setattr("eagletree.target.load_target",
-                        lambda spec, dtype=None, device=None: loads.append((str(spec), dtype)) or (model, tok))
+    monkeypatch.setattr(
+        "eagletree.target.load_target",
+        lambda spec, dtype=None, device=None: loads.append((str(spec), dtype)) or (model, tok),
+    )
     out = tmp_path / "smol.jsonl"
-    assert main(["distill", "--out", str(out), "--limit", "3", "--max-new-tokens", "12", "--batch-size", "2",
-                 "--pack", "off"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--out",
+                str(out),
+                "--limit",
+                "3",
+                "--max-new-tokens",
+                "12",
+                "--batch-size",
+                "2",
+                "--pack",
+                "off",
+            ]
+        )
+        == 0
+    )
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == counts["answered"] == 3 - counts["skipped_long_prompt"] > 0
@@ -378,16 +473,54 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 12)
     # A second file with shorter answers takes only the prompts the first one lacks.
     short = tmp_path / "short.jsonl"
-    assert main(["distill", "--out", str(short), "--limit", "4", "--max-new-tokens", "6", "--batch-size", "2",
-                 "--pack", "off", "--skip-answered", str(out)]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--out",
+                str(short),
+                "--limit",
+                "4",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "2",
+                "--pack",
+                "off",
+                "--skip-answered",
+                str(out),
+            ]
+        )
+        == 0
+    )
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["skipped_answered_elsewhere"] == len(records)
     assert counts["answered"] == 4 - len(records) - counts["skipped_long_prompt"]
     assert not {json.loads(line)["id"] for line in short.read_text().splitlines()} & {r["id"] for r in records}
     # --match: only prompts the regular expression finds something in (here the first about Python)
     code = tmp_path / "code.jsonl"
-    assert main(["distill", "--out", str(code), "--limit", "1", "--max-new-tokens", "4", "--batch-size", "1",
-                 "--max-prompt-tokens", "2048", "--pack", "off", "--match", "(?i)python"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--out",
+                str(code),
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--batch-size",
+                "1",
+                "--max-prompt-tokens",
+                "2048",
+                "--pack",
+                "off",
+                "--match",
+                "(?i)python",
+            ]
+        )
+        == 0
+    )
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     [record] = [json.loads(line) for line in code.read_text().splitlines()]
     assert counts["answered"] == 1 and counts["skipped_no_match"] > 1000
@@ -413,6 +546,7 @@ def test_distill_answers_named_humaneval_problems_with_their_task_ids(tmp_path):
         distill_prompts("humaneval:160-169", 0.02)
     # The records train like any other distilled file: their ids are what a later run skips.
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    counts = distill(model, tok, convs[:1], tmp_path / "he.jsonl", max_new_tokens=3, max_prompt_tokens=4096,
-                     progress=False)
+    counts = distill(
+        model, tok, convs[:1], tmp_path / "he.jsonl", max_new_tokens=3, max_prompt_tokens=4096, progress=False
+    )
     assert counts["answered"] == 1 and answered_ids(tmp_path / "he.jsonl") == {"HumanEval/100"}

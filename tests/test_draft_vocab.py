@@ -49,11 +49,30 @@ def test_greedy_decoding_with_a_widened_head_equals_plain_and_drafts_the_other_t
     for _ in range(3):
         ids = torch.randint(97, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g)
         stats = GenerationStats(steps=[])
-        got = [t for step in decode_steps(model, tok, head, ids, max_new_tokens=24, tree=tree, budget=10, depth=3,
-                                          top_k_draft=3, copy=False, stats=stats) for t in step]
+        got = [
+            t
+            for step in decode_steps(
+                model,
+                tok,
+                head,
+                ids,
+                max_new_tokens=24,
+                tree=tree,
+                budget=10,
+                depth=3,
+                top_k_draft=3,
+                copy=False,
+                stats=stats,
+            )
+            for t in step
+        ]
         with torch.no_grad():
-            plain = model.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
-                                   max_new_tokens=24, do_sample=False)[0, ids.numel():].tolist()
+            plain = model.generate(
+                ids[None],
+                attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+            )[0, ids.numel() :].tolist()
         assert got == plain
         outside += sum(int(t) % 3 != 0 for draft, _ in stats.steps for t in draft.tokens[1:])
     assert outside > 0  # tokens the draft vocabulary left out were drafted
@@ -86,8 +105,13 @@ def test_load_models_draft_vocab(tmp_path, monkeypatch):
                 continue
             sizes[name, vocab] = load_models("tiny", tmp_path / name, draft_vocab=vocab)[2].config.draft_vocab_size
     # auto on a CPU: the head's own vocabulary (a larger lm_head costs a CPU drafting level the most).
-    assert sizes == {("eagle", "auto"): 33, ("eagle", "head"): 33, ("eagle", "full"): None,
-                     ("eagle3", "auto"): 33, ("eagle3", "head"): 33}
+    assert sizes == {
+        ("eagle", "auto"): 33,
+        ("eagle", "head"): 33,
+        ("eagle", "full"): None,
+        ("eagle3", "auto"): 33,
+        ("eagle3", "head"): 33,
+    }
     with pytest.raises(ValueError, match=r"draft_vocab must be one of \('auto', 'head', 'full'\), got 'all'"):
         load_models("tiny", tmp_path / "eagle", draft_vocab="all")
     assert draft_vocab_for("auto", types.SimpleNamespace(device=torch.device("cuda"))) == "full"
@@ -98,8 +122,10 @@ def test_load_models_draft_vocab(tmp_path, monkeypatch):
     assert load_models("tiny", tmp_path / "eagle3", draft_vocab="auto")[2].config.draft_vocab_size == 33
 
 
-@pytest.mark.parametrize("engine, vocab, size", [("vllm", "auto", None), ("eagle", "auto", None),
-                                                 ("sglang", "auto", 33), ("vllm", "head", 33)])
+@pytest.mark.parametrize(
+    "engine, vocab, size",
+    [("vllm", "auto", None), ("eagle", "auto", None), ("sglang", "auto", 33), ("vllm", "head", 33)],
+)
 def test_plan_measures_the_vocabulary_its_engine_drafts_over(engine, vocab, size, capsys):
     from eagletree.commands import _draft_vocab, _engine_vocab
 

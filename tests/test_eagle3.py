@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eagletree.draft_heads import Eagle3Head, TreeDrafter, load_head
 from eagletree.decoding import generate
+from eagletree.draft_heads import Eagle3Head, TreeDrafter, load_head
 from eagletree.tree_search import optimal_search
 
 from helpers import tiny_tokenizer
@@ -36,18 +36,23 @@ def test_eagle3_generation_is_lossless_and_round_trips(tmp_path):
     head = Eagle3Head.for_target(model, torch.arange(60)).eval()
     ids = torch.tensor([5, 17, 3, 44, 2, 9])
     with torch.no_grad():
-        ref = model.generate(ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=30,
-                             do_sample=False)[0, 6:].tolist()
+        ref = model.generate(
+            ids[None], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=30, do_sample=False
+        )[0, 6:].tolist()
     for tree in ("eagle2", "optimal"):
-        assert generate(model, tok, head, ids, max_new_tokens=30, tree=tree, budget=12, depth=4,
-                        top_k_draft=3).token_ids == ref
+        assert (
+            generate(model, tok, head, ids, max_new_tokens=30, tree=tree, budget=12, depth=4, top_k_draft=3).token_ids
+            == ref
+        )
     head.save_pretrained(tmp_path / "h")
     back = load_head(tmp_path / "h", target_config=model.config)
     assert isinstance(back, Eagle3Head) and back.fused_layers == head.fused_layers
     x, t = torch.randn(1, 5, 64), torch.randint(97, (1, 5))
     with torch.no_grad():
-        assert torch.equal(back(x, t, torch.arange(5), model.get_input_embeddings()),
-                           head(x, t, torch.arange(5), model.get_input_embeddings()))
+        assert torch.equal(
+            back(x, t, torch.arange(5), model.get_input_embeddings()),
+            head(x, t, torch.arange(5), model.get_input_embeddings()),
+        )
 
 
 def test_eagle3_tree_call_equals_each_path_alone():
@@ -93,11 +98,29 @@ def test_eagle3_training_time_test_reduces_the_loss(tmp_path):
 
     from helpers import tiny_conversations
 
-    cfg = TrainConfig(out_dir=str(tmp_path), report_to="none", steps=30, grad_accum=2, save_every=30, warmup_steps=2,
-                      max_len=40, lr=3e-3, device="cpu", head_type="eagle3", draft_vocab=40, ttt_steps=3)
-    head, _ = train(cfg, model_and_tokenizer=(four_layer_llama(), tiny_tokenizer()),
-                    conversations=tiny_conversations(12), progress=False)
-    losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    cfg = TrainConfig(
+        out_dir=str(tmp_path),
+        report_to="none",
+        steps=30,
+        grad_accum=2,
+        save_every=30,
+        warmup_steps=2,
+        max_len=40,
+        lr=3e-3,
+        device="cpu",
+        head_type="eagle3",
+        draft_vocab=40,
+        ttt_steps=3,
+    )
+    head, _ = train(
+        cfg,
+        model_and_tokenizer=(four_layer_llama(), tiny_tokenizer()),
+        conversations=tiny_conversations(12),
+        progress=False,
+    )
+    losses = [
+        float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "history.jsonl").read_text().splitlines()
+    ]
     assert isinstance(head, Eagle3Head) and sum(losses[-5:]) < 0.8 * sum(losses[:5])
 
 
@@ -114,9 +137,21 @@ def test_eagle3_export_layout_and_import(tmp_path):
     out = export_head(head, tmp_path / "e3", "eagle3", dtype=torch.float32, target=model)
     weights = load_file(str(out / "model.safetensors"))
     h = 64
-    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "midlayer.hidden_norm.weight",
-                "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight"} | \
-        {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    expected = (
+        {
+            "fc.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "d2t",
+            "t2d",
+            "embed_tokens.weight",
+            "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight",
+            "midlayer.post_attention_layernorm.weight",
+        }
+        | {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"}
+        | {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    )
     assert set(weights) == expected
     assert weights["fc.weight"].shape == (h, 3 * h) and weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
     assert weights["lm_head.weight"].shape == (d2t.numel(), h)
@@ -126,8 +161,10 @@ def test_eagle3_export_layout_and_import(tmp_path):
     back = import_eagle3(out, model)
     x, t = torch.randn(1, 5, h), torch.randint(97, (1, 5))
     with torch.no_grad():
-        assert torch.equal(back(x, t, torch.arange(5), model.get_input_embeddings()),
-                           head(x, t, torch.arange(5), model.get_input_embeddings()))
+        assert torch.equal(
+            back(x, t, torch.arange(5), model.get_input_embeddings()),
+            head(x, t, torch.arange(5), model.get_input_embeddings()),
+        )
     assert torch.equal(back.d2t, head.d2t)
 
 

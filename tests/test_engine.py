@@ -17,9 +17,13 @@ def stop_ids(model) -> list[int]:
 def plain_greedy(model, prompt: torch.Tensor, max_new: int) -> list[int]:
     """HF's own greedy decoding; it ends early at an EOS token."""
     with torch.no_grad():
-        out = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False)
-    return out[0, prompt.numel():].tolist()
+        out = model.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+        )
+    return out[0, prompt.numel() :].tolist()
 
 
 def speculative_greedy(model, prompt, max_new, make_tree):
@@ -44,8 +48,10 @@ def explain_mismatch(model, prompt, ours, ref) -> str:
         logits = model(torch.cat([prompt, torch.tensor(ref[:i], dtype=torch.long)])[None]).logits[0, -1]
     gap = abs(float(logits[ours[i]] - logits[ref[i]]))
     verdict = "a float near-tie" if gap < 1e-3 else "NOT a near-tie: the engine is wrong"
-    return (f"first difference at new token {i}: engine {ours[i]} (logit {logits[ours[i]]:.6f}) vs plain "
-            f"{ref[i]} (logit {logits[ref[i]]:.6f}); gap {gap:.2e}, {verdict}")
+    return (
+        f"first difference at new token {i}: engine {ours[i]} (logit {logits[ours[i]]:.6f}) vs plain "
+        f"{ref[i]} (logit {logits[ref[i]]:.6f}); gap {gap:.2e}, {verdict}"
+    )
 
 
 def check_lossless(model, prompts, max_new, n_nodes, depth, seed):
@@ -70,8 +76,10 @@ def check_lossless(model, prompts, max_new, n_nodes, depth, seed):
 def test_greedy_output_equals_plain_decoding_tiny(kind):
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(model.config.vocab_size, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
-               for _ in range(20)]
+    prompts = [
+        torch.randint(model.config.vocab_size, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
+        for _ in range(20)
+    ]
     passes = check_lossless(model, prompts, 64, n_nodes=16, depth=6, seed=3)
     assert passes < 20 * 64  # the oracle steps were accepted beyond one token
 
@@ -82,8 +90,12 @@ def test_greedy_output_equals_plain_decoding_smollm2(smollm2):
     # 3 prompts x 48 tokens (was 5 x 64): every step still alternates useless random trees and trees holding the
     # truth, and the tiny models above run the long and many-prompt cases
     questions = ["What is the capital of France?", "Write a haiku about autumn leaves.", "How do airplanes fly?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"][0] for q in questions]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"][0]
+        for q in questions
+    ]
     passes = check_lossless(model, prompts, 48, n_nodes=16, depth=6, seed=4)
     assert passes < 3 * 48  # the oracle trees' paths were accepted beyond one token
 
@@ -95,7 +107,8 @@ def test_committed_cache_equals_a_plain_forward(kind):
     prompt = torch.randint(97, (9,), generator=g)
     ref = plain_greedy(model, prompt, 40)
     out, passes, cache = speculative_greedy(
-        model, prompt, 40, lambda root, done: oracle_tree(root, ref[done:], 24, 5, 97, g, hit=0.8))
+        model, prompt, 40, lambda root, done: oracle_tree(root, ref[done:], 24, 5, 97, g, hit=0.8)
+    )
     assert passes > 3
     emitted = torch.cat([prompt, torch.tensor(out)])
     plain = new_cache(model)

@@ -17,7 +17,7 @@ cel = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = cel  # its dataclasses look their module up there
 spec.loader.exec_module(cel)
 
-ENGINE = '''
+ENGINE = """
 import torch
 from torch import nn
 from fakeengine.layers.linear import QKVParallelLinear
@@ -49,7 +49,7 @@ class Draft(nn.Module):
 
 def share(model, embed):
     model.norm.weight = embed
-'''
+"""
 
 
 def default_weight_loader(param, w):
@@ -66,8 +66,12 @@ def engine():
 
 def checkpoint():
     torch.manual_seed(0)  # hidden 8, 2 heads and 1 kv head of 4
-    return {"q_proj.weight": torch.randn(8, 8), "k_proj.weight": torch.randn(4, 8),
-            "v_proj.weight": torch.randn(4, 8), "norm.weight": torch.randn(1, 8)}
+    return {
+        "q_proj.weight": torch.randn(8, 8),
+        "k_proj.weight": torch.randn(4, 8),
+        "v_proj.weight": torch.randn(4, 8),
+        "norm.weight": torch.randn(1, 8),
+    }
 
 
 def audit(state, after=None):
@@ -75,8 +79,15 @@ def audit(state, after=None):
     model = module.Draft(8, 2, 1, 4)
     result = cel.Audit("fake", "export")
     with box.active():
-        cel.audit_load(result, model, state, model.load_weights, default_weight_loader, {}, after and
-                       (lambda: after(module, model)))
+        cel.audit_load(
+            result,
+            model,
+            state,
+            model.load_weights,
+            default_weight_loader,
+            {},
+            after and (lambda: after(module, model)),
+        )
     return result, model
 
 
@@ -111,8 +122,10 @@ def test_weights_the_engine_takes_from_the_target_are_not_missing_and_are_listed
 
 def test_an_engine_function_runs_from_its_source_and_the_sandbox_leaves_sys_modules_as_it_was():
     fn = cel.definition(ENGINE, "Draft.load_weights", "draft.py", {})
-    assert fn.__code__.co_filename == "draft.py" and fn.__code__.co_firstlineno == ENGINE.split("\n").index(
-        "    def load_weights(self, weights):") + 1
+    assert (
+        fn.__code__.co_filename == "draft.py"
+        and fn.__code__.co_firstlineno == ENGINE.split("\n").index("    def load_weights(self, weights):") + 1
+    )
     with pytest.raises(SystemExit, match="defines no Draft.forward"):
         cel.definition(ENGINE, "Draft.forward", "draft.py", {})
     box, _ = engine()

@@ -66,8 +66,21 @@ def test_export_and_import_never_write_onto_their_source(saved_head, tmp_path, c
         assert "is the source" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in head_dir.iterdir()} == before
     assert _export(head_dir, tmp_path / "ex") == 0
-    assert main(["import", "--eagle", str(tmp_path / "ex"), "--target", str(tmp_path / "nowhere"),
-                 "--out", str(tmp_path / "ex"), "--overwrite"]) == 2
+    assert (
+        main(
+            [
+                "import",
+                "--eagle",
+                str(tmp_path / "ex"),
+                "--target",
+                str(tmp_path / "nowhere"),
+                "--out",
+                str(tmp_path / "ex"),
+                "--overwrite",
+            ]
+        )
+        == 2
+    )
     assert "is the source" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     assert _export(head_dir, tmp_path / "file", "--overwrite") == 2
@@ -94,7 +107,9 @@ def test_import_keeps_a_heads_other_files_and_names_bad_inputs(saved_head, tmp_p
     assert "is an eagletree head (head_type 'eagle'), not an EAGLE export" in capsys.readouterr().err
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
-    assert main(["import", "--eagle", str(tmp_path / "bad"), "--target", str(target), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["import", "--eagle", str(tmp_path / "bad"), "--target", str(target), "--out", str(tmp_path / "o")]) == 2
+    )
     assert f"{tmp_path / 'bad' / 'config.json'} is not a readable JSON config" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -159,8 +174,9 @@ def test_a_published_folder_is_on_disk_before_the_rename(tmp_path, monkeypatch):
         (tmp / "sub" / "config.json").write_text("{}")
     files.publish(tmp, tmp_path / "out")
     assert renamed == [(str(tmp), len(synced))]  # one rename, after every flush
-    assert sorted(synced) == sorted(str(p) for p in (tmp, tmp / "sub", tmp / "model.safetensors",
-                                                     tmp / "sub" / "config.json"))
+    assert sorted(synced) == sorted(
+        str(p) for p in (tmp, tmp / "sub", tmp / "model.safetensors", tmp / "sub" / "config.json")
+    )
     assert (tmp_path / "out" / "sub" / "config.json").read_text() == "{}"
 
 
@@ -201,21 +217,31 @@ def tiny_cli(tmp_path, monkeypatch):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
     loads = []
-    monkeypatch.setattr("eagletree.target.load_target",
-                        lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok))
+    monkeypatch.setattr(
+        "eagletree.target.load_target", lambda spec, dtype=None, device=None: loads.append(spec) or (model, tok)
+    )
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
     return loads, ["--target", "tiny", "--head", str(tmp_path / "head"), "--max-new-tokens", "4"]
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--depth", "0", "--depth must be >= 1, got 0"), ("--depth", "-2", "--depth must be >= 1, got -2"),
-    ("--top-p", "2", "--top-p must be > 0 and <= 1.0, got 2.0"), ("--top-p", "0", "--top-p must be > 0"),
-    ("--top-k-draft", "0", "--top-k-draft must be >= 1, got 0"), ("--budget", "0", "--budget must be >= 1"),
-    ("--temperature", "-1", "--temperature must be >= 0"), ("--temperature", "nan", "--temperature must be a finite"),
-    ("--temperature", "1e-300", "--temperature must be 0 (greedy) or >= 1e-20, got 1e-300"),
-    ("--top-k", "-1", "--top-k must be >= 0"), ("--max-new-tokens", "-3", "--max-new-tokens must be >= 1"),
-    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
-    ("--seed", "-1", "--seed must be >= 0")])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--depth", "0", "--depth must be >= 1, got 0"),
+        ("--depth", "-2", "--depth must be >= 1, got -2"),
+        ("--top-p", "2", "--top-p must be > 0 and <= 1.0, got 2.0"),
+        ("--top-p", "0", "--top-p must be > 0"),
+        ("--top-k-draft", "0", "--top-k-draft must be >= 1, got 0"),
+        ("--budget", "0", "--budget must be >= 1"),
+        ("--temperature", "-1", "--temperature must be >= 0"),
+        ("--temperature", "nan", "--temperature must be a finite"),
+        ("--temperature", "1e-300", "--temperature must be 0 (greedy) or >= 1e-20, got 1e-300"),
+        ("--top-k", "-1", "--top-k must be >= 0"),
+        ("--max-new-tokens", "-3", "--max-new-tokens must be >= 1"),
+        ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
+        ("--seed", "-1", "--seed must be >= 0"),
+    ],
+)
 def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, capsys, option, value, message):
     loads, args = tiny_cli
     assert main(["generate", *args, "--prompt", "hello", option, value]) == 2
@@ -226,13 +252,18 @@ def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, 
 
 def test_decoding_options_are_checked_in_the_python_api():
     from eagletree.decoding import generate
+
     from helpers import tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
-    for bad, message in (({"depth": 0}, "depth must be >= 1, got 0"), ({"top_p": 2.0}, "top_p must be > 0 and <= 1"),
-                         ({"top_k_draft": 0}, "top_k_draft must be >= 1"), ({"temperature": float("inf")}, "finite"),
-                         ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or >= 1e-20")):
+    for bad, message in (
+        ({"depth": 0}, "depth must be >= 1, got 0"),
+        ({"top_p": 2.0}, "top_p must be > 0 and <= 1"),
+        ({"top_k_draft": 0}, "top_k_draft must be >= 1"),
+        ({"temperature": float("inf")}, "finite"),
+        ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or >= 1e-20"),
+    ):
         with pytest.raises(ValueError, match=message):
             generate(model, tok, head, "hello", max_new_tokens=4, **bad)
 
@@ -285,12 +316,14 @@ def test_train_py_turns_bad_inputs_into_one_line_and_leaves_no_empty_out_dir(tmp
     (tmp_path / "broken.yaml").write_text("steps: [1,\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
-    cases = [(["--config", str(tmp_path / "missing.yaml")], "missing.yaml' cannot be read"),
-             (["--config", str(tmp_path / "broken.yaml")], "broken.yaml' is not valid YAML"),
-             ([f"dataset={tmp_path / 'nowhere.jsonl'}"], "nowhere.jsonl' does not exist"),
-             ([f"dataset={tmp_path / 'empty.jsonl'}"], "empty.jsonl' is empty"),
-             ([f"dataset={tmp_path / 'bad.jsonl'}"], "bad.jsonl: line 2 is not valid JSON"),
-             (["lr=abc"], "config key 'lr' must be a number, got 'abc'")]
+    cases = [
+        (["--config", str(tmp_path / "missing.yaml")], "missing.yaml' cannot be read"),
+        (["--config", str(tmp_path / "broken.yaml")], "broken.yaml' is not valid YAML"),
+        ([f"dataset={tmp_path / 'nowhere.jsonl'}"], "nowhere.jsonl' does not exist"),
+        ([f"dataset={tmp_path / 'empty.jsonl'}"], "empty.jsonl' is empty"),
+        ([f"dataset={tmp_path / 'bad.jsonl'}"], "bad.jsonl: line 2 is not valid JSON"),
+        (["lr=abc"], "config key 'lr' must be a number, got 'abc'"),
+    ]
     for argv, message in cases:
         assert _train_main(argv + common) == 2, argv
         err = capsys.readouterr().err
@@ -305,9 +338,14 @@ def test_float_keys_take_what_float_takes_and_ranges_are_checked(tmp_path):
     (tmp_path / "c.yaml").write_text("lr: 1.0e10\nnoise: 2E-1\nclip: 1\n")
     cfg = TrainConfig.from_sources(tmp_path / "c.yaml")
     assert (cfg.lr, cfg.noise, cfg.clip) == (1.0e10, 0.2, 1.0)
-    for bad, message in (("lr=nan", "'lr' must be a finite number"), ("lr=0", "'lr' must be > 0.0, got 0.0"),
-                         ("lr=-1e-3", "'lr' must be > 0.0"), ("min_lr_ratio=1.5", "'min_lr_ratio' must be in [0, 1]"),
-                         ("warmup_steps=-1", "'warmup_steps' must be >= 0"), ("lr=true", "'lr' must be float")):
+    for bad, message in (
+        ("lr=nan", "'lr' must be a finite number"),
+        ("lr=0", "'lr' must be > 0.0, got 0.0"),
+        ("lr=-1e-3", "'lr' must be > 0.0"),
+        ("min_lr_ratio=1.5", "'min_lr_ratio' must be in [0, 1]"),
+        ("warmup_steps=-1", "'warmup_steps' must be >= 0"),
+        ("lr=true", "'lr' must be float"),
+    ):
         with pytest.raises(TrainingError, match=message.replace("[", r"\[").replace("]", r"\]")):
             TrainConfig.from_sources(None, [bad])
 
@@ -315,17 +353,34 @@ def test_float_keys_take_what_float_takes_and_ranges_are_checked(tmp_path):
 def _tiny_cfg(tmp_path, **kw):
     from eagletree.train.loop import TrainConfig
 
-    base = dict(out_dir=str(tmp_path), report_to="none", steps=6, grad_accum=2, save_every=2, warmup_steps=2,
-                max_len=40, lr=1e-3, device="cpu", dataset="tiny-chats")
+    base = dict(
+        out_dir=str(tmp_path),
+        report_to="none",
+        steps=6,
+        grad_accum=2,
+        save_every=2,
+        warmup_steps=2,
+        max_len=40,
+        lr=1e-3,
+        device="cpu",
+        dataset="tiny-chats",
+    )
     return TrainConfig(**(base | kw))
 
 
 def _run(cfg, resume=False, conversations=None, **kw):
     from eagletree.train.loop import train
+
     from helpers import tiny_conversations, tiny_tokenizer
 
-    return train(cfg, resume=resume, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                 conversations=conversations or tiny_conversations(12), progress=False, **kw)
+    return train(
+        cfg,
+        resume=resume,
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=conversations or tiny_conversations(12),
+        progress=False,
+        **kw,
+    )
 
 
 def test_no_trainable_tokens_is_an_error_naming_the_dataset_and_saves_no_head(tmp_path):
@@ -333,8 +388,9 @@ def test_no_trainable_tokens_is_an_error_naming_the_dataset_and_saves_no_head(tm
     from eagletree.train.loop import TrainingError
 
     users_only = [Conversation(f"u{i}", [{"role": "user", "content": "hello how are you"}]) for i in range(4)]
-    with pytest.raises(TrainingError, match="dataset 'tiny-chats': none of its 4 training conversations has an "
-                                            "assistant turn"):
+    with pytest.raises(
+        TrainingError, match="dataset 'tiny-chats': none of its 4 training conversations has an assistant turn"
+    ):
         _run(_tiny_cfg(tmp_path / "a"), conversations=users_only)
     with pytest.raises(TrainingError, match=r"dataset 'tiny-chats': 2 steps saw no assistant token .* 4 dropped"):
         _run(_tiny_cfg(tmp_path / "b", steps=2, max_len=3, long="drop"))
@@ -342,11 +398,15 @@ def test_no_trainable_tokens_is_an_error_naming_the_dataset_and_saves_no_head(tm
 
 
 def test_resume_refuses_changed_run_keys_unless_allowed_and_then_applies_them(tmp_path):
-    from eagletree.train.config import TrainingError, lr_lambda as _lr_lambda
+    from eagletree.train.config import TrainingError
+    from eagletree.train.config import lr_lambda as _lr_lambda
 
     _run(_tiny_cfg(tmp_path, stop_after=4))
-    with pytest.raises(TrainingError, match=r"changed run-defining keys: max_len 40 -> 30, lr 0.001 -> 0.002; "
-                                            "pass --allow-changes"):
+    with pytest.raises(
+        TrainingError,
+        match=r"changed run-defining keys: max_len 40 -> 30, lr 0.001 -> 0.002; "
+        "pass --allow-changes",
+    ):
         _run(_tiny_cfg(tmp_path, lr=2e-3, max_len=30), resume=True)
     _run(_tiny_cfg(tmp_path, save_every=3), resume=True)  # where and how often it saves is not the run
     assert (tmp_path / "checkpoints" / "step-0000006").is_dir()
@@ -419,8 +479,9 @@ def test_a_held_out_split_without_assistant_text_is_an_error_naming_the_dataset(
     from eagletree.train.loop import TrainConfig, TrainingError
 
     data = tmp_path / "users.jsonl"
-    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                            for i in range(40)))
+    data.write_text(
+        "".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "hi"}]}) + "\n" for i in range(40))
+    )
     cfg = TrainConfig(dataset=str(data), heldout_fraction=0.5, eval_conversations=2)
     with pytest.raises(TrainingError, match=r"users.jsonl: none of its \d+ held-out conversations has an assistant"):
         evaluation_conversations(cfg)
@@ -449,9 +510,11 @@ def test_features_loads_the_target_on_the_configs_device(monkeypatch, tmp_path, 
 
 def test_commands_that_need_a_head_refuse_head_none_before_loading(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the target"))
-    for argv in (["viz", "--prompt", "hi", "-o", str(tmp_path / "v.html")],
-                 ["plan", "--engine", "sglang", "-o", str(tmp_path / "p.json")],
-                 ["calibrate-copy", "--out", str(tmp_path / "c.json")]):
+    for argv in (
+        ["viz", "--prompt", "hi", "-o", str(tmp_path / "v.html")],
+        ["plan", "--engine", "sglang", "-o", str(tmp_path / "p.json")],
+        ["calibrate-copy", "--out", str(tmp_path / "c.json")],
+    ):
         assert main([*argv, "--head", "none"]) == 2
         assert "--head none" in capsys.readouterr().err, argv
     from eagletree.cli import build_parser
@@ -483,13 +546,15 @@ def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
     assert head_calibrator(head) is None  # none saved: the raw probabilities
     (head_dir / "calibration.json").write_text(json.dumps({"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2, 0.6]}))
     assert head_calibrator(head).ys == [0.2, 0.6]
-    for text, reason in (('{"method": "isotonic", "xs": [0.1', "Expecting"),  # cut off
-                         ('{"x": 1}', "expected a JSON object with a method"),
-                         ('{"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2]}', "equally many knots"),
-                         ('{"method": "isotonic", "xs": [0.5, 0.1], "ys": [0.2, 0.3]}', "xs ascending"),
-                         ('{"method": "temperature", "scale": null}', "finite scale and bias"),
-                         ('{"method": "isotonic", "xs": [false, true], "ys": [0.2, 0.3]}', "numbers in [0, 1]"),
-                         ('{"method": "platt"}', "'platt' is not one of")):
+    for text, reason in (
+        ('{"method": "isotonic", "xs": [0.1', "Expecting"),  # cut off
+        ('{"x": 1}', "expected a JSON object with a method"),
+        ('{"method": "isotonic", "xs": [0.1, 0.5], "ys": [0.2]}', "equally many knots"),
+        ('{"method": "isotonic", "xs": [0.5, 0.1], "ys": [0.2, 0.3]}', "xs ascending"),
+        ('{"method": "temperature", "scale": null}', "finite scale and bias"),
+        ('{"method": "isotonic", "xs": [false, true], "ys": [0.2, 0.3]}', "numbers in [0, 1]"),
+        ('{"method": "platt"}', "'platt' is not one of"),
+    ):
         (head_dir / "calibration.json").write_text(text)
         with pytest.raises(ValueError) as e:
             head_calibrator(head)

@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagletree.draft_heads import EagleHead, Eagle3Head, TreeDrafter
+from eagletree.draft_heads import Eagle3Head, EagleHead, TreeDrafter
 from eagletree.draft_heads.export import TOKEN_MAP, engine_notes, export_head, import_eagle, import_eagle3
+
 from helpers import tiny_config
 
 THETA = 100000.0  # SmolLM2's RoPE base; EAGLE's fallback is 10000
@@ -42,18 +43,27 @@ def exported(head, tmp_path, fmt, target=None):
 
 def stacked(name: str) -> str:
     """vLLM's and SGLang's stacked-parameter mapping: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
-    for old, new in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-                     (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")):
+    for old, new in (
+        (".q_proj", ".qkv_proj"),
+        (".k_proj", ".qkv_proj"),
+        (".v_proj", ".qkv_proj"),
+        (".gate_proj", ".gate_up_proj"),
+        (".up_proj", ".gate_up_proj"),
+    ):
         name = name.replace(old, new)
     return name
 
 
 def eagle1_params(h, inter, q, kv, fc_bias):
     """The parameters an EAGLE-1/2 draft model of one layer has (layer 0 without input_layernorm), by name -> shape."""
-    params = {"model.fc.weight": (h, 2 * h), "model.layers.0.self_attn.qkv_proj.weight": (q + 2 * kv, h),
-              "model.layers.0.self_attn.o_proj.weight": (h, q),
-              "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
-              "model.layers.0.mlp.down_proj.weight": (h, inter), "model.layers.0.post_attention_layernorm.weight": (h,)}
+    params = {
+        "model.fc.weight": (h, 2 * h),
+        "model.layers.0.self_attn.qkv_proj.weight": (q + 2 * kv, h),
+        "model.layers.0.self_attn.o_proj.weight": (h, q),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
+        "model.layers.0.mlp.down_proj.weight": (h, inter),
+        "model.layers.0.post_attention_layernorm.weight": (h,),
+    }
     if fc_bias:
         params["model.fc.bias"] = (h,)
     return params
@@ -136,19 +146,26 @@ def test_rope_base_dtype_and_ties_are_written_for_every_reader(tmp_path, fmt):
 
 
 def test_rope_scaling_is_written_for_eagle_when_the_target_scales():
-    from eagletree.draft_heads.export import rope_fields
-
     from eagletree.draft_heads import HeadError
+    from eagletree.draft_heads.export import rope_fields
 
     linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
     fields = rope_fields(linear)  # transformers 5 readers (vLLM, SGLang)
     assert fields == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "rope_type": "linear", "factor": 2.0}}
     # EAGLE's EConfig takes exactly {type, factor} ("must be a dictionary with two fields")
     assert rope_fields(linear, "eagle") == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
-    llama3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
-    with pytest.raises(HeadError, match="only linearly or dynamically .* the target's is 'llama3': export with "
-                                        "--format vllm or sglang"):
+    llama3 = {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "rope_theta": 5e5,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        }
+    }
+    with pytest.raises(
+        HeadError, match="only linearly or dynamically .* the target's is 'llama3': export with --format vllm or sglang"
+    ):
         rope_fields(llama3, "eagle")
 
 
@@ -179,13 +196,23 @@ def test_eagle3_export_carries_the_real_embedding_and_each_engines_layer_ids(tmp
     assert torch.equal(weights["t2d"].nonzero().flatten(), head.d2t)
     assert config["draft_vocab_size"] == head.d2t.numel() == weights["lm_head.weight"].shape[0]
     # vLLM llama_eagle3.py / SGLang llama_eagle3.py: midlayer. -> layers.0., q/k/v stacked, "model." prefix.
-    got = loaded_shapes(weights, lambda n: None if n in ("d2t", "t2d") else
-                        (n if n.startswith("lm_head") else stacked("model." + n.replace("midlayer.", "layers.0."))))
+    got = loaded_shapes(
+        weights,
+        lambda n: (
+            None
+            if n in ("d2t", "t2d")
+            else (n if n.startswith("lm_head") else stacked("model." + n.replace("midlayer.", "layers.0.")))
+        ),
+    )
     h, hd = 64, 16
     assert got["model.layers.0.self_attn.qkv_proj.weight"] == (8 * hd, 2 * h)
     assert got["model.fc.weight"] == (h, 3 * h) and got["model.embed_tokens.weight"] == (97, h)
-    assert {"model.layers.0.hidden_norm.weight", "model.norm.weight", "lm_head.weight",
-            "model.layers.0.input_layernorm.weight"} <= set(got)
+    assert {
+        "model.layers.0.hidden_norm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.input_layernorm.weight",
+    } <= set(got)
     assert config["bias"] is False  # SGLang: fc bias and attention bias both read it
 
 
@@ -251,8 +278,9 @@ def test_an_export_for_another_target_or_with_damaged_files_is_refused(tmp_path)
 
     model = llama()
     _, _, out = exported(eagle_head(model), tmp_path, "vllm")
-    other = AutoConfig.for_model(**{**model.config.to_dict(), "rope_parameters": {"rope_type": "default",
-                                                                                 "rope_theta": 10000.0}})
+    other = AutoConfig.for_model(
+        **{**model.config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    )
     deeper = AutoConfig.for_model(**{**model.config.to_dict(), "num_hidden_layers": 3})
     with pytest.raises(HeadError, match="exported for a target with fingerprint"):  # (imported silently before)
         import_eagle(out, deeper)

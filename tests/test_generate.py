@@ -2,9 +2,9 @@ import pytest
 import torch
 
 import eagletree
-from eagletree.draft_heads import EagleHead
 from eagletree.decode_config import CopyOptions, DecodeConfig
 from eagletree.decoding import Decoder, GenerationStats, decode_steps, generate
+from eagletree.draft_heads import EagleHead
 from eagletree.tree_search.searchers import make_searcher
 
 from helpers import chi_square_p, tiny_model, tiny_tokenizer
@@ -12,9 +12,10 @@ from helpers import chi_square_p, tiny_model, tiny_tokenizer
 
 def plain(model, ids, n):
     with torch.no_grad():
-        out = model.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, ids.numel():].tolist()
+        out = model.generate(
+            ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long), max_new_tokens=n, do_sample=False
+        )
+    return out[0, ids.numel() :].tolist()
 
 
 @pytest.mark.parametrize("tree", ["eagle2", "optimal", "chain", "sequoia"])
@@ -68,23 +69,30 @@ def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
     head = EagleHead.for_target(model.config).eval()
     ids = [3, 4, 5, 6]
     want = plain(model, torch.tensor(ids), 5)
-    assert generate(model, tok, head, ids, tree="eagle2", budget=60, max_new_tokens=5).token_ids == want  # (a list of ints was 4 prompts)
+    assert (
+        generate(model, tok, head, ids, tree="eagle2", budget=60, max_new_tokens=5).token_ids == want
+    )  # (a list of ints was 4 prompts)
     assert generate(model, tok, head, torch.tensor([ids]), tree="eagle2", budget=60, max_new_tokens=5).token_ids == want
-    assert [r.token_ids for r in generate(model, tok, head, [ids, ids[:2]], tree="eagle2", budget=60, max_new_tokens=5)] == \
-        [want, plain(model, torch.tensor(ids[:2]), 5)]
+    assert [
+        r.token_ids for r in generate(model, tok, head, [ids, ids[:2]], tree="eagle2", budget=60, max_new_tokens=5)
+    ] == [want, plain(model, torch.tensor(ids[:2]), 5)]
     for options, error, message in (
-            (dict(prompt=torch.tensor([ids, ids])), ValueError, r"shape \[n\] or \[1, n\], got \[2, 4\]"),  # (was merged)
-            (dict(prompt=torch.tensor([3.0, 4.7])), TypeError, "expected an integer dtype, got torch.float32"),
-            (dict(prompt=[3, 400]), ValueError, r"must lie in \[0, 97\) \(the target's vocabulary\), got 400"),
-            (dict(stop=5), TypeError, "stop must be a list of token ids or token strings, got 5"),
-            (dict(stop=[-1]), ValueError, r"stop token id -1 is outside the target's vocabulary \[0, 97\)"),
-            (dict(stop=[3.0]), TypeError, "stop entries must be token ids or non-empty token strings, got 3.0"),
-            (dict(tree="eagle2", tree_paths=[(0,)]), ValueError, "tree_paths gives the fixed shape of tree='sequoia'"),
-            (dict(tree="sequoia", tree_paths=[(0,), (1,), (0, 0)], budget=3), ValueError,
-             "tree_paths make a tree of 4 nodes with the root, more than budget=3"),
-            (dict(tree="sequoia", tree_paths=[0, 1]), ValueError, "tree paths must be rank paths"),
-            (dict(tree="sequoia", tree_paths=[(200,)]), ValueError, "rank 200 is past the head's draft vocabulary"),
-            (dict(budget=0, stream=True), ValueError, "budget must be >= 1, got 0")):  # at the call, not at next()
+        (dict(prompt=torch.tensor([ids, ids])), ValueError, r"shape \[n\] or \[1, n\], got \[2, 4\]"),  # (was merged)
+        (dict(prompt=torch.tensor([3.0, 4.7])), TypeError, "expected an integer dtype, got torch.float32"),
+        (dict(prompt=[3, 400]), ValueError, r"must lie in \[0, 97\) \(the target's vocabulary\), got 400"),
+        (dict(stop=5), TypeError, "stop must be a list of token ids or token strings, got 5"),
+        (dict(stop=[-1]), ValueError, r"stop token id -1 is outside the target's vocabulary \[0, 97\)"),
+        (dict(stop=[3.0]), TypeError, "stop entries must be token ids or non-empty token strings, got 3.0"),
+        (dict(tree="eagle2", tree_paths=[(0,)]), ValueError, "tree_paths gives the fixed shape of tree='sequoia'"),
+        (
+            dict(tree="sequoia", tree_paths=[(0,), (1,), (0, 0)], budget=3),
+            ValueError,
+            "tree_paths make a tree of 4 nodes with the root, more than budget=3",
+        ),
+        (dict(tree="sequoia", tree_paths=[0, 1]), ValueError, "tree paths must be rank paths"),
+        (dict(tree="sequoia", tree_paths=[(200,)]), ValueError, "rank 200 is past the head's draft vocabulary"),
+        (dict(budget=0, stream=True), ValueError, "budget must be >= 1, got 0"),
+    ):  # at the call, not at next()
         prompt = options.pop("prompt", ids)
         with pytest.raises(error, match=message):
             generate(model, tok, head, prompt, max_new_tokens=3, **options)
@@ -109,14 +117,26 @@ def test_head_for_another_target_is_refused():
 
     head = EagleHead.for_target(tiny_model("qwen2").config)
     with pytest.raises(HeadError, match="model_type"):
-        generate(tiny_model("llama"), tiny_tokenizer(), head, torch.tensor([3, 4]), tree="eagle2", budget=60, max_new_tokens=3)
+        generate(
+            tiny_model("llama"),
+            tiny_tokenizer(),
+            head,
+            torch.tensor([3, 4]),
+            tree="eagle2",
+            budget=60,
+            max_new_tokens=3,
+        )
 
 
 def test_stats_add_up():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     stats = GenerationStats()
-    steps = list(decode_steps(model, tok, head, torch.tensor([5, 6, 7]), tree="eagle2", budget=60, max_new_tokens=30, stats=stats))
+    steps = list(
+        decode_steps(
+            model, tok, head, torch.tensor([5, 6, 7]), tree="eagle2", budget=60, max_new_tokens=30, stats=stats
+        )
+    )
     assert sum(len(s) for s in steps) == stats.new_tokens == 30
     assert stats.passes == len(steps) and sum(stats.histogram().values()) == stats.passes
     d = stats.as_dict()
@@ -143,9 +163,11 @@ def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kin
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
-    head = {"eagle": lambda: EagleHead.for_target(model.config),
-            "eagle3": lambda: Eagle3Head.for_target(model),
-            "medusa": lambda: MedusaHead.for_target(model.config, num_heads=3)}[kind]().eval()
+    head = {
+        "eagle": lambda: EagleHead.for_target(model.config),
+        "eagle3": lambda: Eagle3Head.for_target(model),
+        "medusa": lambda: MedusaHead.for_target(model.config, num_heads=3),
+    }[kind]().eval()
     assert isinstance(make_drafter(head, model), Drafter)
     ids, seen = torch.tensor([4, 9, 16, 25, 36]), []
 
@@ -154,8 +176,19 @@ def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kin
         seen.append(root)
         drafter(torch.tensor([1]), torch.tensor([root]), torch.tensor([0]), 1)  # an analysis tree of its own
 
-    result = generate(model, tok, head, ids, max_new_tokens=24, tree="eagle2", budget=10, depth=3, top_k_draft=3,
-                      copy=False, inspect_step=inspect)
+    result = generate(
+        model,
+        tok,
+        head,
+        ids,
+        max_new_tokens=24,
+        tree="eagle2",
+        budget=10,
+        depth=3,
+        top_k_draft=3,
+        copy=False,
+        inspect_step=inspect,
+    )
     assert result.token_ids == plain(model, ids, 24)
     assert len(seen) >= result.stats.passes - 1 >= 1
 
@@ -178,9 +211,19 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     from eagletree.verify import target_probs
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     head = EagleHead.for_target(model.config).eval()
     prompt = torch.tensor([1, 6, 3, 1, 6, 3, 1, 6])  # the target gives the copied 3 p = 0.44, three others the rest
@@ -193,9 +236,22 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     pairs = torch.zeros(8, 8)
     for i in range(draws):
         stats = GenerationStats(steps=[])
-        steps = decode_steps(model, None, head, prompt, max_new_tokens=2, tree="eagle2", budget=6, depth=2,
-                             top_k_draft=2, seed=i,
-                             copy=True, stats=stats, store=store, **sampling)
+        steps = decode_steps(
+            model,
+            None,
+            head,
+            prompt,
+            max_new_tokens=2,
+            tree="eagle2",
+            budget=6,
+            depth=2,
+            top_k_draft=2,
+            seed=i,
+            copy=True,
+            stats=stats,
+            store=store,
+            **sampling,
+        )
         a, b = [t for s in steps for t in s]
         pairs[a, b] += 1
         tree = stats.steps[0][0]
@@ -203,8 +259,12 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     assert copied == draws  # every first tree held the copied token 3 (or the retrieved 6) after "... 1 6"
     with torch.no_grad():
         p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
-        p2 = torch.stack([target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
-                          for a in range(8)])
+        p2 = torch.stack(
+            [
+                target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
+                for a in range(8)
+            ]
+        )
     assert chi_square_p(pairs, p1[:, None] * p2) > 0.01
     assert chi_square_p(pairs.sum(1), p1) > 0.01
 
@@ -226,12 +286,28 @@ def test_copied_spans_are_lossless_and_carry_repetitive_text(tree):
         for copy in (True, False):
             for h in (head, None) if copy else (head,):
                 stats = GenerationStats()
-                out = list(decode_steps(model, tok, h, ids, max_new_tokens=32, tree=tree, budget=16, depth=3,
-                                        top_k_draft=3, copy=copy, stats=stats, profile=profile))
+                out = list(
+                    decode_steps(
+                        model,
+                        tok,
+                        h,
+                        ids,
+                        max_new_tokens=32,
+                        tree=tree,
+                        budget=16,
+                        depth=3,
+                        top_k_draft=3,
+                        copy=copy,
+                        stats=stats,
+                        profile=profile,
+                    )
+                )
                 assert [t for step in out for t in step] == want, (i, copy, h is None)
                 key = (copy, h is None)
-                totals[key] = [a + b for a, b in zip(totals.get(key, (0, 0, 0)),
-                                                      (stats.new_tokens, stats.passes, stats.copied_tokens))]
+                totals[key] = [
+                    a + b
+                    for a, b in zip(totals.get(key, (0, 0, 0)), (stats.new_tokens, stats.passes, stats.copied_tokens))
+                ]
     assert totals[(False, False)][2] == 0
     assert totals[(True, False)][2] > 0 and totals[(True, True)][2] > 0  # copies were accepted
     tpp = {k: v[0] / v[1] for k, v in totals.items()}
@@ -251,8 +327,11 @@ def test_copies_follow_the_budget_and_are_not_built_where_no_tree_pays():
     # A machine where a pass over N nodes costs N one-token passes: no tree of any kind is searched.
     never = LatencyProfile(sizes=[1, 64], verify_s=[0.010, 0.640])
     stats = GenerationStats(steps=[])
-    list(decode_steps(model, tok, head, prompt, max_new_tokens=12, tree="auto", budget=16, copy=True, profile=never,
-                      stats=stats))
+    list(
+        decode_steps(
+            model, tok, head, prompt, max_new_tokens=12, tree="auto", budget=16, copy=True, profile=never, stats=stats
+        )
+    )
     assert all(len(t) == 1 and t.copy_info is None for t, _ in stats.steps)
 
 
@@ -283,10 +362,30 @@ def test_streaming_pieces_join_to_the_text():
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
-    streamed = "".join(generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
-                                tree="eagle2", budget=60, max_new_tokens=12, stream=True))
-    assert streamed == generate(model, tok, head, [{"role": "user", "content": "hello how are you"}],
-                                tree="eagle2", budget=60, max_new_tokens=12).text
+    streamed = "".join(
+        generate(
+            model,
+            tok,
+            head,
+            [{"role": "user", "content": "hello how are you"}],
+            tree="eagle2",
+            budget=60,
+            max_new_tokens=12,
+            stream=True,
+        )
+    )
+    assert (
+        streamed
+        == generate(
+            model,
+            tok,
+            head,
+            [{"role": "user", "content": "hello how are you"}],
+            tree="eagle2",
+            budget=60,
+            max_new_tokens=12,
+        ).text
+    )
 
 
 def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
@@ -297,12 +396,14 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     ids = torch.tensor([7, 8, 9, 10])
     # Verifying is very expensive per node here, so few nodes pay off.
     steep = LatencyProfile([1, 2, 64], [0.01, 0.02, 0.64])
-    result = generate(model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3,
-                      profile=steep)
+    result = generate(
+        model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3, profile=steep
+    )
     assert result.token_ids == plain(model, ids, 30)
     flat = LatencyProfile([1, 64], [0.01, 0.0100001])
-    wide = generate(model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3,
-                    profile=flat)
+    wide = generate(
+        model, tok, head, ids, max_new_tokens=30, tree="auto", budget=20, depth=4, top_k_draft=3, profile=flat
+    )
     assert wide.token_ids == result.token_ids
     assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
     profile = tmp_path / "p.json"
@@ -334,8 +435,9 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     saved = cached.read_text()
     # A Decoder resolves its profile once: an auto tree's decoder probes once, however many prompts it decodes.
     calls.clear()
-    decoder = Decoder(model, None, None, DecodeConfig(tree="auto", budget=8, max_new_tokens=3,
-                                                      copy=CopyOptions(enabled=True)))
+    decoder = Decoder(
+        model, None, None, DecodeConfig(tree="auto", budget=8, max_new_tokens=3, copy=CopyOptions(enabled=True))
+    )
     assert calls == [(1,)] and decoder.searcher.profile.verify_s == first.verify_s
     for prompt in ([1, 2, 3, 1, 2], [4, 5, 6, 4, 5]):
         assert sum(len(step.tokens) for step in decoder.steps(prompt)) == 3
@@ -376,7 +478,16 @@ def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for
     assert result.token_ids == plain(model, ids, 20)
     assert max(result.stats.predicted[1:]) > 1.0  # the head drafted from the second pass on
     # A lower-precision head only changes the proposals; the fp32 target still decides every token.
-    low = generate(model, tok, head.to(torch.bfloat16), torch.tensor([5, 6, 7]), tree="eagle2", max_new_tokens=20, budget=8, depth=3)
+    low = generate(
+        model,
+        tok,
+        head.to(torch.bfloat16),
+        torch.tensor([5, 6, 7]),
+        tree="eagle2",
+        max_new_tokens=20,
+        budget=8,
+        depth=3,
+    )
     assert low.token_ids == plain(model, torch.tensor([5, 6, 7]), 20)
     assert max(low.stats.predicted) > 1.0
 
@@ -394,15 +505,37 @@ def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
 
     # A second node costs 100x a pass: no tree pays, so no step drafts.
     hopeless = LatencyProfile([1, 2], [0.01, 1.0])
-    result = generate(model, tok, head, ids, max_new_tokens=40, tree="auto", budget=20, depth=4, top_k_draft=3,
-                      profile=hopeless, inspect_step=count)
+    result = generate(
+        model,
+        tok,
+        head,
+        ids,
+        max_new_tokens=40,
+        tree="auto",
+        budget=20,
+        depth=4,
+        top_k_draft=3,
+        profile=hopeless,
+        inspect_step=count,
+    )
     assert result.token_ids == plain(model, ids, 40)
     assert result.stats.passes == 40 and set(result.stats.predicted) == {1.0}
     assert not calls  # no tree of any size could pay here (t(N) >= N t(1)): auto never drafts (probes: test_speed_rule)
     calls.clear()
     free = LatencyProfile([1, 64], [10.0, 10.0000001])  # a pass costs so much that drafting is free beside it
-    result = generate(model, tok, head, ids, max_new_tokens=40, tree="auto", budget=20, depth=4, top_k_draft=3,
-                      profile=free, inspect_step=count)
+    result = generate(
+        model,
+        tok,
+        head,
+        ids,
+        max_new_tokens=40,
+        tree="auto",
+        budget=20,
+        depth=4,
+        top_k_draft=3,
+        profile=free,
+        inspect_step=count,
+    )
     assert result.token_ids == plain(model, ids, 40)
     assert len(calls) >= result.stats.passes - 1  # every pass drafts (the last one only when a token is left to draft)
 

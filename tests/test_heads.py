@@ -3,8 +3,15 @@ import copy
 import pytest
 import torch
 
-from eagletree.draft_heads import (EagleHead, HeadError, TreeDrafter, build_draft_vocab, t2d_mask, target_identity,
-                                   target_to_draft)
+from eagletree.draft_heads import (
+    EagleHead,
+    HeadError,
+    TreeDrafter,
+    build_draft_vocab,
+    t2d_mask,
+    target_identity,
+    target_to_draft,
+)
 from eagletree.tree_search import eagle2_search, optimal_search
 
 from helpers import tiny_model
@@ -87,7 +94,9 @@ def test_tree_call_equals_running_each_path_alone(kind, draft_vocab):
         if node_id not in seen:
             continue  # a leaf that was never expanded
         ref = reference_child_probs(head, model, feats, toks, tree.tokens[path[1:]].tolist(), drafter)
-        assert torch.allclose(seen[node_id], ref, atol=1e-4), f"node {v} (path {path}): {(seen[node_id] - ref).abs().max()}"
+        assert torch.allclose(seen[node_id], ref, atol=1e-4), (
+            f"node {v} (path {path}): {(seen[node_id] - ref).abs().max()}"
+        )
     if d2t is not None:
         assert set(tree.tokens[1:].tolist()) <= set(d2t.tolist())  # drafted ids map back to target ids
 
@@ -199,19 +208,32 @@ def test_medusa_head_round_trip_and_drafting(tmp_path):
         assert torch.equal(loaded(feats, lm), head(feats, lm))
     drafter = MedusaDrafter(loaded, model)
     first = drafter.extend(feats, torch.arange(5))
-    assert torch.allclose(drafter(torch.tensor([3, 4]), torch.tensor([1, 2]), torch.tensor([0, 0]), 2)[1],
-                          torch.softmax(head(feats[-1], lm)[1], -1), atol=1e-6)
+    assert torch.allclose(
+        drafter(torch.tensor([3, 4]), torch.tensor([1, 2]), torch.tensor([0, 0]), 2)[1],
+        torch.softmax(head(feats[-1], lm)[1], -1),
+        atol=1e-6,
+    )
     assert torch.allclose(first, torch.softmax(head(feats[-1], lm)[0], -1), atol=1e-6)
     with pytest.raises(ValueError, match="has 3 heads; cannot draft level 4"):
         drafter(torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), 4)
 
 
-EAGLE_KEYS = {"fc.weight"} | {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | \
-    {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {"layers.0.post_attention_layernorm.weight"}
+EAGLE_KEYS = (
+    {"fc.weight"}
+    | {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+    | {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    | {"layers.0.post_attention_layernorm.weight"}
+)
 
 
-@pytest.mark.parametrize("fmt, arch, bias", [("eagle", "LlamaForCausalLM", False), ("vllm", "LlamaForCausalLM", False),
-                                             ("sglang", "LlamaForCausalLMEagle", True)])
+@pytest.mark.parametrize(
+    "fmt, arch, bias",
+    [
+        ("eagle", "LlamaForCausalLM", False),
+        ("vllm", "LlamaForCausalLM", False),
+        ("sglang", "LlamaForCausalLMEagle", True),
+    ],
+)
 def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
     import json
 
@@ -232,8 +254,10 @@ def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
     back = import_eagle(out, model.config)
     x, t = torch.randn(1, 6, h), torch.randint(97, (1, 6))
     with torch.no_grad():
-        assert torch.equal(back(x, t, torch.arange(6), model.get_input_embeddings()),
-                           head(x, t, torch.arange(6), model.get_input_embeddings()))
+        assert torch.equal(
+            back(x, t, torch.arange(6), model.get_input_embeddings()),
+            head(x, t, torch.arange(6), model.get_input_embeddings()),
+        )
 
 
 def test_export_refusals(tmp_path):
@@ -259,10 +283,26 @@ def test_cli_export_and_load_head_reads_eagle_layouts(tmp_path):
     model = tiny_model("llama")
     head = head_for(model)
     head.save_pretrained(tmp_path / "head")
-    assert main(["export", "--head", str(tmp_path / "head"), "--format", "vllm", "--out", str(tmp_path / "v"),
-                 "--dtype", "fp32"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--head",
+                str(tmp_path / "head"),
+                "--format",
+                "vllm",
+                "--out",
+                str(tmp_path / "v"),
+                "--dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     back = load_head(tmp_path / "v", target_config=model.config)
     x, t = torch.randn(1, 4, 64), torch.randint(97, (1, 4))
     with torch.no_grad():
-        assert torch.equal(back(x, t, torch.arange(4), model.get_input_embeddings()),
-                           head(x, t, torch.arange(4), model.get_input_embeddings()))
+        assert torch.equal(
+            back(x, t, torch.arange(4), model.get_input_embeddings()),
+            head(x, t, torch.arange(4), model.get_input_embeddings()),
+        )

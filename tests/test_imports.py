@@ -105,16 +105,31 @@ def shortest_cycle(graph: dict[str, set[str]], group: set[str], start: str) -> l
 
 
 def test_find_cycles_names_each_circle():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set(),
-             "g": {"h"}, "h": {"i", "j"}, "i": {"g"}, "j": {"g"}}
+    graph = {
+        "a": {"b"},
+        "b": {"c"},
+        "c": {"a"},
+        "d": {"a", "e"},
+        "e": {"d"},
+        "f": set(),
+        "g": {"h"},
+        "h": {"i", "j"},
+        "i": {"g"},
+        "j": {"g"},
+    }
     assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["d", "e", "d"], ["g", "h", "i", "g"]]
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path):
     (tmp_path / "eagletree" / "sub").mkdir(parents=True)
-    files = {"__init__.py": "", "a.py": "from .sub import b\n", "sub/__init__.py": "from . import b\n",
-             "sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import X\n",
-             "c.py": "def f():\n    import eagletree.d\n", "d.py": "from .sub.b import g\n"}
+    files = {
+        "__init__.py": "",
+        "a.py": "from .sub import b\n",
+        "sub/__init__.py": "from . import b\n",
+        "sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import X\n",
+        "c.py": "def f():\n    import eagletree.d\n",
+        "d.py": "from .sub.b import g\n",
+    }
     for name, text in files.items():
         (tmp_path / "eagletree" / name).write_text(text)
     graph = import_graph(tmp_path / "eagletree")

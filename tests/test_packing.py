@@ -3,10 +3,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagletree.draft_heads import EagleHead
 from eagletree.decoding import generate
-from eagletree.packing import (PackedLinear, PackingError, is_packed, pack_linears, pack_target, packing_problem,
-                               stock_kernels, unpack_linears)
+from eagletree.draft_heads import EagleHead
+from eagletree.packing import (
+    PackedLinear,
+    PackingError,
+    is_packed,
+    pack_linears,
+    pack_target,
+    packing_problem,
+    stock_kernels,
+    unpack_linears,
+)
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -42,8 +50,9 @@ def test_stock_kernels_grads_and_in_place_updates():
         fast = model(x)
         with stock_kernels(model):
             stock = model(x)
-            assert torch.equal(stock, F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)),
-                                               model[2].weight, model[2].bias))
+            assert torch.equal(
+                stock, F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias)
+            )
         assert all(m.enabled for m in model if isinstance(m, PackedLinear))
     assert close(fast, stock)
     with pytest.raises(RuntimeError), stock_kernels(model):
@@ -91,8 +100,12 @@ def test_packed_model_outputs_and_lossless_generation():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(97, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g) for _ in range(4)]
     with torch.no_grad():
-        reference = [model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
-                                    max_new_tokens=40, do_sample=False)[0, p.numel():].tolist() for p in prompts]
+        reference = [
+            model.generate(
+                p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long), max_new_tokens=40, do_sample=False
+            )[0, p.numel() :].tolist()
+            for p in prompts
+        ]
         logits = model(prompts[0][None]).logits
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     n = pack_linears(model)
@@ -102,14 +115,20 @@ def test_packed_model_outputs_and_lossless_generation():
         assert close(model(prompts[0][None]).logits, logits)
     for tree in ("eagle2", "sequoia"):
         for p, want in zip(prompts, reference):
-            assert generate(model, tok, head, p, max_new_tokens=40, tree=tree, budget=12, depth=4,
-                            top_k_draft=3).token_ids == want
+            assert (
+                generate(model, tok, head, p, max_new_tokens=40, tree=tree, budget=12, depth=4, top_k_draft=3).token_ids
+                == want
+            )
     assert is_packed(head)  # a packed target's drafter packs the head (and its lm_head slice) too
     # Inside inference mode (inference tensors have no version counter), with a draft-vocabulary head.
     small = EagleHead.for_target(model.config, torch.arange(50)).eval()
     with torch.inference_mode():
-        assert generate(model, tok, small, prompts[0], max_new_tokens=40, tree="eagle2", budget=12, depth=4,
-                        top_k_draft=3).token_ids == reference[0]
+        assert (
+            generate(
+                model, tok, small, prompts[0], max_new_tokens=40, tree="eagle2", budget=12, depth=4, top_k_draft=3
+            ).token_ids
+            == reference[0]
+        )
     weights = [p for p in model.parameters()]
     assert unpack_linears(model) == n and not is_packed(model)
     assert [p for p in model.parameters()] == weights and all(type(m) is not PackedLinear for m in model.modules())

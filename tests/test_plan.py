@@ -86,8 +86,20 @@ def table(paths, positions=100):
     return Acceptance({",".join(map(str, p)): c for p, c in paths.items()}, positions, [[0.0]], [positions], 3, 4)
 
 
-ACCEPT = table({(0,): 60, (1,): 15, (2,): 5, (0, 0): 40, (0, 1): 8, (1, 0): 9, (0, 0, 0): 25, (0, 0, 1): 6,
-                (1, 0, 0): 4, (0, 1, 0): 3})
+ACCEPT = table(
+    {
+        (0,): 60,
+        (1,): 15,
+        (2,): 5,
+        (0, 0): 40,
+        (0, 1): 8,
+        (1, 0): 9,
+        (0, 0, 0): 25,
+        (0, 0, 1): 6,
+        (1, 0, 0): 4,
+        (0, 1, 0): 3,
+    }
+)
 
 
 def brute_force_plan(acceptance, profile, max_nodes, max_depth, chain=False):
@@ -134,8 +146,15 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
     assert gapped.paths == [[0], [1], [3]] and gapped.width == 4
     assert engine_config(gapped, "out", False, False)["flags"]["--speculative-eagle-topk"] == 4
     # three nodes of level 2 with children, every rank <= 1: top-k 2 would expand only two of them
-    bushy = best_plan(table({(0,): 60, (1,): 40, (0, 0): 30, (0, 1): 25, (1, 0): 30, (0, 0, 0): 20, (0, 1, 0): 20,
-                             (1, 0, 0): 20}, 100), flat, "sglang", 9, 3)
+    bushy = best_plan(
+        table(
+            {(0,): 60, (1,): 40, (0, 0): 30, (0, 1): 25, (1, 0): 30, (0, 0, 0): 20, (0, 1, 0): 20, (1, 0, 0): 20}, 100
+        ),
+        flat,
+        "sglang",
+        9,
+        3,
+    )
     assert len(bushy.paths) == 8 and max(max(p) for p in bushy.paths) == 1 and bushy.width == 3
     assert chain.expected_tokens == pytest.approx(1 + 0.60 + 0.40 + 0.25)
 
@@ -144,9 +163,16 @@ def test_the_summary_warns_when_the_best_tree_loses_to_plain_decoding():
     from eagletree.plan import summary
 
     def result(rate, plain):
-        return {"engine": "sglang", "config": {}, "tree": {"nodes": 2, "depth": 1, "width": 1, "paths": [[0]]},
-                "expected_tokens_per_pass": 1.6, "decoded_tokens_per_pass": None, "predicted_tokens_per_s": rate,
-                "predicted_plain_tokens_per_s": plain, "check": None}
+        return {
+            "engine": "sglang",
+            "config": {},
+            "tree": {"nodes": 2, "depth": 1, "width": 1, "paths": [[0]]},
+            "expected_tokens_per_pass": 1.6,
+            "decoded_tokens_per_pass": None,
+            "predicted_tokens_per_s": rate,
+            "predicted_plain_tokens_per_s": plain,
+            "check": None,
+        }
 
     steep = LatencyProfile([1, 2, 64], [0.010, 0.030, 0.700], draft_s_per_level=0.0)  # a drafted node costs 3x
     plan = best_plan(ACCEPT, steep, "sglang", 12, 3)
@@ -171,8 +197,9 @@ def test_the_plans_prediction_is_what_generate_measures_on_the_same_prompts():
     head = EagleHead.for_target(model.config, torch.arange(60)).eval()
     prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 2, 40, 8, 8])]
     profile = LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0005)
-    result = make_plan(model, tok, head, "eagle", profile, prompts, prompts, "o", max_new_tokens=16, max_nodes=8,
-                       max_depth=3)
+    result = make_plan(
+        model, tok, head, "eagle", profile, prompts, prompts, "o", max_new_tokens=16, max_nodes=8, max_depth=3
+    )
     check = result["check"]
     assert check["predicted_tokens_per_pass"] == result["decoded_tokens_per_pass"]
     assert check["measured_tokens_per_pass"] == pytest.approx(check["predicted_tokens_per_pass"], abs=1e-9)
@@ -194,20 +221,27 @@ def test_engine_settings_follow_each_engines_conventions():
 
 
 def test_a_bench_profile_file_is_read(tmp_path):
-    rows = [{"n": 1, "forward_ms": 10.0, "engine_ms": 1.0, "search_ms": 0.0, "draft_level_ms": 0.0},
-            {"n": 16, "forward_ms": 12.0, "engine_ms": 2.0, "search_ms": 0.6, "draft_level_ms": 0.5}]
-    (tmp_path / "profile.json").write_text(json.dumps({"device": "cuda", "config": "llama-3.1-8b", "depth": 6,
-                                                      "rows": rows}))
+    rows = [
+        {"n": 1, "forward_ms": 10.0, "engine_ms": 1.0, "search_ms": 0.0, "draft_level_ms": 0.0},
+        {"n": 16, "forward_ms": 12.0, "engine_ms": 2.0, "search_ms": 0.6, "draft_level_ms": 0.5},
+    ]
+    (tmp_path / "profile.json").write_text(
+        json.dumps({"device": "cuda", "config": "llama-3.1-8b", "depth": 6, "rows": rows})
+    )
     profile = load_profile(tmp_path / "profile.json")
     assert profile.sizes == [1, 16] and profile.verify_s == pytest.approx([0.011, 0.0134])
     assert profile.draft_s_per_level == pytest.approx(0.0005) and profile.search_s_per_level == pytest.approx(0.0001)
     (tmp_path / "bad.json").write_text(json.dumps({"rows": [{"n": 1}]}))
     with pytest.raises(ValueError, match="bench profile rows need"):
         load_profile(tmp_path / "bad.json")
-    for data, message in (({"engine": "sglang", "tree": {}}, "is not a latency profile: expected a JSON object of "
-                                                               "sizes, verify_s, .* got keys engine, tree"),  # a plan
-                          ([1, 2], "is not a latency profile: .* got list"),
-                          ({"sizes": [8, 1], "verify_s": [0.02, 0.01]}, "profile.json': profile sizes must be")):
+    for data, message in (
+        (
+            {"engine": "sglang", "tree": {}},
+            "is not a latency profile: expected a JSON object of sizes, verify_s, .* got keys engine, tree",
+        ),  # a plan
+        ([1, 2], "is not a latency profile: .* got list"),
+        ({"sizes": [8, 1], "verify_s": [0.02, 0.01]}, "profile.json': profile sizes must be"),
+    ):
         (tmp_path / "profile.json").write_text(json.dumps(data))
         with pytest.raises(ValueError, match=message):
             load_profile(tmp_path / "profile.json")
@@ -222,11 +256,35 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
     LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0005).save(tmp_path / "profile.json")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in ["hello how are you", "what is two plus four",
-                                                          "why is the sky blue", "tell me a joke"]))
-    args = ["plan", "--target", "tiny", "--head", str(tmp_path / "head"), "--engine", "sglang", "--profile",
-            str(tmp_path / "profile.json"), "--prompts", str(prompts), "--max-new-tokens", "12", "--max-nodes", "10",
-            "--max-depth", "3", "--export", "out/sg", "-o", str(tmp_path / "plan.json")]
+    prompts.write_text(
+        "\n".join(
+            json.dumps(p)
+            for p in ["hello how are you", "what is two plus four", "why is the sky blue", "tell me a joke"]
+        )
+    )
+    args = [
+        "plan",
+        "--target",
+        "tiny",
+        "--head",
+        str(tmp_path / "head"),
+        "--engine",
+        "sglang",
+        "--profile",
+        str(tmp_path / "profile.json"),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--max-nodes",
+        "10",
+        "--max-depth",
+        "3",
+        "--export",
+        "out/sg",
+        "-o",
+        str(tmp_path / "plan.json"),
+    ]
     code = main(args)
     result = json.loads((tmp_path / "plan.json").read_text())
     check = result["check"]
@@ -245,8 +303,13 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
     # the plan records the vocabulary its acceptance was measured over; reusing it over another one is refused
     assert result["draft_vocab_size"] == 60
     capsys.readouterr()
-    assert main(args[:-2] + ["-o", str(tmp_path / "wide.json"), "--acceptance", str(tmp_path / "plan.json"),
-                             "--draft-vocab", "full"]) == 2
+    assert (
+        main(
+            args[:-2]
+            + ["-o", str(tmp_path / "wide.json"), "--acceptance", str(tmp_path / "plan.json"), "--draft-vocab", "full"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "measured drafting over 60 tokens, but the head drafts over 97 here; pass --draft-vocab head" in err
     assert not (tmp_path / "wide.json").exists()
@@ -268,16 +331,17 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
     """On the shipped head: the plan's tree decoded by `generate` gives the predicted tokens/pass (same prompts,
     so only the estimator is checked, not prompt-to-prompt noise)."""
     from eagletree.bench import load_prompts
-    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import load_head
+    from eagletree.loading import SHIPPED_HEADS
     from eagletree.plan import make_plan
 
     model, tok = smollm2
     head = load_head(SHIPPED_HEADS["smollm2-135m"], target_config=model.config)
     prompts = load_prompts("mtbench:2")
     profile = LatencyProfile([1, 8, 64], [0.040, 0.047, 0.150], draft_s_per_level=0.003)
-    result = make_plan(model, tok, head, "sglang", profile, prompts, prompts, "out/sg", max_new_tokens=24,
-                       max_nodes=16, max_depth=5)
+    result = make_plan(
+        model, tok, head, "sglang", profile, prompts, prompts, "out/sg", max_new_tokens=24, max_nodes=16, max_depth=5
+    )
     check = result["check"]
     assert check["prompts"] == 2 and check["new_tokens"] > 0
     assert check["measured_tokens_per_pass"] > 1.5  # the head drafts something

@@ -27,7 +27,7 @@ def test_mtbench_subset_spreads_over_categories_and_bench_reads_it():
 
 def test_a_malformed_question_file_names_the_line(tmp_path):
     path = tmp_path / "question.jsonl"
-    path.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["a", "b"]}) + "\n{\"turns\": []}\n")
+    path.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["a", "b"]}) + '\n{"turns": []}\n')
     with pytest.raises(ValueError, match="line 2: expected an MT-bench question"):
         mtbench_questions(path)
 
@@ -55,4 +55,3 @@ def test_tokens_per_pass_by_category_is_total_tokens_over_total_passes():
     assert table == {"math": 40 / 20, "coding": 4.0, "mean": 80 / 30}
     with pytest.raises(ValueError, match="one category, token count and pass count per prompt, got 2, 1 and 1"):
         by_category(["math", "coding"], [3], [1])
-

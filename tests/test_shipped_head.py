@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from eagletree.loading import SHIPPED_HEADS
-from eagletree.draft_heads import EagleHead, load_head
 from eagletree.decoding import generate
+from eagletree.draft_heads import EagleHead, load_head
+from eagletree.loading import SHIPPED_HEADS
 from eagletree.packing import pack_linears, packing_problem, stock_kernels
 
 HEAD = SHIPPED_HEADS["smollm2-135m"]
@@ -31,8 +31,9 @@ def prompts(smollm2, sharegpt):
     candidates = heldout_prompts(heldout[200:], 40)
     # (the prompt's token count: apply_chat_template returns a dict of input_ids and attention_mask here, whose
     # len() was 2 for every prompt, so the "shortest" were the first 10, up to 509 tokens long)
-    lengths = [len(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"])
-               for m in candidates]
+    lengths = [
+        len(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"]) for m in candidates
+    ]
     chosen = sorted(range(len(candidates)), key=lambda i: lengths[i])[:4]
     assert max(lengths[i] for i in chosen) < 100, [lengths[i] for i in chosen]
     return [candidates[i] for i in sorted(chosen)]
@@ -42,17 +43,21 @@ def plain(model, tok, messages, n):
     inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def first_difference(model, tok, messages, ours, ref) -> str:
     """Where greedy outputs first differ, with the target's two logits there (a float near-tie shows a tiny gap)."""
     i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     with torch.inference_mode():
         logits = model(torch.cat([ids, torch.tensor([ref[:i]], dtype=torch.long)], 1)).logits[0, -1]
-    return (f"token {i}: ours {ours[i]} (logit {logits[ours[i]]:.6f}) vs plain {ref[i]} (logit {logits[ref[i]]:.6f}), "
-            f"gap {abs(float(logits[ours[i]] - logits[ref[i]])):.2e}")
+    return (
+        f"token {i}: ours {ours[i]} (logit {logits[ours[i]]:.6f}) vs plain {ref[i]} (logit {logits[ref[i]]:.6f}), "
+        f"gap {abs(float(logits[ours[i]] - logits[ref[i]])):.2e}"
+    )
 
 
 @pytest.mark.real
@@ -67,9 +72,14 @@ def test_greedy_with_the_shipped_head_equals_plain_decoding(smollm2, shipped_hea
     if not packing_problem(model):
         pack_linears(model)  # unpacked again by the smollm2 fixture: the target is shared with other tests
     low = load_head(HEAD, target_config=model.config, dtype=torch.bfloat16)  # what --draft-dtype auto picks on CPU
-    methods = [("eagle2", head, dict(budget=60, depth=6, top_k_draft=10)), ("optimal", low, dict(budget=24, depth=6)),
-               ("chain", head, dict(depth=5)), ("sequoia", low, dict(budget=16, depth=6)),
-               ("auto", low, dict(budget=32, depth=6)), ("eagle2-stock", low, dict(budget=16, depth=6))]
+    methods = [
+        ("eagle2", head, dict(budget=60, depth=6, top_k_draft=10)),
+        ("optimal", low, dict(budget=24, depth=6)),
+        ("chain", head, dict(depth=5)),
+        ("sequoia", low, dict(budget=16, depth=6)),
+        ("auto", low, dict(budget=32, depth=6)),
+        ("eagle2-stock", low, dict(budget=16, depth=6)),
+    ]
     n, passes, new, decoded = 64, 0, 0, []
     for i, messages in enumerate(prompts):
         with stock_kernels(model):

@@ -34,8 +34,11 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     with torch.no_grad():
         for rows in (1, 8, 1):
             x = torch.randn(rows, 16)
-            assert torch.allclose(model(x), x @ weights.T @ model[1].weight.T + model[0].bias @ model[1].weight.T
-                                  + model[1].bias, atol=1e-5)
+            assert torch.allclose(
+                model(x),
+                x @ weights.T @ model[1].weight.T + model[0].bias @ model[1].weight.T + model[1].bias,
+                atol=1e-5,
+            )
     assert calls == [8, 8]  # both Linears packed at 8 rows only
     assert kernels_used(model)["kernels"] == "mixed" and kernels_tag(model) == "-packed-8"
     # Where packing is faster nowhere, auto leaves the stock kernels (nothing packed), and says why.
@@ -54,14 +57,16 @@ def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, 
     assert saved["machine"] == here and f"-{torch.get_num_threads()}t-float32-torch" in here
     # another machine's choice (CPU, threads, dtype or torch version), or a file of the wrong shape, is measured
     # again and replaced (null crashed; string times were taken and failed later)
-    for data in (dict(choice.as_dict(), machine="OTHER-CPU-64t-float32-torch1.0"), None, "x",
-                 {"sizes": [1], "stock_s": ["a"], "packed_s": [1.0], "machine": here},
-                 {"sizes": [True], "stock_s": [0.1], "packed_s": [0.2], "machine": here}):
+    for data in (
+        dict(choice.as_dict(), machine="OTHER-CPU-64t-float32-torch1.0"),
+        None,
+        "x",
+        {"sizes": [1], "stock_s": ["a"], "packed_s": [1.0], "machine": here},
+        {"sizes": [True], "stock_s": [0.1], "packed_s": [0.2], "machine": here},
+    ):
         path.write_text(json.dumps(data))
         pack_target(nn.Sequential(nn.Linear(32, 32)), "auto", choice_path=path)
         assert json.loads(path.read_text())["sizes"] == list(packing.KERNEL_SIZES), data
-
-
 
 
 def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch):
@@ -70,8 +75,10 @@ def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch
 
     keys = []
     for model_number in (49, 17):
-        info = f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model_number}\n" \
-               f"model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 23\nmodel\t\t: 1\n"
+        info = (
+            f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model_number}\n"
+            f"model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 23\nmodel\t\t: 1\n"
+        )
         monkeypatch.setattr(packing, "open", lambda *a, info=info, **k: io.StringIO(info), raising=False)
         assert packing.cpu_model() == "AMD EPYC" and packing.cpu_generation() == f"f25m{model_number}"
         keys.append(packing.machine_key(nn.Linear(1, 1)))
@@ -85,6 +92,7 @@ def test_the_machine_key_tells_apart_cpus_with_the_same_generic_name(monkeypatch
     packing.cpu_model(), packing.cpu_generation()
     assert len(opened) == 2 and all(f.closed for f in opened)
 
+
 def test_bench_names_the_cpus_vector_instructions_and_native_bf16(monkeypatch):
     # "AMD EPYC" alone does not say why two machines' ratios differ: the family/model, the widest vector
     # instructions and native bf16 do, and bench's machine line carries them.
@@ -92,23 +100,45 @@ def test_bench_names_the_cpus_vector_instructions_and_native_bf16(monkeypatch):
 
     from eagletree.bench.report import markdown_report
 
-    cpus = {"cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 avx512f avx512_bf16\n":
-            "family 25 model 17; AVX-512; native bf16 (AVX512-BF16)",
-            "cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nflags\t: avx512f\n":
-            "family 25 model 1; AVX2; no native bf16",  # the first processor's block only
-            "cpu family\t: 6\nmodel\t\t: 143\nflags\t\t: avx2 avx512f amx_bf16 amx_tile\n":
-            "family 6 model 143; AVX-512; native bf16 (AMX-BF16)",
-            "processor\t: 0\nFeatures\t: fp asimd\n": "NEON; no native bf16",
-            "model name\t: Some CPU\n": ""}
+    cpus = {
+        "cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 avx512f avx512_bf16\n": (
+            "family 25 model 17; AVX-512; native bf16 (AVX512-BF16)"
+        ),
+        # the first processor's block only
+        "cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nflags\t: avx512f\n": (
+            "family 25 model 1; AVX2; no native bf16"
+        ),
+        "cpu family\t: 6\nmodel\t\t: 143\nflags\t\t: avx2 avx512f amx_bf16 amx_tile\n": (
+            "family 6 model 143; AVX-512; native bf16 (AMX-BF16)"
+        ),
+        "processor\t: 0\nFeatures\t: fp asimd\n": "NEON; no native bf16",
+        "model name\t: Some CPU\n": "",
+    }
     for info, want in cpus.items():
         monkeypatch.setattr(packing, "open", lambda *a, info=info, **k: io.StringIO(info), raising=False)
         assert packing.cpu_features() == want, info
-    report = {"command": "eagletree bench", "prompts": 1, "results": [], "temperatures": [], "max_new_tokens": 8,
-              "lookup_tokens": 10, "accept_by_rank_source": "default", "seconds": 1.0,
-              "machine": {"cpu": "AMD EPYC", "cpu_features": "family 25 model 1; AVX2; no native bf16", "cores": 2,
-                          "torch_threads": 2, "python": "3.11", "torch": "2", "transformers": "5", "device": "cpu",
-                          "dtype": "float32"},
-              "settings": {"target": "t", "head": "h", "prompts": "p", "depth": 6, "top_k_draft": 10}}
+    report = {
+        "command": "eagletree bench",
+        "prompts": 1,
+        "results": [],
+        "temperatures": [],
+        "max_new_tokens": 8,
+        "lookup_tokens": 10,
+        "accept_by_rank_source": "default",
+        "seconds": 1.0,
+        "machine": {
+            "cpu": "AMD EPYC",
+            "cpu_features": "family 25 model 1; AVX2; no native bf16",
+            "cores": 2,
+            "torch_threads": 2,
+            "python": "3.11",
+            "torch": "2",
+            "transformers": "5",
+            "device": "cpu",
+            "dtype": "float32",
+        },
+        "settings": {"target": "t", "head": "h", "prompts": "p", "depth": 6, "top_k_draft": 10},
+    }
     assert "Machine: AMD EPYC (family 25 model 1; AVX2; no native bf16), 2 cores" in markdown_report(report)
 
     def unreadable(*a, **k):
@@ -123,13 +153,15 @@ def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     # head's Linears and its lm_head slice run packed at those row counts only, like the target's.
     from eagletree.decoding import generate
     from eagletree.draft_heads import EagleHead, make_drafter
+
     from helpers import tiny_model, tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     prompt = torch.tensor([5, 17, 3, 44, 9, 23])
     with torch.no_grad():
-        want = model.generate(prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=30,
-                              do_sample=False)[0, 6:].tolist()
+        want = model.generate(
+            prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=30, do_sample=False
+        )[0, 6:].tolist()
     here = packing.machine_key(model)
     choice = KernelChoice([1, 8, 64], stock_s=[0.03, 0.05, 0.1], packed_s=[0.04, 0.04, 0.2], machine=here)
     path = tmp_path / "kernels.json"
@@ -151,9 +183,14 @@ def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
         drafter(torch.arange(1, 5), torch.arange(4), torch.zeros(4, dtype=torch.long), level=2)  # four rows: packed
         assert rows and set(rows) == {4}
     rows.clear()
-    assert generate(model, tok, head, prompt, max_new_tokens=30, tree="eagle2", budget=12, depth=4,
-                    top_k_draft=3).token_ids == want
+    assert (
+        generate(
+            model, tok, head, prompt, max_new_tokens=30, tree="eagle2", budget=12, depth=4, top_k_draft=3
+        ).token_ids
+        == want
+    )
     assert rows and all(2 <= r <= 8 for r in rows), sorted(set(rows))
+
 
 @pytest.mark.skipif(not packing.cpu_has_bf16(), reason="bf16 packing needs a CPU with native bf16")
 def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(monkeypatch, tmp_path):
@@ -161,11 +198,14 @@ def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(
     # the dtype, so the drafter measures its own Linears and lm_head slice in bf16 instead of taking the target's
     # fp32 choice; measured once, then read from the cache, keyed by the head's dtype and draft vocabulary.
     from eagletree.draft_heads import EagleHead, make_drafter
+
     from helpers import tiny_model
 
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
     model = tiny_model("llama")
-    target_choice = KernelChoice([1, 8], stock_s=[0.03, 0.05], packed_s=[0.04, 0.04], machine=packing.machine_key(model))
+    target_choice = KernelChoice(
+        [1, 8], stock_s=[0.03, 0.05], packed_s=[0.04, 0.04], machine=packing.machine_key(model)
+    )
     path = tmp_path / "kernels.json"
     path.write_text(json.dumps(target_choice.as_dict()))
     pack_target(model, "auto", choice_path=path)
@@ -199,8 +239,21 @@ def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(
     assert len(cached) == 1
 
 
-def simulate_auto(profile, level_s, top1, steps=128, budget=32, depth=6, top_k=4, vocab=16, load=1.0, observe=True,
-                  calibrator=None, scale=True, max_wait=64):
+def simulate_auto(
+    profile,
+    level_s,
+    top1,
+    steps=128,
+    budget=32,
+    depth=6,
+    top_k=4,
+    vocab=16,
+    load=1.0,
+    observe=True,
+    calibrator=None,
+    scale=True,
+    max_wait=64,
+):
     """Decode `steps` passes with tree="auto" on a synthetic machine: every drafter call costs `level_s`
     (the catch-up call on committed tokens too), a pass over N nodes costs profile.verify(N), and every
     draft distribution puts `top1` on one token (a number, or a function of the pass's index: text whose
@@ -297,7 +350,7 @@ def test_a_busy_machine_weighs_drafting_and_verifying_alike():
     policy = AutoSearcher(pays, None, 32, 4)
     policy.observe(16, 2 * 1.1 * T1)
     policy.observe(16, 40 * 1.1 * T1)
-    assert policy.load == pytest.approx(2 * 2 ** AutoSearcher.LOAD_SMOOTHING)
+    assert policy.load == pytest.approx(2 * 2**AutoSearcher.LOAD_SMOOTHING)
     assert policy.measured.verify_s == pytest.approx([t * policy.load for t in pays.verify_s])
     assert pays.verify_s == [T1, 1.1 * T1, 3 * T1]  # the profile itself is left as measured
 
@@ -342,19 +395,41 @@ def test_cli_defaults_to_the_auto_tree_for_generate_and_chat():
 
 def test_dtype_reaches_the_target(monkeypatch, tmp_path, capsys):
     from eagletree.cli import main
+
     from helpers import tiny_model, tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     asked = []
-    monkeypatch.setattr("eagletree.target.load_target",
-                        lambda spec, dtype=None, device=None: asked.append(dtype) or (model, tok))
+    monkeypatch.setattr(
+        "eagletree.target.load_target", lambda spec, dtype=None, device=None: asked.append(dtype) or (model, tok)
+    )
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
     for flag, want in (([], None), (["--dtype", "bfloat16"], torch.bfloat16)):
-        assert main(["generate", "--target", "tiny", "--head", "none", "--prompt", "hi", "--max-new-tokens", "2",
-                     "--json", "--pack", "off", *flag]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--target",
+                    "tiny",
+                    "--head",
+                    "none",
+                    "--prompt",
+                    "hi",
+                    "--max-new-tokens",
+                    "2",
+                    "--json",
+                    "--pack",
+                    "off",
+                    *flag,
+                ]
+            )
+            == 0
+        )
         assert asked[-1] == want
-        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == {"kernels": "stock",
-                                                                                        "choice": None}
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kernels"] == {
+            "kernels": "stock",
+            "choice": None,
+        }
     with pytest.raises(SystemExit):  # argparse names the allowed values
         main(["generate", "--target", "tiny", "--prompt", "hi", "--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err

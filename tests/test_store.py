@@ -2,7 +2,6 @@
 
 import json
 import random
-import warnings
 
 import pytest
 
@@ -44,7 +43,7 @@ def test_the_store_finds_what_a_rescan_finds():
         if got is not None:
             found += 1
             length, end = got
-            assert corpus[end - length:end] == context[-length:] and SEPARATOR not in corpus[end - length:end]
+            assert corpus[end - length : end] == context[-length:] and SEPARATOR not in corpus[end - length : end]
     assert 500 < found < 1500  # both outcomes were exercised
 
 
@@ -54,8 +53,11 @@ def test_spans_stop_at_the_end_of_their_text_and_never_match_across_texts():
     assert store.match([5, 6]) is None  # 5 and 6 are in different texts
     assert store.match([0, 8, 9]) == (2, 10) and store.continuation(10, 4) == []
     assert store.match([7]) is None  # shorter than min_match
-    for args, message in (((0, 3, 16), "1 <= min_match <= max_ngram <= max_match, got 0, 3, 16"),
-                          ((4, 3, 16), "got 4, 3, 16"), ((2, 8, 4), "got 2, 8, 4")):
+    for args, message in (
+        ((0, 3, 16), "1 <= min_match <= max_ngram <= max_match, got 0, 3, 16"),
+        ((4, 3, 16), "got 4, 3, 16"),
+        ((2, 8, 4), "got 2, 8, 4"),
+    ):
         with pytest.raises(ValueError, match=message):
             TokenStore([1, 2], *args)
     with pytest.raises(ValueError, match="ids >= 0 or the separator -1, got -5"):
@@ -65,11 +67,22 @@ def test_spans_stop_at_the_end_of_their_text_and_never_match_across_texts():
 def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     tok = tiny_tokenizer()
     path = tmp_path / "answers.jsonl"
-    records = [{"messages": [{"role": "user", "content": "hello there"},
-                             {"role": "assistant", "content": "general kenobi you are a bold one"}]},
-               {"messages": [{"role": "assistant", "content": "not the target's"}, {"role": "user", "content": "x"},
-                             {"role": "assistant", "content": "bold one indeed"}]},  # the last turn is the answer
-               {"messages": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "context", "weight": 0}]}]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": "general kenobi you are a bold one"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "assistant", "content": "not the target's"},
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "bold one indeed"},
+            ]
+        },  # the last turn is the answer
+        {"messages": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "context", "weight": 0}]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     store = TokenStore.from_chat_file(path, tok, min_match=2)
     first = tok("general kenobi you are a bold one", add_special_tokens=False)["input_ids"]
@@ -79,16 +92,29 @@ def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     later = tmp_path / "longer.jsonl"
     ids = [dict(r, id=f"c{i}") for i, r in enumerate(records)]
     path.write_text("\n".join(json.dumps(r) for r in ids) + "\n")
-    later.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "hello there"},
-                                                           {"role": "assistant", "content": "hello"}]}) + "\n")
+    later.write_text(
+        json.dumps(
+            {
+                "id": "c0",
+                "messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hello"}],
+            }
+        )
+        + "\n"
+    )
     hello = tok("hello", add_special_tokens=False)["input_ids"]
-    assert TokenStore.from_chat_file([path, later], tok, min_match=2).tokens.tolist() == \
-        second + [SEPARATOR] + hello + [SEPARATOR]
+    assert TokenStore.from_chat_file([path, later], tok, min_match=2).tokens.tolist() == second + [
+        SEPARATOR
+    ] + hello + [SEPARATOR]
     assert TokenStore.from_chat_file([later, path], tok, min_match=2).tokens.tolist() == store.tokens.tolist()
     # an integer id is an id too; a record with the id but no answer leaves the earlier answer in place
-    later.write_text(json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "hello"}]}) + "\n" +
-                     json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "bold one indeed"}]}) + "\n" +
-                     json.dumps({"id": "7", "messages": [{"role": "assistant", "content": ""}]}) + "\n")
+    later.write_text(
+        json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "hello"}]})
+        + "\n"
+        + json.dumps({"id": 7, "messages": [{"role": "assistant", "content": "bold one indeed"}]})
+        + "\n"
+        + json.dumps({"id": "7", "messages": [{"role": "assistant", "content": ""}]})
+        + "\n"
+    )
     assert TokenStore.from_chat_file(later, tok, min_match=2).tokens.tolist() == second + [SEPARATOR]
     # a last line cut mid-write (here inside a UTF-8 character) is skipped with a warning; elsewhere it is an error
     whole = json.dumps({"messages": [{"role": "assistant", "content": "hello"}]}) + "\n"
@@ -99,8 +125,11 @@ def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record with messages"):
         TokenStore.from_chat_file(later, tok)
     later.write_text(json.dumps({"messages": [{"role": "assistant", "content": ["parts", "of text"]}]}) + "\n" + whole)
-    with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record with messages \(an assistant turn's "
-                                         r"content is not text\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"longer.jsonl:1: not a chat record with messages \(an assistant turn's "
+        r"content is not text\)",
+    ):
         TokenStore.from_chat_file(later, tok)
     path.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
     with pytest.raises(ValueError, match="no assistant turns to index"):
@@ -117,6 +146,7 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
 
     from eagletree.decoding import GenerationStats, decode_steps
     from eagletree.draft_heads import EagleHead
+
     from helpers import tiny_model
 
     model = tiny_model("llama")
@@ -124,15 +154,32 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
     head = EagleHead.for_target(model.config).eval()
     prompt = torch.randint(97, (8,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        want = model.generate(prompt[None], attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=32,
-                              do_sample=False)[0, 8:].tolist()
+        want = model.generate(
+            prompt[None], attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=32, do_sample=False
+        )[0, 8:].tolist()
     store = TokenStore([3, 9, 4] + prompt.tolist() + want + [SEPARATOR] + [1, 2, 3, 4, 5, SEPARATOR], min_match=3)
     runs = {}
     for h in (None, head):
         for s in (None, store):
             stats = GenerationStats()
-            out = [t for step in decode_steps(model, None, h, prompt, tree="eagle2", max_new_tokens=32, budget=16, depth=3,
-                                              top_k_draft=3, copy=True, store=s, stats=stats) for t in step]
+            out = [
+                t
+                for step in decode_steps(
+                    model,
+                    None,
+                    h,
+                    prompt,
+                    tree="eagle2",
+                    max_new_tokens=32,
+                    budget=16,
+                    depth=3,
+                    top_k_draft=3,
+                    copy=True,
+                    store=s,
+                    stats=stats,
+                )
+                for t in step
+            ]
             assert out == want, (h is None, s is None)
             runs[(h is None, s is None)] = stats
     for alone in (True, False):
@@ -148,6 +195,7 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, m
     from eagletree.decoding import Decoder, decode_steps, generate
     from eagletree.draft_heads import EagleHead, load_head
     from eagletree.tree_search.store import DATASTORE
+
     from helpers import tiny_model
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -167,30 +215,53 @@ def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, m
         generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=3)
     # token ids and no tokenizer: nothing to check the store against
     assert resolve_store("auto", head, None, copy=True).tokens.tolist() == store.tokens.tolist()
-    assert len([t for step in decode_steps(model, None, head, [1, 2, 3, 4, 5], tree="eagle2", max_new_tokens=6, budget=8)
-                for t in step]) == 6
+    assert (
+        len(
+            [
+                t
+                for step in decode_steps(model, None, head, [1, 2, 3, 4, 5], tree="eagle2", max_new_tokens=6, budget=8)
+                for t in step
+            ]
+        )
+        == 6
+    )
     # A file that does not suit is an error when named, and skipped with a warning when the head's own (auto).
     other = tmp_path / "other.npz"
     np.save(tmp_path / "array.npy", np.arange(3))
     bad_settings = TokenStore([1, 2, SEPARATOR], min_match=1)
     bad_settings.min_match = 0
-    cases = [(lambda f: TokenStore([1, 2, SEPARATOR], min_match=1).save(f, "another-tokenizer"),
-              "made with tokenizer another-tokenizer, but the target's is"),
-             (lambda f: TokenStore([1, 200, SEPARATOR], min_match=1).save(f, vocab_fingerprint(tok)),
-              "token id 200 is past the target's vocabulary of 97"),
-             (lambda f: bad_settings.save(f, vocab_fingerprint(tok)), "bad lookup settings in the header"),
-             (lambda f: f.write_bytes((tmp_path / "array.npy").read_bytes()), r"not a datastore file \(a single array, not an .npz archive\)"),
-             (lambda f: np.savez_compressed(f, tokens=np.arange(3), header=np.array(json.dumps(
-                 {"format": "eagletree-pretokenized", "version": 1}))),
-              "format 'eagletree-pretokenized' version 1, expected 'eagletree-datastore' version 1"),
-             (lambda f: f.write_bytes(b"not a zip"), "not a datastore file")]
+    cases = [
+        (
+            lambda f: TokenStore([1, 2, SEPARATOR], min_match=1).save(f, "another-tokenizer"),
+            "made with tokenizer another-tokenizer, but the target's is",
+        ),
+        (
+            lambda f: TokenStore([1, 200, SEPARATOR], min_match=1).save(f, vocab_fingerprint(tok)),
+            "token id 200 is past the target's vocabulary of 97",
+        ),
+        (lambda f: bad_settings.save(f, vocab_fingerprint(tok)), "bad lookup settings in the header"),
+        (
+            lambda f: f.write_bytes((tmp_path / "array.npy").read_bytes()),
+            r"not a datastore file \(a single array, not an .npz archive\)",
+        ),
+        (
+            lambda f: np.savez_compressed(
+                f, tokens=np.arange(3), header=np.array(json.dumps({"format": "eagletree-pretokenized", "version": 1}))
+            ),
+            "format 'eagletree-pretokenized' version 1, expected 'eagletree-datastore' version 1",
+        ),
+        (lambda f: f.write_bytes(b"not a zip"), "not a datastore file"),
+    ]
     for write, message in cases:
         write(other)
         with pytest.raises(ValueError, match=f"other.npz: {message}"):
             generate(model, tok, head, [1, 2, 3], max_new_tokens=2, store=str(other))
         write(tmp_path / "head" / DATASTORE)
         with pytest.warns(UserWarning, match=f"the head's datastore.npz is not used: .*{message}"):
-            assert generate(model, tok, head, [1, 2, 3, 4], tree="eagle2", max_new_tokens=3, budget=8).stats.new_tokens == 3
+            assert (
+                generate(model, tok, head, [1, 2, 3, 4], tree="eagle2", max_new_tokens=3, budget=8).stats.new_tokens
+                == 3
+            )
     # a decoder warns once, when it is built, not on every prompt; named, the file is still an error
     with pytest.warns(UserWarning, match="the head's datastore.npz is not used") as caught:
         decoder = Decoder(model, tok, head, DecodeConfig(tree="eagle2", budget=8, max_new_tokens=3))
@@ -226,6 +297,7 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
 
     from eagletree.cli import main
     from eagletree.draft_heads import EagleHead
+
     from helpers import tiny_model
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -233,9 +305,19 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
     answers = tmp_path / "answers.jsonl"
-    answers.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                                          {"role": "assistant", "content": f"an answer number {i}"}]})
-                                 for i in range(5)))
+    answers.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{i}"},
+                        {"role": "assistant", "content": f"an answer number {i}"},
+                    ]
+                }
+            )
+            for i in range(5)
+        )
+    )
     args = ["datastore", "--from", str(answers), "--target", "tiny", "--head", str(tmp_path / "head")]
     assert main(args) == 0
     assert "datastore.npz: " in capsys.readouterr().out
@@ -245,15 +327,35 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     assert main(args) == 2 and "exists; pass --overwrite" in capsys.readouterr().err
     assert main(args + ["--overwrite", "--min-match", "3"]) == 0
     more = tmp_path / "more.jsonl"  # several files, as several distill runs leave them
-    more.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "more"}]}))
-    assert main(["datastore", "--from", str(answers), str(more), "--target", "tiny", "--head", str(tmp_path / "head"),
-                 "--overwrite"]) == 0
+    more.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "more"}]})
+    )
+    assert (
+        main(
+            [
+                "datastore",
+                "--from",
+                str(answers),
+                str(more),
+                "--target",
+                "tiny",
+                "--head",
+                str(tmp_path / "head"),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     with np.load(tmp_path / "head" / "datastore.npz") as z:
         header = json.loads(str(z["header"][()]))
     assert header["texts"] == 6 and header["source"] == ["answers.jsonl", "more.jsonl"]
     monkeypatch.chdir(tmp_path)  # a file named twice (differently spelled) is read once
-    assert main(["datastore", "--from", str(answers), "answers.jsonl", "--target", "tiny", "--head", "head",
-                 "--overwrite"]) == 0
+    assert (
+        main(
+            ["datastore", "--from", str(answers), "answers.jsonl", "--target", "tiny", "--head", "head", "--overwrite"]
+        )
+        == 0
+    )
     with np.load(tmp_path / "head" / "datastore.npz") as z:
         header = json.loads(str(z["header"][()]))
     assert header["texts"] == 5 and header["source"] == "answers.jsonl"
@@ -267,8 +369,18 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     assert main(["datastore", "--from", str(answers), "--target", "tiny", "--head", str(tmp_path / "other-head")]) == 2
     assert "other-head" in (err := capsys.readouterr().err) and "target" in err
     assert not (tmp_path / "other-head" / "datastore.npz").exists()
-    gen = ["generate", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompt", "an answer", "--max-new-tokens",
-           "4", "--json"]
+    gen = [
+        "generate",
+        "--target",
+        "tiny",
+        "--head",
+        str(tmp_path / "head"),
+        "--prompt",
+        "an answer",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    ]
     import eagletree.commands as commands
 
     stores, real = [], commands.Decoder

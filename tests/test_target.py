@@ -1,10 +1,8 @@
-import json
-
 import pytest
 import torch
 
-from eagletree.target import loading as target_mod
 from eagletree.target import TargetError, cache_length, load_target, new_cache, resolve_target, tree_forward
+from eagletree.target import loading as target_mod
 from eagletree.target.attention import GQA_SDPA, use_gqa_sdpa
 from eagletree.verify import prefill, verify_tree
 
@@ -39,13 +37,15 @@ def test_non_causal_model_is_refused(tmp_path):
 
 
 def test_local_folder_loads(tmp_path):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     model = tiny_model("llama")
     model.save_pretrained(tmp_path)
     vocab = {f"t{i}": i for i in range(97)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(
+        tmp_path
+    )
     loaded, tok = load_target(tmp_path, device="cpu")
     assert loaded.dtype == torch.float32 and not loaded.training
     ids = torch.arange(10)[None]
@@ -108,7 +108,9 @@ def test_gguf_cache_is_written_atomically(tmp_path, monkeypatch):
 def test_mask_shape_is_checked():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="expected"):
-        tree_forward(model, torch.tensor([[1, 2]]), new_cache(model), torch.ones(2, 3, dtype=torch.bool), torch.arange(2))
+        tree_forward(
+            model, torch.tensor([[1, 2]]), new_cache(model), torch.ones(2, 3, dtype=torch.bool), torch.arange(2)
+        )
 
 
 def check_tree_forward(model, prefix, trees, tol):
@@ -151,10 +153,16 @@ def test_grouped_heads_read_in_place_give_sdpas_exact_outputs():
         prefill(model, cache, prefix)
         outs.append(verify_tree(model, cache, tree))
     assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
-    from transformers import LlamaConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     assert not use_gqa_sdpa(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
 
 
@@ -172,11 +180,13 @@ def test_smollm2_answers_a_chat_prompt(smollm2):
     model, tok = smollm2
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
     )
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 

@@ -12,8 +12,12 @@ from helpers import tiny_conversations, tiny_model, tiny_tokenizer
 
 def test_render_masks_exactly_the_assistant_turns():
     tok = tiny_tokenizer()
-    messages = [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "fine thanks"},
-                {"role": "user", "content": "what is two plus four"}, {"role": "assistant", "content": "six"}]
+    messages = [
+        {"role": "user", "content": "hello how are you"},
+        {"role": "assistant", "content": "fine thanks"},
+        {"role": "user", "content": "what is two plus four"},
+        {"role": "assistant", "content": "six"},
+    ]
     r = render(tok, messages)
     assert tok.decode(r.input_ids[r.loss_mask]) == "fine thanks <|end|> six <|end|>"
     cut = render(tok, messages, max_len=5)
@@ -41,8 +45,14 @@ def test_render_smollm2_template(smollm2):
     r = render(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there!"}])
     assert tok.decode(r.input_ids[r.loss_mask]) == "Hello there!<|im_end|>\n"
     # Opening with an assistant turn: the default system prompt and the header are not the answer's (they were).
-    r = render(tok, [{"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": "Sure."}])
+    r = render(
+        tok,
+        [
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Sure."},
+        ],
+    )
     assert tok.decode(r.input_ids[r.loss_mask]) == "Hello! How can I help?<|im_end|>\nSure.<|im_end|>\n"
     for text in ("end", "im", "assistant"):  # short texts that also occur in the template's markup
         r = render(tok, [{"role": "assistant", "content": text}, {"role": "user", "content": "hi"}])
@@ -66,8 +76,10 @@ def test_config_errors(tmp_path):
     cfg = TrainConfig.from_sources(path, ["init_head=", "out_dir=2024"])
     assert (cfg.init_head, cfg.out_dir) == ("", "2024")
     # a key the head type never reads is refused, not silently ignored; its default value is harmless
-    ignored = (r"noise=0.1, ttt_steps=3: have no effect on 'medusa' heads \(it ignores noise, ttt_steps, ttt_decay, "
-               r"l1_weight, ce_weight, fc_bias\); remove them")
+    ignored = (
+        r"noise=0.1, ttt_steps=3: have no effect on 'medusa' heads \(it ignores noise, ttt_steps, ttt_decay, "
+        r"l1_weight, ce_weight, fc_bias\); remove them"
+    )
     with pytest.raises(TrainingError, match=ignored):
         TrainConfig.from_sources(None, ["head_type=medusa", "noise=0.1", "ttt_steps=3"])
     with pytest.raises(TrainingError, match=r"^l1_weight=0.5: has no effect on 'eagle3' heads"):
@@ -79,8 +91,17 @@ def test_config_errors(tmp_path):
 
 
 def tiny_cfg(tmp_path, **kw):
-    base = dict(out_dir=str(tmp_path), report_to="none", steps=8, grad_accum=2, save_every=2, warmup_steps=2,
-                max_len=40, lr=1e-3, device="cpu")
+    base = dict(
+        out_dir=str(tmp_path),
+        report_to="none",
+        steps=8,
+        grad_accum=2,
+        save_every=2,
+        warmup_steps=2,
+        max_len=40,
+        lr=1e-3,
+        device="cpu",
+    )
     return TrainConfig(**(base | kw))
 
 
@@ -90,8 +111,13 @@ def _records(folder):
 
 
 def run(cfg, resume=False):
-    return train(cfg, resume=resume, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                 conversations=tiny_conversations(12), progress=False)
+    return train(
+        cfg,
+        resume=resume,
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(12),
+        progress=False,
+    )
 
 
 def test_resume_gives_identical_weights(tmp_path):
@@ -114,10 +140,17 @@ def test_resume_gives_identical_weights(tmp_path):
     assert logged == pytest.approx([cfg.lr * lr_lambda(cfg)(s) for s in range(8)]) and logged[0] == cfg.lr / 2
     # a dataset that changed under a run (a distill file continued) is noticed: its order would differ silently
     run(tiny_cfg(tmp_path / "c", stop_after=4))
-    grown = dict(model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(14),
-                 progress=False, resume=True)
-    with pytest.raises(TrainingError, match=r"training data changed since the checkpoint \(12 -> 14 conversations\)"
-                                            r".*pass --allow-changes"):
+    grown = dict(
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(14),
+        progress=False,
+        resume=True,
+    )
+    with pytest.raises(
+        TrainingError,
+        match=r"training data changed since the checkpoint \(12 -> 14 conversations\)"
+        r".*pass --allow-changes",
+    ):
         train(tiny_cfg(tmp_path / "c"), **grown)
     with pytest.warns(UserWarning, match="training data changed") as caught:
         _, summary = train(tiny_cfg(tmp_path / "c"), allow_changes=True, **grown)
@@ -140,10 +173,12 @@ def test_a_micro_batch_without_a_loss_does_not_shrink_the_step(tmp_path, monkeyp
     monkeypatch.setattr(torch.optim.AdamW, "step", record)
     answered = tiny_conversations(1)
     unanswered = [Conversation("u0", [{"role": "user", "content": "alpha beta"}])]
+
     def go(name, convs, **kw):
         cfg = tiny_cfg(tmp_path / name, **({"steps": 1} | kw), save_every=1, noise=0.0, clip=0.0)
-        return train(cfg, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=convs,
-                     progress=False)
+        return train(
+            cfg, model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=convs, progress=False
+        )
 
     go("one", answered, grad_accum=1)
     go("two", answered + unanswered, grad_accum=2)
@@ -191,8 +226,13 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     head = EagleHead.create(model, tiny_cfg(tmp_path, init_from_target=True))
     last = model.get_decoder().layers[-1].state_dict()
     mine = head.layer.state_dict()
-    scaled = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-              "self_attn.o_proj.weight", "mlp.down_proj.weight"}
+    scaled = {
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.down_proj.weight",
+    }
     assert all(torch.equal(v, last[k]) for k, v in mine.items() if k not in scaled)
     # the rescaled ones: the target's weight times one factor per group, measured on a target pass
     ratio = {k: (mine[k] / last[k]).flatten() for k in scaled}
@@ -202,11 +242,15 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     assert first["self_attn.o_proj.weight"] == pytest.approx(first["mlp.down_proj.weight"], rel=1e-5)
     from eagletree.draft_heads.base import HeadError
     from eagletree.draft_heads.eagle import _last_layer_scales
+
     residual, normed, feature = _last_layer_scales(model, None)
     assert first["mlp.down_proj.weight"] == pytest.approx(feature / residual, rel=1e-5) and feature / residual < 0.9
     assert first["self_attn.q_proj.weight"] == pytest.approx(normed / feature, rel=1e-5)
-    with pytest.raises(HeadError, match=r"probe_tokens must be one sequence of at least 32 token ids, got shape "
-                                        r"\(2, 40\)"):
+    with pytest.raises(
+        HeadError,
+        match=r"probe_tokens must be one sequence of at least 32 token ids, got shape "
+        r"\(2, 40\)",
+    ):
         _last_layer_scales(model, torch.zeros(2, 40, dtype=torch.long))
     assert set(last) - set(head.layer.state_dict()) == {"input_layernorm.weight"}  # the head's layer has no input norm
     h = model.config.hidden_size
@@ -219,8 +263,9 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     fresh = EagleHead.create(model, tiny_cfg(tmp_path))
     assert not torch.equal(fresh.layer.state_dict()["mlp.down_proj.weight"], last["mlp.down_proj.weight"])
     trained, summary = run(tiny_cfg(tmp_path / "run", init_from_target=True))
-    assert summary["steps"] == 8 and not torch.equal(trained.layer.state_dict()["mlp.down_proj.weight"].cpu(),
-                                                     last["mlp.down_proj.weight"])
+    assert summary["steps"] == 8 and not torch.equal(
+        trained.layer.state_dict()["mlp.down_proj.weight"].cpu(), last["mlp.down_proj.weight"]
+    )
     with pytest.raises(TrainingError, match="init_from_target starts an EAGLE-1/2 head .* head_type is 'medusa'"):
         TrainConfig.from_sources(None, ["init_from_target=true", "head_type=medusa"])
     with pytest.raises(TrainingError, match="init_from_target and init_head 'runs/x' both say where the head starts"):
@@ -245,8 +290,7 @@ def test_offline_features_resume_and_train_like_online(tmp_path, monkeypatch):
     from eagletree.train.features import FeatureError, cache_features
 
     model, tok, convs = tiny_model("llama"), tiny_tokenizer(), tiny_conversations(10)
-    cfg = tiny_cfg(tmp_path / "run", features_dir=str(tmp_path / "feats"), feature_dtype="fp32", steps=3,
-                   save_every=3)
+    cfg = tiny_cfg(tmp_path / "run", features_dir=str(tmp_path / "feats"), feature_dtype="fp32", steps=3, save_every=3)
     # Interrupt after the first shard: the second is neither on disk nor in the manifest.
     real_save = files.os.replace
     calls = {"n": 0}
@@ -325,14 +369,35 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     import sys
 
     target, data = _tiny_run_inputs(tmp_path)
-    common = [f"target={target}", f"dataset={data}", "heldout_fraction=0.01", "steps=6", "save_every=6",
-              "warmup_steps=1", "max_len=40", "lr=0.001", "noise=0.0", "device=cpu", "--report-to", "none"]
+    common = [
+        f"target={target}",
+        f"dataset={data}",
+        "heldout_fraction=0.01",
+        "steps=6",
+        "save_every=6",
+        "warmup_steps=1",
+        "max_len=40",
+        "lr=0.001",
+        "noise=0.0",
+        "device=cpu",
+        "--report-to",
+        "none",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    single = subprocess.run([sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
-                            check=True, env=env, capture_output=True, text=True)
+    single = subprocess.run(
+        [sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    out = subprocess.run([*launch, "train.py", f"out_dir={tmp_path / 'two'}", "grad_accum=2", *common],
-                         env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [*launch, "train.py", f"out_dir={tmp_path / 'two'}", "grad_accum=2", *common],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(one) == len(two) == 6
@@ -358,8 +423,9 @@ def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
     prompts = heldout_prompts(convs, 3)
     assert [m[-1]["role"] for m in prompts] == ["user"] * 3
     answers = []
-    report = tokens_per_pass(head, model, tok, prompts, max_new_tokens=12, steps=steps, answers=answers, budget=8,
-                             depth=3, top_k_draft=2)
+    report = tokens_per_pass(
+        head, model, tok, prompts, max_new_tokens=12, steps=steps, answers=answers, budget=8, depth=3, top_k_draft=2
+    )
     assert report["passes"] == len(steps) and report["tokens_per_pass"] >= 1.0
     # the answers are the target's own greedy continuations (a no-cache argmax loop)
     assert len(answers) == 3 and sum(a.numel() for _, a in answers) == report["new_tokens"]
@@ -368,7 +434,7 @@ def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
         with torch.no_grad():
             for _ in range(answer.numel()):
                 ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax()[None]])
-        assert ids[prompt_ids.numel():].equal(answer)
+        assert ids[prompt_ids.numel() :].equal(answer)
     own = agreement(head, model, tok, steps=3, stride=2, sequences=answer_sequences(answers))
     assert own["positions"] == sum(a.numel() - 1 for _, a in answers) and own["chains"] > 0
     calibrator, cal = calibrate(steps)
@@ -431,8 +497,9 @@ def test_unrolled_steps_equal_sequential_drafting():
             for p in range(k - 1, t):
                 root = p - k + 1
                 cache = head.new_cache()
-                out = head(feats[None, : root + 1], tokens[None, : root + 1], torch.arange(root + 1), embed,
-                           cache=cache)[0]
+                out = head(
+                    feats[None, : root + 1], tokens[None, : root + 1], torch.arange(root + 1), embed, cache=cache
+                )[0]
                 for pos in range(root + 1, p + 1):
                     out = head(out[None, -1:], tokens[None, pos : pos + 1], torch.tensor([pos]), embed, cache=cache)[0]
                 assert torch.allclose(unrolled[k][p], out[-1], rtol=1e-4, atol=1e-4), (k, p)
@@ -469,24 +536,34 @@ def test_eagle_head_trains_with_the_training_time_test(tmp_path):
 
 def test_a_fresh_run_never_mixes_with_a_run_in_its_out_dir(tmp_path):
     run(tiny_cfg(tmp_path, steps=6))
-    with pytest.raises(TrainingError,
-                       match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"):
+    with pytest.raises(
+        TrainingError, match=r"holds a run \(checkpoints up to step-0000006\); pass --resume .*--overwrite"
+    ):
         run(tiny_cfg(tmp_path, steps=6, stop_after=2))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
     # --overwrite with an input that fails to load (a mistyped init_head) leaves the old run as it was (it was
     # deleted before the inputs were read)
     with pytest.raises(TrainingError, match="is not a saved head"):
-        train(tiny_cfg(tmp_path, steps=6, init_head=str(tmp_path / "typo")), progress=False, overwrite=True,
-              model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(12))
+        train(
+            tiny_cfg(tmp_path, steps=6, init_head=str(tmp_path / "typo")),
+            progress=False,
+            overwrite=True,
+            model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+            conversations=tiny_conversations(12),
+        )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
     assert (tmp_path / "head").is_dir() and len((tmp_path / "history.jsonl").read_text().splitlines()) == 6
     with pytest.raises(TrainingError, match="--resume continues the run in out_dir and --overwrite deletes it"):
         train(tiny_cfg(tmp_path, steps=6), resume=True, overwrite=True, progress=False)
     with pytest.raises(TrainingError, match="report_to must be 'wandb' or 'none', got 'tensorboard'"):
         TrainConfig.from_sources(None, ["report_to=tensorboard"])
-    _, summary = train(tiny_cfg(tmp_path, steps=6, stop_after=2),
-                       model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
-                       conversations=tiny_conversations(12), progress=False, overwrite=True)
+    _, summary = train(
+        tiny_cfg(tmp_path, steps=6, stop_after=2),
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(12),
+        progress=False,
+        overwrite=True,
+    )
     assert summary["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000002"]  # the old run's are gone
     assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2
@@ -516,8 +593,11 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
 
     monkeypatch.setattr(EagleHead, "training_loss", interrupted)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with pytest.raises(TrainingInterrupted, match=r"interrupted by SIGTERM after step 3 of 8: saved .*step-0000003; "
-                                                  r"run the same command with --resume"):
+    with pytest.raises(
+        TrainingInterrupted,
+        match=r"interrupted by SIGTERM after step 3 of 8: saved .*step-0000003; "
+        r"run the same command with --resume",
+    ):
         run(tiny_cfg(tmp_path / "b", save_every=100))
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # the run's are gone
     assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step-0000003"]
@@ -560,9 +640,14 @@ def test_resume_sets_a_damaged_checkpoint_aside_and_keeps_the_head_defining_keys
     # the resumed run's checkpoint is kept (it sorts before the damaged one, which pruning no longer sees)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["damaged-step-0000006", "step-0000007"]
     with pytest.raises(TrainingError, match=r"fc_bias False -> True would change the head's shape or start"):
-        train(tiny_cfg(tmp_path, steps=8, fc_bias=True), resume=True, allow_changes=True,
-              model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()), conversations=tiny_conversations(12),
-              progress=False)
+        train(
+            tiny_cfg(tmp_path, steps=8, fc_bias=True),
+            resume=True,
+            allow_changes=True,
+            model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+            conversations=tiny_conversations(12),
+            progress=False,
+        )
     capsys.readouterr()
     run(tiny_cfg(tmp_path / "fresh"), resume=True)
     assert "no checkpoint in" in capsys.readouterr().err
@@ -574,8 +659,10 @@ def test_training_data_that_was_cut_is_warned_about(tmp_path):
     from eagletree.train.data import DataWarning
     from eagletree.train.loop import training_conversations
 
-    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
-             for i in range(60)]
+    convs = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(60)
+    ]
     text = json.dumps(convs)
     path = tmp_path / "cut.json"
     path.write_text(text[: len(text) // 2])

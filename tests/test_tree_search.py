@@ -1,20 +1,33 @@
 import hashlib
-import itertools
 import math
 
 import pytest
 import torch
 
 from eagletree.tree_search import (
-    Calibrator, LatencyProfile, acceptance_pairs, calibration_report, chain_shape, choices_shape, choose_budget,
-    choose_depth_and_budget, eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand, sequoia_tree,
-    static_search, static_tree,
+    Calibrator,
+    LatencyProfile,
+    acceptance_pairs,
+    calibration_report,
+    chain_shape,
+    choices_shape,
+    choose_budget,
+    choose_depth_and_budget,
+    eagle2_search,
+    eagle2_tree,
+    optimal_search,
+    optimal_tree,
+    path_expand,
+    sequoia_tree,
+    static_search,
+    static_tree,
 )
 from eagletree.verify import accept_tree
 
 
 def drafter(seed: int, vocab: int, sharpness: float = 2.0, ties: bool = False):
     """child_probs(path): a random distribution per path; with ties, some paths are certain (prob 1.0)."""
+
     def child_probs(path):
         digest = hashlib.sha256(f"{seed}/{path}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
@@ -23,17 +36,20 @@ def drafter(seed: int, vocab: int, sharpness: float = 2.0, ties: bool = False):
             p[digest[9] % vocab] = 1.0
             return p
         return torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * sharpness, -1)
+
     return child_probs
 
 
 def connected_subtrees(children, root, limit):
     """Every connected subtree containing `root` with at most `limit` nodes besides the root (each once)."""
+
     def grow(chosen, frontier):
         yield chosen
         if len(chosen) == limit:
             return
         for i, v in enumerate(frontier):
-            yield from grow(chosen + [v], frontier[i + 1:] + children(v))
+            yield from grow(chosen + [v], frontier[i + 1 :] + children(v))
+
     yield from grow([], children(root))
 
 
@@ -61,8 +77,9 @@ def paths_of(tree):
 def test_optimal_equals_brute_force_and_beats_eagle2():
     rng = torch.Generator().manual_seed(0)
     for case in range(200):
-        vocab, budget, depth, top_k = (int(torch.randint(lo, hi + 1, (1,), generator=rng))
-                                       for lo, hi in ((2, 6), (1, 8), (1, 4), (1, 3)))
+        vocab, budget, depth, top_k = (
+            int(torch.randint(lo, hi + 1, (1,), generator=rng)) for lo, hi in ((2, 6), (1, 8), (1, 4), (1, 3))
+        )
         child_probs = drafter(case, vocab, sharpness=float(torch.rand((), generator=rng)) * 4, ties=case % 4 == 0)
         best = optimal_tree(child_probs, 0, budget, depth, top_k)
         exact = brute_force_best(child_probs, budget, depth, top_k)
@@ -96,9 +113,15 @@ def test_eagle2_follows_the_published_expand_and_rerank():
 def test_batched_search_builds_the_reference_tree(seed):
     child_probs = drafter(100 + seed, vocab=50, sharpness=3.0)
     for budget, depth, top_k in [(20, 5, 4), (60, 6, 10), (8, 3, 2), (1, 2, 2)]:
-        ref, fast = eagle2_tree(child_probs, 3, budget, depth, top_k), eagle2_search(path_expand(child_probs), 3, budget, depth, top_k)
+        ref, fast = (
+            eagle2_tree(child_probs, 3, budget, depth, top_k),
+            eagle2_search(path_expand(child_probs), 3, budget, depth, top_k),
+        )
         assert paths_of(ref) == paths_of(fast) and fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
-        ref, fast = optimal_tree(child_probs, 3, budget, depth, top_k), optimal_search(path_expand(child_probs), 3, budget, depth, top_k)
+        ref, fast = (
+            optimal_tree(child_probs, 3, budget, depth, top_k),
+            optimal_search(path_expand(child_probs), 3, budget, depth, top_k),
+        )
         assert paths_of(ref) == paths_of(fast) and fast.expected_tokens == pytest.approx(ref.expected_tokens, abs=1e-12)
     shape = sequoia_tree([0.6, 0.2, 0.1], budget=16, depth=5)
     assert paths_of(static_tree(child_probs, 3, shape)) == paths_of(static_search(path_expand(child_probs), 3, shape))
@@ -195,12 +218,15 @@ def test_chain_and_choice_shapes():
     assert tree.tokens.tolist() == [9, 1, 2, 1, 2, 1]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(budget=0), "budget must be an integer >= 1, got 0"),
-    (dict(depth=0), "depth must be an integer >= 1, got 0"),
-    (dict(top_k=0), "top_k must be an integer >= 1, got 0"),
-    (dict(budget=2.5), "budget must be an integer >= 1, got 2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=0), "budget must be an integer >= 1, got 0"),
+        (dict(depth=0), "depth must be an integer >= 1, got 0"),
+        (dict(top_k=0), "top_k must be an integer >= 1, got 0"),
+        (dict(budget=2.5), "budget must be an integer >= 1, got 2.5"),
+    ],
+)
 def test_bad_search_arguments(kwargs, message):
     args = dict(budget=8, depth=3, top_k=2) | kwargs
     for search in (eagle2_tree, optimal_tree):
@@ -208,11 +234,14 @@ def test_bad_search_arguments(kwargs, message):
             search(drafter(0, 5), 0, **args)
 
 
-@pytest.mark.parametrize("probs, message", [
-    ([0.5, -0.1, 0.6], "negative probability -0.1"),
-    ([0.5, float("nan"), 0.5], "contains NaN"),
-    ([0.5, 0.2, 0.1], "sums to 0.800000; expected 1"),
-])
+@pytest.mark.parametrize(
+    "probs, message",
+    [
+        ([0.5, -0.1, 0.6], "negative probability -0.1"),
+        ([0.5, float("nan"), 0.5], "contains NaN"),
+        ([0.5, 0.2, 0.1], "sums to 0.800000; expected 1"),
+    ],
+)
 def test_bad_distributions(probs, message):
     bad = lambda path: torch.tensor(probs, dtype=torch.float64)  # noqa: E731
     for search in (eagle2_tree, optimal_tree):
@@ -255,14 +284,17 @@ def test_profile_saves_loads_and_reports_bad_files(tmp_path):
 def simulate(seed, steps, vocab=8):
     """Overconfident drafter vs a synthetic target, verified by the real acceptance rule at T=1."""
     g = torch.Generator().manual_seed(seed)
-    target = lambda path: torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % 2**31)) * 1.5, -1)  # noqa: E731
+    target = lambda path: torch.softmax(
+        torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % 2**31)) * 1.5, -1
+    )  # noqa: E731
     draft = lambda path: torch.softmax(torch.log(target(path)) * 2.5, -1).double()  # noqa: E731
     logged = []
     for s in range(steps):
         root = (s % vocab,)
         tree = eagle2_tree(lambda p: draft(root + p), root[0], budget=10, depth=4, top_k=3)
-        logits = torch.stack([torch.log(target(root + tuple(tree.tokens[tree.path_to(v)][1:].tolist())))
-                              for v in range(len(tree))])
+        logits = torch.stack(
+            [torch.log(target(root + tuple(tree.tokens[tree.path_to(v)][1:].tolist()))) for v in range(len(tree))]
+        )
         accepted, _ = accept_tree(tree, logits, temperature=1.0, generator=g)
         logged.append((tree, accepted))
     return logged

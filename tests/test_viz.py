@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagletree.cli import main
-from eagletree.draft_heads import EagleHead
 from eagletree.decoding import GenerationStats, decode_steps
+from eagletree.draft_heads import EagleHead
 from eagletree.verify import accept_sampling, accept_tree, target_probs
 from eagletree.viz import render_html, show_token, step_data, viz_step
 
@@ -39,8 +39,11 @@ def random_step(seed: int, n: int = 12, vocab: int = 5):
 def test_viz_step_is_the_real_step(tiny, tree):
     model, tok, head = tiny
     stats = GenerationStats(steps=[])
-    emitted = [t for tokens in decode_steps(model, tok, head, PROMPT, max_new_tokens=30, stats=stats, tree=tree,
-                                            **SEARCH) for t in tokens]
+    emitted = [
+        t
+        for tokens in decode_steps(model, tok, head, PROMPT, max_new_tokens=30, stats=stats, tree=tree, **SEARCH)
+        for t in tokens
+    ]
     # The first step whose tree holds copied spans (the tiny model's text repeats itself): marked on the page.
     copy_step = next((i + 1 for i, (draft, _) in enumerate(stats.steps) if any(draft.copy_info or ())), None)
     assert (copy_step is None) == (tree == "sequoia")
@@ -58,7 +61,7 @@ def test_viz_step_is_the_real_step(tiny, tree):
         assert d["context_len"] == context.numel() - 1
         mask = draft.attention_mask(d["context_len"])
         assert mask[:, : d["context_len"]].all()
-        assert d["mask"] == [row.nonzero().flatten().tolist() for row in mask[:, d["context_len"]:]]
+        assert d["mask"] == [row.nonzero().flatten().tolist() for row in mask[:, d["context_len"] :]]
         # Greedy replay on logits from plain causal forwards == the engine's acceptance of that step.
         logits = path_logits_reference(model, context[:-1], draft)
         assert d["argmax"] == logits.argmax(-1).tolist()
@@ -83,7 +86,9 @@ def test_step_data_of_random_trees():
     tree, logits = random_step(3)
     d = step_data(tree, logits, tok, prefix_len=7, temperature=1.0)
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([len(accept_sampling(tree, target_probs(logits), g)[0]) for _ in range(3000)], dtype=torch.float)
+    lengths = torch.tensor(
+        [len(accept_sampling(tree, target_probs(logits), g)[0]) for _ in range(3000)], dtype=torch.float
+    )
     assert abs(lengths.mean() - d["target_expected"]) < 4 * lengths.std() / 3000**0.5 + 1e-9
 
 
@@ -106,7 +111,9 @@ def test_errors(tiny, capsys):
 
 
 def test_tokens_are_shown_and_escaped():
-    assert show_token(" a\nb\t") == "\u2423a\u21b5b\u21e5" and show_token("") == "\u2205" and show_token("\x07") == "\\x07"
+    assert (
+        show_token(" a\nb\t") == "\u2423a\u21b5b\u21e5" and show_token("") == "\u2205" and show_token("\x07") == "\\x07"
+    )
     tree, logits = random_step(1)
     d = step_data(tree, logits, tiny_tokenizer(), prefix_len=3)
     d["text"][str(d["tokens"][0])] = "</script><b>&"
@@ -124,12 +131,17 @@ def chromium() -> str:
         if shutil.which(name):
             return shutil.which(name)
     if not shutil.which("apt-get") or os.geteuid() != 0:
-        pytest.fail("the viz browser test needs Chromium and cannot install it here (no apt-get, or not root): "
-                    "run `apt-get install -y chromium` or put a chromium binary on PATH")
+        pytest.fail(
+            "the viz browser test needs Chromium and cannot install it here (no apt-get, or not root): "
+            "run `apt-get install -y chromium` or put a chromium binary on PATH"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     log = ""
-    for cmd in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "chromium"]):
+    for cmd in (
+        ["apt-get", "install", "-y", "-q", "chromium"],
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "chromium"],
+    ):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log += done.stdout[-2000:] + done.stderr[-2000:]
         if cmd[1] == "install" and done.returncode == 0 and shutil.which("chromium"):
@@ -196,7 +208,9 @@ def test_page_in_chromium(tiny, browser, tmp_path):
     for i in (1, 2, 3):
         page.click("#run")
         page.wait_for_selector(f'#counter[data-runs="{i}"]')
-    assert "3 runs: mean" in page.text_content("#counter") and f"predicted E {d['expected']:.3f}" in page.text_content("#counter")
+    assert "3 runs: mean" in page.text_content("#counter") and f"predicted E {d['expected']:.3f}" in page.text_content(
+        "#counter"
+    )
     assert page.locator("#tree g.extra").count() == 1 and "= " in page.text_content("#result")
     page.hover(f'#tree g.node[data-i="{v}"]')
     page.screenshot(path=str(tmp_path / "viz.png"), full_page=True)
@@ -226,13 +240,16 @@ def test_page_walk_is_the_engines_walk(browser, tmp_path):
     tree, logits = random_step(5)
     d = step_data(tree, logits, tok, prefix_len=4, temperature=0.7)
     draws = 20000
-    firsts, mean = page.evaluate("""([d, n]) => {
+    firsts, mean = page.evaluate(
+        """([d, n]) => {
         const rand = viz.mulberry32(7), firsts = {}; let total = 0;
         for (let i = 0; i < n; i++) {
           const r = viz.walk(d, 'sample', rand), t = r.path.length > 1 ? d.tokens[r.path[1]] : r.next;
           firsts[t] = (firsts[t] || 0) + 1; total += r.path.length;
         }
-        return [firsts, total / n]; }""", [d, draws])
+        return [firsts, total / n]; }""",
+        [d, draws],
+    )
     p = target_probs(logits[:1], 0.7)[0].double()
     counts = torch.tensor([firsts.get(str(t), 0) for t in range(p.numel())], dtype=torch.float64)
     chi2 = float(((counts - draws * p) ** 2 / (draws * p)).sum())
@@ -243,8 +260,8 @@ def test_page_walk_is_the_engines_walk(browser, tmp_path):
 
 @pytest.mark.real
 def test_viz_on_smollm2(smollm2, tmp_path):
-    from eagletree.loading import SHIPPED_HEADS
     from eagletree.draft_heads import load_head
+    from eagletree.loading import SHIPPED_HEADS
 
     model, tok = smollm2
     head = load_head(SHIPPED_HEADS["smollm2-135m"], target_config=model.config, dtype=model.dtype)

@@ -11,18 +11,77 @@ The scripts in benchmarks/ take their prompts, statistics and timing from here t
 """
 
 from .command import main
-from .inputs import (BASELINE_LABELS, FULL, HEADLESS, METHODS, QUICK, TREE_METHODS, Method, load_prompts, method_grid,
-                     parse_list, sharegpt_heldout, spec_count)
-from .profile import (BUILTIN_CONFIGS, TimedDrafter, build_config, measure_drafting, measured_tokens_per_pass,
-                      profile_costs, profile_report, project, random_model, random_target, sync)
+from .inputs import (
+    BASELINE_LABELS,
+    FULL,
+    HEADLESS,
+    METHODS,
+    QUICK,
+    TREE_METHODS,
+    Method,
+    load_prompts,
+    method_grid,
+    parse_list,
+    sharegpt_heldout,
+    spec_count,
+)
+from .profile import (
+    BUILTIN_CONFIGS,
+    TimedDrafter,
+    build_config,
+    measure_drafting,
+    measured_tokens_per_pass,
+    profile_costs,
+    profile_report,
+    project,
+    random_model,
+    random_target,
+    sync,
+)
 from .report import machine_info, markdown_report, markdown_table, write_outputs, write_plots
-from .runners import (Run, first_difference, logit_gap, rank_acceptance, run_bench, run_hf, run_method, run_tree,
-                      warm_up)
+from .runners import Run, first_difference, logit_gap, rank_acceptance, run_bench, run_hf, run_method, run_tree, warm_up
 from .stats import calibration_bins, ratio_interval, summarize
 
-__all__ = ["BASELINE_LABELS", "BUILTIN_CONFIGS", "FULL", "HEADLESS", "METHODS", "QUICK", "TREE_METHODS", "Method",
-           "Run", "TimedDrafter", "build_config", "calibration_bins", "first_difference", "load_prompts", "logit_gap",
-           "machine_info", "main", "markdown_report", "markdown_table", "measure_drafting",
-           "measured_tokens_per_pass", "method_grid", "parse_list", "profile_costs", "profile_report", "project",
-           "random_model", "random_target", "rank_acceptance", "ratio_interval", "run_bench", "run_hf", "run_method",
-           "run_tree", "sharegpt_heldout", "spec_count", "summarize", "sync", "warm_up", "write_outputs", "write_plots"]
+__all__ = [
+    "BASELINE_LABELS",
+    "BUILTIN_CONFIGS",
+    "FULL",
+    "HEADLESS",
+    "METHODS",
+    "QUICK",
+    "TREE_METHODS",
+    "Method",
+    "Run",
+    "TimedDrafter",
+    "build_config",
+    "calibration_bins",
+    "first_difference",
+    "load_prompts",
+    "logit_gap",
+    "machine_info",
+    "main",
+    "markdown_report",
+    "markdown_table",
+    "measure_drafting",
+    "measured_tokens_per_pass",
+    "method_grid",
+    "parse_list",
+    "profile_costs",
+    "profile_report",
+    "project",
+    "random_model",
+    "random_target",
+    "rank_acceptance",
+    "ratio_interval",
+    "run_bench",
+    "run_hf",
+    "run_method",
+    "run_tree",
+    "sharegpt_heldout",
+    "spec_count",
+    "summarize",
+    "sync",
+    "warm_up",
+    "write_outputs",
+    "write_plots",
+]

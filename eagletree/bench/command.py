@@ -16,7 +16,6 @@ from .report import machine_info, write_outputs
 from .runners import run_bench
 
 
-
 def typed_command(name: str) -> str:
     """The command line as typed, for the report (`eagletree NAME` when run from Python)."""
     return "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == [name] else f"eagletree {name}"
@@ -41,35 +40,59 @@ def main(args) -> int:
     head_dir = head_to_load(args.target, args.head or None, required=False)
     if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
-    model, tok, head, packed = load_models(args.target, head_dir, device=args.device, dtype=args.dtype,
-                                           pack=args.pack, head_dtype=args.draft_dtype, draft_vocab=args.draft_vocab)
+    model, tok, head, packed = load_models(
+        args.target,
+        head_dir,
+        device=args.device,
+        dtype=args.dtype,
+        pack=args.pack,
+        head_dtype=args.draft_dtype,
+        draft_vocab=args.draft_vocab,
+    )
     if packed or is_packed(model):
         # first, so that every tree row's same-kernels speedup is against it (a row before it was compared with
         # stock plain decoding, the kernels' own gain included), and added when not listed
         methods = [Method("packed")] + [m for m in methods if m.name != "packed"]
     elif any(m.name == "packed" for m in methods):
-        raise ValueError("method 'packed' (plain decoding with packed kernels) needs a packed target; "
-                         "drop it or pass --pack on/auto on a CPU")
+        raise ValueError(
+            "method 'packed' (plain decoding with packed kernels) needs a packed target; "
+            "drop it or pass --pack on/auto on a CPU"
+        )
     store = None if args.datastore == "none" else "auto"
     # the datastore the +copy rows copy from, read once (a head's store that does not suit the target is refused
     # with a warning, and is not named in the report)
     copying = any(m.copy for m in methods)
-    used = None if store is None or head is None or not copying else \
-        resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
-    report = run_bench(model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens,
-                       store=used)
-    report.update(command=command, machine=machine_info(model),
-                  settings={"target": args.target, "head": str(args.head if head_dir is None else head_dir),
-                            "prompts": pick("prompts"),
-                            "packed": is_packed(model), "kernels": kernels_used(model),
-                            "kernels_measured": None if getattr(model, "kernel_choice", None) is None
-                            else model.kernel_choice.summary(),
-                            "draft_kernels": None if head is None else kernels_used(head),
-                            "datastore": None if used is None else str(head.companion_file(DATASTORE)),
-                            "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
-                            "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
-                            "budgets": budgets, "depth": args.depth, "top_k_draft": args.top_k_draft,
-                            "methods": [m.label for m in methods], "quick": args.quick})
+    used = (
+        None
+        if store is None or head is None or not copying
+        else resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
+    )
+    report = run_bench(
+        model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens, store=used
+    )
+    report.update(
+        command=command,
+        machine=machine_info(model),
+        settings={
+            "target": args.target,
+            "head": str(args.head if head_dir is None else head_dir),
+            "prompts": pick("prompts"),
+            "packed": is_packed(model),
+            "kernels": kernels_used(model),
+            "kernels_measured": None
+            if getattr(model, "kernel_choice", None) is None
+            else model.kernel_choice.summary(),
+            "draft_kernels": None if head is None else kernels_used(head),
+            "datastore": None if used is None else str(head.companion_file(DATASTORE)),
+            "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
+            "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
+            "budgets": budgets,
+            "depth": args.depth,
+            "top_k_draft": args.top_k_draft,
+            "methods": [m.label for m in methods],
+            "quick": args.quick,
+        },
+    )
     out = write_outputs(report, args.out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out}/results.json, results.md, {', '.join(report['plots'])}", file=sys.stderr)

@@ -110,14 +110,16 @@ def humaneval_range(spec: str, flag: str = "--prompts") -> tuple[int | None, int
     if not dash and rest.isdigit() and int(rest) >= 1:
         return int(rest), 0
     if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B "
-                         f"(problems A to B, 1 <= A <= B)")
+        raise ValueError(
+            f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B (problems A to B, 1 <= A <= B)"
+        )
     return int(last) - int(first) + 1, int(first) - 1
 
 
 def load_prompts(spec: str) -> list[list[dict]]:
     """`mtbench[:N]` (MT-bench first turns, N spread over the 8 categories), `humaneval[:N]` (the first N
-    HumanEval problems; `humaneval:A-B` problems A to B), `heldout:N` (held-out ShareGPT first user turns) or a JSONL file of prompts.
+    HumanEval problems; `humaneval:A-B` problems A to B), `heldout:N` (held-out ShareGPT first user turns) or a
+    JSONL file of prompts.
 
     A JSONL line is a string, {"prompt": "..."} or {"messages": [...]}; each becomes chat messages.
     """
@@ -132,8 +134,9 @@ def load_prompts(spec: str) -> list[list[dict]]:
         heldout = sharegpt_heldout()
         # Past the conversations the head's evaluation uses; ShareGPT splits long chats into parts, and a part
         # that opens with the assistant continues an earlier answer rather than asking something.
-        opening = [c for c in heldout[100:]
-                   if next((m["role"] for m in c.messages if m["role"] != "system"), None) == "user"]
+        opening = [
+            c for c in heldout[100:] if next((m["role"] for m in c.messages if m["role"] != "system"), None) == "user"
+        ]
         return heldout_prompts(opening, int(n))
     path = Path(spec)
     if not spec.endswith(".jsonl"):
@@ -155,15 +158,18 @@ def load_prompts(spec: str) -> list[list[dict]]:
         elif isinstance(item, list) and item:
             for m in item:
                 if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
-                    raise ValueError(f"{spec} line {i}: each message must be {{\"role\": {'|'.join(CHAT_ROLES)}, "
-                                     f"\"content\": str}}, got {json.dumps(m)[:80]}")
+                    raise ValueError(
+                        f'{spec} line {i}: each message must be {{"role": {"|".join(CHAT_ROLES)}, '
+                        f'"content": str}}, got {json.dumps(m)[:80]}'
+                    )
             if item[-1]["role"] != "user":
-                raise ValueError(f"{spec} line {i}: the messages must end with the user's turn to answer, "
-                                 f"not the {item[-1]['role']}'s")
+                raise ValueError(
+                    f"{spec} line {i}: the messages must end with the user's turn to answer, "
+                    f"not the {item[-1]['role']}'s"
+                )
             prompts.append(item)
         else:
-            raise ValueError(f"{spec} line {i}: expected a string, {{\"prompt\": str}} or {{\"messages\": [...]}}")
+            raise ValueError(f'{spec} line {i}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')
     if not prompts:
         raise ValueError(f"{spec} holds no prompts")
     return prompts
-

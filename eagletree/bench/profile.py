@@ -24,11 +24,20 @@ from .report import machine_info, vocab_words
 
 # Sizes written down from the models' config.json, so the profile needs no download.
 BUILTIN_CONFIGS = {
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
 }
-
 
 
 def build_config(spec: str):
@@ -39,8 +48,9 @@ def build_config(spec: str):
         kw = dict(BUILTIN_CONFIGS[spec])
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     if not Path(spec).exists():
-        raise ValueError(f"--config {spec!r} is neither a built-in config ({', '.join(BUILTIN_CONFIGS)}) "
-                         "nor an existing config.json")
+        raise ValueError(
+            f"--config {spec!r} is neither a built-in config ({', '.join(BUILTIN_CONFIGS)}) nor an existing config.json"
+        )
     return AutoConfig.from_pretrained(spec)
 
 
@@ -67,23 +77,29 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     full; head = as many as the head in `head_dir` drafts over (its config.json's draft_vocab_size); auto = full
     on a GPU, else the head's when a head is given."""
     if choice == "full" and head_dir:
-        raise ValueError("profile --draft-vocab full does not read --head (the random head drafts over the "
-                         "whole vocabulary); drop --head, or pass --draft-vocab head")
+        raise ValueError(
+            "profile --draft-vocab full does not read --head (the random head drafts over the "
+            "whole vocabulary); drop --head, or pass --draft-vocab head"
+        )
     if choice == "auto":
         choice = "head" if device.type != "cuda" and head_dir else "full"
     if choice == "full":
         return None
     if not head_dir:
-        raise ValueError("profile --draft-vocab head: pass --head DIR; the random head drafts over as many "
-                         "tokens as that head's draft vocabulary")
+        raise ValueError(
+            "profile --draft-vocab head: pass --head DIR; the random head drafts over as many "
+            "tokens as that head's draft vocabulary"
+        )
     path = Path(head_dir) / "config.json"
     try:
         size = json.loads(path.read_text()).get("draft_vocab_size")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"--head {head_dir}: cannot read its draft vocabulary from {path}: {e}") from None
     if size is not None and not (isinstance(size, int) and 1 <= size <= vocab_size):
-        raise ValueError(f"--head {head_dir}: draft_vocab_size {size!r} in {path}, expected an integer in "
-                         f"1..{vocab_size} (the --config's vocab_size)")
+        raise ValueError(
+            f"--head {head_dir}: draft_vocab_size {size!r} in {path}, expected an integer in "
+            f"1..{vocab_size} (the --config's vocab_size)"
+        )
     return size
 
 
@@ -119,8 +135,10 @@ def measure_drafting(model, head, budgets, depth=6, top_k=10, prefix=256, reps=1
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     drafter = make_drafter(head, model)
-    drafter.extend(torch.randn(prefix, model.config.hidden_size, generator=g).to(device, model.dtype),
-                   torch.randint(model.config.vocab_size, (prefix,), generator=g).to(device))
+    drafter.extend(
+        torch.randn(prefix, model.config.hidden_size, generator=g).to(device, model.dtype),
+        torch.randint(model.config.vocab_size, (prefix,), generator=g).to(device),
+    )
     times = {b: {"level": [], "search": []} for b in budgets}
     for rep in range(reps + 1):
         for b in budgets:
@@ -151,10 +169,19 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
         engine = v["mask"] + v["accept"] + v["commit"] + d["search"]
         # A step makes about `depth` head calls: the commit of the accepted tokens and depth - 1 tree levels.
         draft = depth * d["level"] if n > 1 else 0.0
-        rows.append({"n": n, "forward_ms": v["forward"] * 1e3, "ratio": v["forward"] / t1,
-                     "draft_level_ms": d["level"] * 1e3, "draft_ms": draft * 1e3, "search_ms": d["search"] * 1e3,
-                     "engine_ms": engine * 1e3, "overhead": engine / v["forward"],
-                     "step_over_t1": (v["forward"] + engine + draft) / t1})
+        rows.append(
+            {
+                "n": n,
+                "forward_ms": v["forward"] * 1e3,
+                "ratio": v["forward"] / t1,
+                "draft_level_ms": d["level"] * 1e3,
+                "draft_ms": draft * 1e3,
+                "search_ms": d["search"] * 1e3,
+                "engine_ms": engine * 1e3,
+                "overhead": engine / v["forward"],
+                "step_over_t1": (v["forward"] + engine + draft) / t1,
+            }
+        )
     return rows
 
 
@@ -164,8 +191,16 @@ def project(rows, tokens_per_pass) -> list[dict]:
     `tokens_per_pass`: one number for every N, or {(method, budget, depth): tokens/pass} from a bench run.
     """
     if not isinstance(tokens_per_pass, dict):
-        return [{"budget": r["n"], "tokens_per_pass": tokens_per_pass, "step_over_t1": r["step_over_t1"],
-                 "speedup": tokens_per_pass / r["step_over_t1"]} for r in rows if r["n"] > 1]
+        return [
+            {
+                "budget": r["n"],
+                "tokens_per_pass": tokens_per_pass,
+                "step_over_t1": r["step_over_t1"],
+                "speedup": tokens_per_pass / r["step_over_t1"],
+            }
+            for r in rows
+            if r["n"] > 1
+        ]
     ns = [r["n"] for r in rows]
     out = []
     for (method, budget, depth), tpp in tokens_per_pass.items():
@@ -174,8 +209,15 @@ def project(rows, tokens_per_pass) -> list[dict]:
         verify = np.interp(budget, ns, [r["forward_ms"] + r["engine_ms"] for r in rows])
         level = np.interp(budget, ns[1:], [r["draft_level_ms"] for r in rows[1:]]) if len(ns) > 1 else 0.0
         step = (verify + depth * level) / rows[0]["forward_ms"]
-        out.append({"method": method, "budget": budget, "tokens_per_pass": tpp, "step_over_t1": float(step),
-                    "speedup": tpp / float(step)})
+        out.append(
+            {
+                "method": method,
+                "budget": budget,
+                "tokens_per_pass": tpp,
+                "step_over_t1": float(step),
+                "speedup": tpp / float(step),
+            }
+        )
     return out
 
 
@@ -183,37 +225,55 @@ def measured_tokens_per_pass(path) -> dict:
     """Greedy tokens/pass per (method, budget, depth) from a bench results.json."""
     try:
         report = json.loads(Path(path).read_text())
-        return {(r["method"], r["budget"], r["depth"]): r["tokens_per_pass"] for r in report["results"]
-                if not r["temperature"] and r["method"] in TREE_METHODS}
+        return {
+            (r["method"], r["budget"], r["depth"]): r["tokens_per_pass"]
+            for r in report["results"]
+            if not r["temperature"] and r["method"] in TREE_METHODS
+        }
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a bench results.json (expected the JSON `eagletree bench` writes, with "
-                         f"results rows): {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"{path}: not a bench results.json (expected the JSON `eagletree bench` writes, with "
+            f"results rows): {type(e).__name__}: {e}"
+        ) from None
 
 
 def profile_report(rows, projections, info, command, goal_n=64) -> str:
     """The cost table, the goals, and the projected speedups, as markdown."""
-    lines = [f"# eagletree profile\n\n`{command}`\n",
-             f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
-             f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
-             f"{vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
-             "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
-             "accept, commit) | engine % of pass | step / t(1) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# eagletree profile\n\n`{command}`\n",
+        f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
+        f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
+        f"{vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
+        "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
+        "accept, commit) | engine % of pass | step / t(1) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['n']} | {r['forward_ms']:.2f} | {r['ratio']:.2f} | {r['draft_level_ms']:.2f} | "
-                     f"{r['draft_ms']:.2f} | {r['search_ms']:.2f} | {r['engine_ms']:.2f} | {r['overhead']:.1%} | "
-                     f"{r['step_over_t1']:.2f} |")
+        lines.append(
+            f"| {r['n']} | {r['forward_ms']:.2f} | {r['ratio']:.2f} | {r['draft_level_ms']:.2f} | "
+            f"{r['draft_ms']:.2f} | {r['search_ms']:.2f} | {r['engine_ms']:.2f} | {r['overhead']:.1%} | "
+            f"{r['step_over_t1']:.2f} |"
+        )
     goal = next((r for r in rows if r["n"] == goal_n), None)
     if goal:
-        lines.append(f"\nGoals at N = {goal_n}: t(N)/t(1) = {goal['ratio']:.2f} (goal <= 1.2: "
-                     f"{'met' if goal['ratio'] <= 1.2 else 'not met'}); engine overhead {goal['overhead']:.1%} of the "
-                     f"pass (goal < 10%: {'met' if goal['overhead'] < 0.1 else 'not met'}).")
+        lines.append(
+            f"\nGoals at N = {goal_n}: t(N)/t(1) = {goal['ratio']:.2f} (goal <= 1.2: "
+            f"{'met' if goal['ratio'] <= 1.2 else 'not met'}); engine overhead {goal['overhead']:.1%} of the "
+            f"pass (goal < 10%: {'met' if goal['overhead'] < 0.1 else 'not met'})."
+        )
     if projections:
-        lines += ["\nProjected speedup = tokens/pass / (step time / t(1)), tokens/pass "
-                  + (f"from {info['tokens_source']}" if info.get("tokens_source") else "given") + ":\n",
-                  "| method | budget | tokens/pass | step / t(1) | projected speedup |", "|---|---|---|---|---|"]
+        lines += [
+            "\nProjected speedup = tokens/pass / (step time / t(1)), tokens/pass "
+            + (f"from {info['tokens_source']}" if info.get("tokens_source") else "given")
+            + ":\n",
+            "| method | budget | tokens/pass | step / t(1) | projected speedup |",
+            "|---|---|---|---|---|",
+        ]
         for p in projections:
-            lines.append(f"| {p.get('method', '-')} | {p['budget']} | {p['tokens_per_pass']:.2f} | "
-                         f"{p['step_over_t1']:.2f} | {p['speedup']:.2f}x |")
+            lines.append(
+                f"| {p.get('method', '-')} | {p['budget']} | {p['tokens_per_pass']:.2f} | "
+                f"{p['step_over_t1']:.2f} | {p['speedup']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -222,8 +282,10 @@ def main_profile(args, command: str = "eagletree profile") -> int:
     check_output_folder(args.out, "-o/--out")  # before minutes of measuring
     sizes = parse_list(args.sizes, int, "sizes")
     if args.tokens_per_pass is not None and not 1.0 <= args.tokens_per_pass < float("inf"):
-        raise ValueError(f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "
-                         f"got {args.tokens_per_pass}")
+        raise ValueError(
+            f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "
+            f"got {args.tokens_per_pass}"
+        )
     if args.results and not Path(args.results).is_file():
         raise ValueError(f"--results {args.results!r} does not exist; expected a bench results.json")
     config = build_config(args.config)
@@ -238,10 +300,18 @@ def main_profile(args, command: str = "eagletree profile") -> int:
     model, head = random_model(config, device, dtype, draft_vocab)
     rows = profile_costs(model, head, sizes, args.depth, args.top_k_draft, args.prefix, args.reps)
     projections = project(rows, tokens) if tokens is not None else []
-    info = {"config": args.config, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "draft_vocab": draft_vocab or "full",
-            "prefix": args.prefix, "depth": args.depth, "top_k": args.top_k_draft, "reps": args.reps,
-            "tokens_source": source, "machine": machine_info(model)}
+    info = {
+        "config": args.config,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "draft_vocab": draft_vocab or "full",
+        "prefix": args.prefix,
+        "depth": args.depth,
+        "top_k": args.top_k_draft,
+        "reps": args.reps,
+        "tokens_source": source,
+        "machine": machine_info(model),
+    }
     text = profile_report(rows, projections, info, command)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "profile.json", {"command": command, **info, "rows": rows, "projections": projections})
@@ -249,4 +319,3 @@ def main_profile(args, command: str = "eagletree profile") -> int:
     print(text)
     print(f"wrote {out / 'profile.md'} and profile.json", file=sys.stderr)
     return 0
-

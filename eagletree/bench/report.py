@@ -17,10 +17,17 @@ from .inputs import BASELINE_LABELS, METHODS, TREE_METHODS
 def machine_info(model) -> dict:
     """Where the numbers come from."""
     device = next(model.parameters()).device
-    info = {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": version("transformers"), "device": device.type,
-            "dtype": str(model.dtype).removeprefix("torch.")}
+    info = {
+        "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "device": device.type,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -33,19 +40,26 @@ def _x(v, fmt="{:.2f}") -> str:
 def markdown_table(report: dict, temperature: float) -> str:
     """The results table of one temperature."""
     rows = [r for r in report["results"] if r["temperature"] == temperature]
-    lines = [("| method | budget | tokens/pass | predicted | tokens/s (median) | speedup vs plain, same kernels "
-              "(median, range) | speedup vs plain HF generate, stock kernels (median, range) "
-              "| first pass s (median) | identical to plain |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| method | budget | tokens/pass | predicted | tokens/s (median) | speedup vs plain, same kernels "
+            "(median, range) | speedup vs plain HF generate, stock kernels (median, range) "
+            "| first pass s (median) | identical to plain |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def spread(s):
         return "-" if not s or s["median"] is None else f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
 
     for r in rows:
         same = "n/a" if r["identical"] is None else "yes" if r["identical"] else f"NO ({len(r['mismatches'])})"
-        lines.append(f"| {r['method']} | {_x(r['budget'], '{}')} | {r['tokens_per_pass']:.2f} | "
-                     f"{_x(r['predicted_tokens_per_pass'])} | {_x(r['tokens_per_s'], '{:.1f}')} | "
-                     f"{'-' if r['method'] in ('plain', 'packed') else spread(r.get('speedup_same_kernels'))} | "
-                     f"{spread(r['speedup'])} | {_x(r['first_pass_s'])} | {same} |")
+        lines.append(
+            f"| {r['method']} | {_x(r['budget'], '{}')} | {r['tokens_per_pass']:.2f} | "
+            f"{_x(r['predicted_tokens_per_pass'])} | {_x(r['tokens_per_s'], '{:.1f}')} | "
+            f"{'-' if r['method'] in ('plain', 'packed') else spread(r.get('speedup_same_kernels'))} | "
+            f"{spread(r['speedup'])} | {_x(r['first_pass_s'])} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -56,32 +70,47 @@ def vocab_words(size) -> str:
 
 def markdown_report(report: dict) -> str:
     m, s = report["machine"], report["settings"]
-    machine = (f"{m['cpu']}" + (f" ({m['cpu_features']})" if m.get("cpu_features") else "")
-               + f", {m['cores']} cores, {m.get('torch_threads', '?')} torch threads"
-               + (f", {m['gpu']}" if "gpu" in m else ""))
-    out = [f"# eagletree bench\n\n`{report['command']}`\n",
-           f"Machine: {machine}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
-           f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}"
-           + (f", drafting over {vocab_words(s['draft_vocab'])}" if s.get("draft_vocab") else "") + "; "
-           + ("target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels)"
-              + (f" where measured faster here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
-              + "; 'packed' is plain HF generate with the same kernels as the trees, so each row's speedup over it "
-                "is drafting's alone and 'packed' over 'plain' is the kernels' own gain.\n"
-              if s.get("packed") else "PyTorch's stock kernels in every row (the same kernels as plain)"
-              + (f"; packing was measured slower here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
-              + ".\n"),
-           (f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
+    machine = (
+        f"{m['cpu']}"
+        + (f" ({m['cpu_features']})" if m.get("cpu_features") else "")
+        + f", {m['cores']} cores, {m.get('torch_threads', '?')} torch threads"
+        + (f", {m['gpu']}" if "gpu" in m else "")
+    )
+    out = [
+        f"# eagletree bench\n\n`{report['command']}`\n",
+        f"Machine: {machine}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}; "
+        f"{m['device']}, target {m['dtype']}, head {s.get('head_dtype')}"
+        + (f", drafting over {vocab_words(s['draft_vocab'])}" if s.get("draft_vocab") else "")
+        + "; "
+        + (
+            "target Linears packed for oneDNN in every row but plain (PyTorch's stock kernels)"
+            + (f" where measured faster here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
+            + "; 'packed' is plain HF generate with the same kernels as the trees, so each row's speedup over it "
+            "is drafting's alone and 'packed' over 'plain' is the kernels' own gain.\n"
+            if s.get("packed")
+            else "PyTorch's stock kernels in every row (the same kernels as plain)"
+            + (f"; packing was measured slower here ({s['kernels_measured']})" if s.get("kernels_measured") else "")
+            + ".\n"
+        ),
+        (
+            f"Target {s['target']}, head {s['head']}; {report['prompts']} prompts ({s['prompts']}), "
             f"{report['max_new_tokens']} new tokens each; depth {s['depth']}, top-k {s['top_k_draft']}; "
             f"prompt lookup {report['lookup_tokens']} tokens; Sequoia acceptance by rank "
-            f"{report['accept_by_rank_source']}; {report['seconds']:.0f} s in all.\n")]
+            f"{report['accept_by_rank_source']}; {report['seconds']:.0f} s in all.\n"
+        ),
+    ]
     for t in report["temperatures"]:
         plain = next(r for r in report["results"] if r["temperature"] == t and r["method"] == "plain")
-        out.append(f"## Temperature {t:g}{' (greedy)' if not t else ''}\n\nplain decoding: "
-                   f"{_x(plain['tokens_per_s'], '{:.1f}')} tokens/s (median over prompts)\n\n"
-                   f"{markdown_table(report, t)}\n")
-    out.append("tokens/s and speedups are decoding rates after each run's first target pass (the prompt's prefill), "
-               "per prompt; the speedup's range is over prompts. Sampled outputs differ in length, so end-to-end "
-               "rates would mix in the prefill's varying share (they are in results.json).\n")
+        out.append(
+            f"## Temperature {t:g}{' (greedy)' if not t else ''}\n\nplain decoding: "
+            f"{_x(plain['tokens_per_s'], '{:.1f}')} tokens/s (median over prompts)\n\n"
+            f"{markdown_table(report, t)}\n"
+        )
+    out.append(
+        "tokens/s and speedups are decoding rates after each run's first target pass (the prompt's prefill), "
+        "per prompt; the speedup's range is over prompts. Sampled outputs differ in length, so end-to-end "
+        "rates would mix in the prefill's varying share (they are in results.json).\n"
+    )
     out.append("Plots: " + ", ".join(f"[{p}]({p})" for p in report.get("plots", [])) + "\n")
     return "\n".join(out)
 
@@ -120,12 +149,30 @@ def write_plots(report: dict, out: Path) -> list[str]:
 
     names = []
     if any(r["budget"] for r in report["results"]):  # (--methods lookup or packed alone: no budget axis)
-        names.append(_by_budget(plt, report, out, "tokens_per_pass.png", "tokens per target pass",
-                                lambda r: r["tokens_per_pass"], baseline=1.0))
-        names.append(_by_budget(plt, report, out, "speedup.png", "speedup over plain decoding",
-                                lambda r: like_for_like(r)["median"],
-                                spread=lambda r: (like_for_like(r)["min"], like_for_like(r)["max"]), baseline=1.0,
-                                title="speedup over plain decoding, same kernels (median, range over prompts)"))
+        names.append(
+            _by_budget(
+                plt,
+                report,
+                out,
+                "tokens_per_pass.png",
+                "tokens per target pass",
+                lambda r: r["tokens_per_pass"],
+                baseline=1.0,
+            )
+        )
+        names.append(
+            _by_budget(
+                plt,
+                report,
+                out,
+                "speedup.png",
+                "speedup over plain decoding",
+                lambda r: like_for_like(r)["median"],
+                spread=lambda r: (like_for_like(r)["min"], like_for_like(r)["max"]),
+                baseline=1.0,
+                title="speedup over plain decoding, same kernels (median, range over prompts)",
+            )
+        )
     for plot in (_accepted_lengths, _calibration):
         name = plot(plt, report, out)
         if name is not None:
@@ -133,8 +180,9 @@ def write_plots(report: dict, out: Path) -> list[str]:
     return names
 
 
-def _by_budget(plt, report: dict, out: Path, fname: str, ylabel: str, value, spread=None, baseline=None,
-               title=None) -> str:
+def _by_budget(
+    plt, report: dict, out: Path, fname: str, ylabel: str, value, spread=None, baseline=None, title=None
+) -> str:
     """`value` of every tree method against the budget, a panel per temperature (`spread`: (low, high) error bars;
     the lookup and packed baselines as lines); returns the file name."""
     temps = report["temperatures"]
@@ -147,8 +195,9 @@ def _by_budget(plt, report: dict, out: Path, fname: str, ylabel: str, value, spr
             if not rs:
                 continue
             if name in BASELINE_LABELS:
-                ax.axhline(value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--",
-                           label=BASELINE_LABELS[name])
+                ax.axhline(
+                    value(rs[0]), color="gray" if name == "lookup" else "C9", ls="--", label=BASELINE_LABELS[name]
+                )
                 continue
             # Methods side by side at each budget (a small shift on the log axis), so points never hide.
             shift = 2 ** (0.05 * (j - (len(families) - 1) / 2))
@@ -156,8 +205,9 @@ def _by_budget(plt, report: dict, out: Path, fname: str, ylabel: str, value, spr
             style = {"marker": MARKER[name], "color": COLOR[name], "label": name}
             if spread:
                 lo, hi = zip(*(spread(r) for r in rs))
-                ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
-                            capsize=3, **style)
+                ax.errorbar(
+                    xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]], capsize=3, **style
+                )
             else:
                 ax.plot(xs, ys, **style)
         if baseline is not None:
@@ -190,8 +240,13 @@ def _accepted_lengths(plt, report: dict, out: Path) -> str | None:
     for j, r in enumerate(shown):
         hist = {int(k): v for k, v in r["accepted_histogram"].items()}
         total = sum(hist.values())
-        ax.bar([n + (j - (len(shown) - 1) / 2) * width for n in lengths], [hist.get(n, 0) / total for n in lengths],
-               width, color=COLOR[r["method"]], label=f"{r['label']} (mean {r['tokens_per_pass']:.2f})")
+        ax.bar(
+            [n + (j - (len(shown) - 1) / 2) * width for n in lengths],
+            [hist.get(n, 0) / total for n in lengths],
+            width,
+            color=COLOR[r["method"]],
+            label=f"{r['label']} (mean {r['tokens_per_pass']:.2f})",
+        )
     ax.set_xticks(lengths)
     ax.set_xlabel("tokens emitted per target pass")
     ax.set_ylabel("share of passes")
@@ -220,11 +275,21 @@ def _node_calibration(ax, cal: dict) -> None:
     for key, label in (("bins", "draft probability"), ("calibrated_bins", f"calibrated ({cal.get('calibrator')})")):
         bins = cal.get(key) or []
         if bins:
-            ax.scatter([b["predicted"] for b in bins], [b["measured"] for b in bins],
-                       s=[20 + 200 * b["nodes"] / cal["nodes"] for b in bins], label=label, alpha=0.8)
+            ax.scatter(
+                [b["predicted"] for b in bins],
+                [b["measured"] for b in bins],
+                s=[20 + 200 * b["nodes"] / cal["nodes"] for b in bins],
+                label=label,
+                alpha=0.8,
+            )
     ax.plot([0, 1], [0, 1], color="black", lw=0.8)
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance of a node", ylabel="measured acceptance",
-           title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)")
+    ax.set(
+        xlim=(0, 1),
+        ylim=(0, 1),
+        xlabel="predicted acceptance of a node",
+        ylabel="measured acceptance",
+        title=f"per node, greedy ({cal['nodes']} tried nodes; size = share)",
+    )
     if cal["bins"] or cal.get("calibrated_bins"):
         ax.legend(fontsize=8)
     else:  # (an empty legend is a matplotlib warning, and an empty panel says nothing)
@@ -238,15 +303,27 @@ def _method_calibration(ax, greedy: list[dict]) -> None:
     for r in greedy:
         name, xy = r["method"], (r["predicted_tokens_per_pass"], r["tokens_per_pass"])
         hollow = name == "optimal"  # often on top of eagle2
-        ax.scatter(*xy, label=None if name in labelled else name, marker=MARKER[name], s=80 if hollow else 36,
-                   facecolors="none" if hollow else COLOR[name], edgecolors=COLOR[name])
-        ax.annotate(str(r["budget"]), xy, xytext=(-14, 4) if hollow else (5, -3), textcoords="offset points",
-                    fontsize=7)
+        ax.scatter(
+            *xy,
+            label=None if name in labelled else name,
+            marker=MARKER[name],
+            s=80 if hollow else 36,
+            facecolors="none" if hollow else COLOR[name],
+            edgecolors=COLOR[name],
+        )
+        ax.annotate(
+            str(r["budget"]), xy, xytext=(-14, 4) if hollow else (5, -3), textcoords="offset points", fontsize=7
+        )
         labelled.add(name)
     top = max([1.5] + [max(r["predicted_tokens_per_pass"], r["tokens_per_pass"]) * 1.1 for r in greedy])
     ax.plot([1, top], [1, top], color="black", lw=0.8)
-    ax.set(xlim=(1, top), ylim=(1, top), xlabel="predicted tokens/pass", ylabel="measured tokens/pass",
-           title="per method and budget, greedy")
+    ax.set(
+        xlim=(1, top),
+        ylim=(1, top),
+        xlabel="predicted tokens/pass",
+        ylabel="measured tokens/pass",
+        title="per method and budget, greedy",
+    )
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
 
@@ -270,4 +347,3 @@ def write_outputs(report: dict, out) -> Path:
     write_json_atomic(out / "results.json", report)
     write_text_atomic(out / "results.md", markdown_report(report))  # now with the plots it links
     return out
-

@@ -56,54 +56,107 @@ class _StepClock:
         pass
 
 
-def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens=None, top_k=None,
-           top_p=None) -> Run:
+def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens=None, top_k=None, top_p=None) -> Run:
     """HF `model.generate`: plain decoding, or prompt-lookup decoding with `lookup_tokens` candidates."""
-    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                     return_dict=True).to(model.device)
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(
+        model.device
+    )
     clock = _StepClock()
     if seed is not None:
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
         # The same stop tokens as eagletree, so both stop at the same place.
-        config = hf_generation_config(max_new_tokens, temperature, stop_token_ids(model, tok), top_k, top_p,
-                                      prompt_lookup_num_tokens=lookup_tokens)
+        config = hf_generation_config(
+            max_new_tokens,
+            temperature,
+            stop_token_ids(model, tok),
+            top_k,
+            top_p,
+            prompt_lookup_num_tokens=lookup_tokens,
+        )
         out = model.generate(**inputs, generation_config=config, streamer=clock)
     seconds = time.perf_counter() - t0
     steps = clock.steps[1:]
-    return Run(out[0, inputs["input_ids"].shape[1]:].tolist(), seconds, steps[0][0] - t0 if steps else seconds,
-               [n for _, n in steps])
+    return Run(
+        out[0, inputs["input_ids"].shape[1] :].tolist(),
+        seconds,
+        steps[0][0] - t0 if steps else seconds,
+        [n for _, n in steps],
+    )
 
 
-def run_tree(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed,
-             accept_by_rank=None, record_steps=False, store="auto") -> Run:
+def run_tree(
+    model,
+    tok,
+    head,
+    messages,
+    method: Method,
+    max_new_tokens,
+    temperature,
+    seed,
+    accept_by_rank=None,
+    record_steps=False,
+    store="auto",
+) -> Run:
     """eagletree's speculative decoding with one tree method; a copying method with a head also copies from `store`
     (a TokenStore, or "auto" = the head folder's datastore.npz)."""
     stats = GenerationStats(steps=[] if record_steps else None)
     ids, first = [], None
-    for tokens in decode_steps(model, tok, None if method.name in HEADLESS else head, messages,
-                               max_new_tokens=max_new_tokens, temperature=temperature, tree=method.tree,
-                               budget=method.budget, depth=method.depth, top_k_draft=method.top_k, seed=seed,
-                               accept_by_rank=accept_by_rank, stats=stats, copy=method.copy,
-                               store=store if method.copy and method.name not in HEADLESS else None):
+    for tokens in decode_steps(
+        model,
+        tok,
+        None if method.name in HEADLESS else head,
+        messages,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        tree=method.tree,
+        budget=method.budget,
+        depth=method.depth,
+        top_k_draft=method.top_k,
+        seed=seed,
+        accept_by_rank=accept_by_rank,
+        stats=stats,
+        copy=method.copy,
+        store=store if method.copy and method.name not in HEADLESS else None,
+    ):
         first = stats.seconds if first is None else first
         ids += tokens
-    return Run(ids, stats.seconds, stats.seconds if first is None else first, list(stats.accepted_lengths),
-               stats.predicted, stats.steps)
+    return Run(
+        ids,
+        stats.seconds,
+        stats.seconds if first is None else first,
+        list(stats.accepted_lengths),
+        stats.predicted,
+        stats.steps,
+    )
 
 
-def run_method(model, tok, head, messages, method: Method, max_new_tokens, temperature, seed, lookup_tokens,
-               accept_by_rank, record_steps=False, store="auto") -> Run:
+def run_method(
+    model,
+    tok,
+    head,
+    messages,
+    method: Method,
+    max_new_tokens,
+    temperature,
+    seed,
+    lookup_tokens,
+    accept_by_rank,
+    record_steps=False,
+    store="auto",
+) -> Run:
     """One run of `method` (plain, an HF baseline or a tree method) on one prompt."""
     if method.name == "plain":  # the reference: HF generate as it runs without eagletree
         with stock_kernels(model):
             return run_hf(model, tok, messages, max_new_tokens, temperature, seed)
     if method.name in ("lookup", "packed"):
-        return run_hf(model, tok, messages, max_new_tokens, temperature, seed,
-                      lookup_tokens if method.name == "lookup" else None)
-    return run_tree(model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank,
-                    record_steps, store=store)
+        return run_hf(
+            model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens if method.name == "lookup" else None
+        )
+    return run_tree(
+        model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank, record_steps, store=store
+    )
 
 
 def rank_acceptance(steps, k: int) -> list[float] | None:
@@ -140,8 +193,9 @@ def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) 
     widest = max(trees, key=lambda m: (m.budget, m.depth))
     probe = Method("eagle2", widest.budget, max(m.depth for m in trees), widest.top_k)
     sequoia = "sequoia" in names
-    run = run_tree(model, tok, head, messages, probe, max_new_tokens if sequoia else short, 0.0, 0,
-                   record_steps=sequoia)
+    run = run_tree(
+        model, tok, head, messages, probe, max_new_tokens if sequoia else short, 0.0, 0, record_steps=sequoia
+    )
     return rank_acceptance(run.steps, probe.top_k) if sequoia else None
 
 
@@ -163,8 +217,20 @@ def logit_gap(model, tok, messages, want: list[int], got: list[int], k: int) -> 
     return float(logits[want[k]] - logits[got[k]])
 
 
-def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_new_tokens=64, seed=0,
-              lookup_tokens=10, progress=True, log=None, store="auto") -> dict:
+def run_bench(
+    model,
+    tok,
+    head,
+    prompts,
+    methods,
+    temperatures=(0.0, 1.0),
+    max_new_tokens=64,
+    seed=0,
+    lookup_tokens=10,
+    progress=True,
+    log=None,
+    store="auto",
+) -> dict:
     """Every method on every prompt and temperature, each right after plain decoding; returns the results dict.
     `store`: what copying methods also copy from ("auto": the head folder's datastore.npz; None: nothing)."""
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
@@ -178,10 +244,22 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
         log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
     plain = Method("plain")
     everything = [plain] + list(methods)
-    rows = {(m, t): dict(rate=[], e2e=[], first=[], ratio=[], same=[], new=0, passes=0, predicted=[],
-                         lengths=Counter(),
-                         mismatches=[])
-            for m in everything for t in temperatures}
+    rows = {
+        (m, t): dict(
+            rate=[],
+            e2e=[],
+            first=[],
+            ratio=[],
+            same=[],
+            new=0,
+            passes=0,
+            predicted=[],
+            lengths=Counter(),
+            mismatches=[],
+        )
+        for m in everything
+        for t in temperatures
+    }
     pairs = ([], [])  # (draft probability, accepted?) of every tried node, greedy tree runs
     bar = tqdm(total=len(prompts) * len(temperatures) * len(everything), desc="bench", disable=not progress)
     for i, messages in enumerate(prompts):
@@ -189,9 +267,20 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
             ref = same = None  # plain decoding with stock kernels; with the target's own (the 'packed' row)
             for m in everything:
                 bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
-                run = run_method(model, tok, head, messages, m, max_new_tokens, temperature, seed + i, lookup_tokens,
-                                 accept_by_rank, record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
-                                 store=store)
+                run = run_method(
+                    model,
+                    tok,
+                    head,
+                    messages,
+                    m,
+                    max_new_tokens,
+                    temperature,
+                    seed + i,
+                    lookup_tokens,
+                    accept_by_rank,
+                    record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
+                    store=store,
+                )
                 ref = run if ref is None else ref
                 same = run if m.name == "packed" else same
                 row = rows[(m, temperature)]
@@ -207,11 +296,20 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
                 row["lengths"].update(run.accepted_lengths)
                 if not temperature and (k := first_difference(run.token_ids, ref.token_ids)) is not None:
                     gap = logit_gap(model, tok, messages, ref.token_ids, run.token_ids, k)
-                    row["mismatches"].append({"prompt": i, "position": k, "got": run.token_ids[k:k + 8],
-                                              "plain": ref.token_ids[k:k + 8], "logit_gap": gap})
-                    log(f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
-                        f"{run.token_ids[k:k + 8]} vs plain {ref.token_ids[k:k + 8]}"
-                        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)"))
+                    row["mismatches"].append(
+                        {
+                            "prompt": i,
+                            "position": k,
+                            "got": run.token_ids[k : k + 8],
+                            "plain": ref.token_ids[k : k + 8],
+                            "logit_gap": gap,
+                        }
+                    )
+                    log(
+                        f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
+                        f"{run.token_ids[k : k + 8]} vs plain {ref.token_ids[k : k + 8]}"
+                        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)")
+                    )
                 for tree, accepted in run.steps or ():
                     q, y = acceptance_pairs(tree, accepted)
                     pairs[0].extend(q)
@@ -219,9 +317,15 @@ def run_bench(model, tok, head, prompts, methods, temperatures=(0.0, 1.0), max_n
                 bar.update()
     bar.close()
     results = [summarize(m, t, rows[(m, t)], len(prompts)) for t in temperatures for m in everything]
-    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
-            "seed": seed, "lookup_tokens": lookup_tokens, "accept_by_rank": accept_by_rank,
-            "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
-            "results": results, "calibration": calibration_bins(*pairs, head),
-            "seconds": time.perf_counter() - t_start}
-
+    return {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperatures": list(temperatures),
+        "seed": seed,
+        "lookup_tokens": lookup_tokens,
+        "accept_by_rank": accept_by_rank,
+        "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
+        "results": results,
+        "calibration": calibration_bins(*pairs, head),
+        "seconds": time.perf_counter() - t_start,
+    }

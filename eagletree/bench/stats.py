@@ -21,8 +21,14 @@ def _quantiles(values: list[float]) -> dict:
     if not xs:
         return {"median": None, "min": None, "max": None, "q1": None, "q3": None, "per_prompt": per_prompt}
     q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "q1": q1, "q3": q3,
-            "per_prompt": per_prompt}
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "q1": q1,
+        "q3": q3,
+        "per_prompt": per_prompt,
+    }
 
 
 def summarize(m: Method, temperature: float, row: dict, prompts: int) -> dict:
@@ -30,15 +36,26 @@ def summarize(m: Method, temperature: float, row: dict, prompts: int) -> dict:
 
     tokens/s and speedups are decoding rates after the first pass; end to end and the first pass's time are kept too.
     """
-    return {"method": m.name, "budget": m.budget, "depth": m.depth if m.budget else None, "label": m.label,
-            "temperature": temperature, "prompts": prompts, "new_tokens": row["new"], "passes": row["passes"],
-            "tokens_per_pass": row["new"] / row["passes"] if row["passes"] else 0.0,
-            "predicted_tokens_per_pass": statistics.mean(row["predicted"]) if row["predicted"] else None,
-            "tokens_per_s": _median(row["rate"]), "tokens_per_s_end_to_end": _median(row["e2e"]),
-            "first_pass_s": _median(row["first"]), "speedup": _quantiles(row["ratio"]),
-            "speedup_same_kernels": _quantiles(row["same"]) if row["same"] else None,
-            "identical": None if temperature else not row["mismatches"], "mismatches": row["mismatches"],
-            "accepted_histogram": dict(sorted(row["lengths"].items()))}
+    return {
+        "method": m.name,
+        "budget": m.budget,
+        "depth": m.depth if m.budget else None,
+        "label": m.label,
+        "temperature": temperature,
+        "prompts": prompts,
+        "new_tokens": row["new"],
+        "passes": row["passes"],
+        "tokens_per_pass": row["new"] / row["passes"] if row["passes"] else 0.0,
+        "predicted_tokens_per_pass": statistics.mean(row["predicted"]) if row["predicted"] else None,
+        "tokens_per_s": _median(row["rate"]),
+        "tokens_per_s_end_to_end": _median(row["e2e"]),
+        "first_pass_s": _median(row["first"]),
+        "speedup": _quantiles(row["ratio"]),
+        "speedup_same_kernels": _quantiles(row["same"]) if row["same"] else None,
+        "identical": None if temperature else not row["mismatches"],
+        "mismatches": row["mismatches"],
+        "accepted_histogram": dict(sorted(row["lengths"].items())),
+    }
 
 
 def calibration_bins(probs, hits, head=None, bins: int = 10) -> dict:
@@ -58,13 +75,17 @@ def _bin(probs, hits, bins) -> list[dict]:
     groups = {}
     for q, y in zip(probs, hits):
         groups.setdefault(min(int(q * bins), bins - 1), []).append((q, y))
-    return [{"predicted": statistics.mean(q for q, _ in g), "measured": statistics.mean(float(y) for _, y in g),
-             "nodes": len(g)} for _, g in sorted(groups.items())]
+    return [
+        {
+            "predicted": statistics.mean(q for q, _ in g),
+            "measured": statistics.mean(float(y) for _, y in g),
+            "nodes": len(g),
+        }
+        for _, g in sorted(groups.items())
+    ]
 
 
-
-def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000,
-                   seed: int = 0) -> tuple[float, float] | None:
+def ratio_interval(new, passes, base_new, base_passes, reps: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """95% bootstrap interval of (sum new / sum passes) / (sum base_new / sum base_passes) - 1 over prompts;
     None for fewer than 2 prompts (no spread to resample) or a prompt without passes."""
     if len(new) < 2 or not all(passes) or not all(base_passes) or not all(base_new):

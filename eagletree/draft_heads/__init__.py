@@ -11,9 +11,27 @@ from .export import import_eagle
 from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
-__all__ = ["DraftHead", "Drafter", "EagleHead", "Eagle3Head", "MedusaHead", "HeadConfig", "HeadError", "TreeDrafter",
-           "MedusaDrafter", "head_class", "head_types", "load_head", "make_drafter", "register_head",
-           "target_identity", "build_draft_vocab", "check_draft_vocab", "t2d_mask", "target_to_draft"]
+__all__ = [
+    "DraftHead",
+    "Drafter",
+    "EagleHead",
+    "Eagle3Head",
+    "MedusaHead",
+    "HeadConfig",
+    "HeadError",
+    "TreeDrafter",
+    "MedusaDrafter",
+    "head_class",
+    "head_types",
+    "load_head",
+    "make_drafter",
+    "register_head",
+    "target_identity",
+    "build_draft_vocab",
+    "check_draft_vocab",
+    "t2d_mask",
+    "target_to_draft",
+]
 
 # The kinds of head a saved config.json can name (its head_type); a new kind is one class added here.
 for _kind in (EagleHead, Eagle3Head, MedusaHead):

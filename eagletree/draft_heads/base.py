@@ -84,7 +84,7 @@ class DraftHead(nn.Module):
     _lm_slice = None  # the drafter's cached rows of the target's lm_head (drafter.sliced_lm_head), with their key
 
     @classmethod
-    def create(cls, target_model, cfg, draft_tokens: torch.Tensor | None = None) -> "DraftHead":
+    def create(cls, target_model, cfg, draft_tokens: torch.Tensor | None = None) -> DraftHead:
         """A freshly initialized head for a training run: `cfg` is the run's TrainConfig."""
         raise NotImplementedError(f"{cls.__name__} does not define create()")
 
@@ -122,7 +122,8 @@ class DraftHead(nn.Module):
         return self.widened
 
     def has_own_lm_head(self) -> bool:
-        """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the target's."""
+        """Whether the head scores tokens with an lm_head of its own (EAGLE-3; Medusa with own_lm_head), not the
+        target's."""
         return False
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class DraftHead(nn.Module):
         """Whether `widen_vocab` would add tokens: a draft vocabulary, scored with the target's lm_head."""
         return self.config.draft_vocab_size is not None and not self.has_own_lm_head()
 
-    def widen_vocab(self) -> "DraftHead":
+    def widen_vocab(self) -> DraftHead:
         """Draft over the target's whole vocabulary instead of the head's draft vocabulary (in place; returns self).
 
         A head that predicts features and reads the target's lm_head (EAGLE-1/2, Medusa without lm_heads of
@@ -148,9 +149,11 @@ class DraftHead(nn.Module):
         """
         if self.has_own_lm_head():
             size = self.config.draft_vocab_size or self.config.target["vocab_size"]
-            raise HeadError(f"a {self.head_type} head scores tokens with its own lm_head ({size} rows), so it cannot "
-                            "draft over the target's full vocabulary (--draft-vocab full, widen_vocab=true); "
-                            "keep its own (--draft-vocab head or auto)")
+            raise HeadError(
+                f"a {self.head_type} head scores tokens with its own lm_head ({size} rows), so it cannot "
+                "draft over the target's full vocabulary (--draft-vocab full, widen_vocab=true); "
+                "keep its own (--draft-vocab head or auto)"
+            )
         self.d2t = torch.arange(self.config.target["vocab_size"], device=self.d2t.device)
         self.config.draft_vocab_size = None
         self.widened = True
@@ -162,14 +165,18 @@ class DraftHead(nn.Module):
         mine, theirs = self.config.target, target_identity(target_config)
         for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
             if mine[key] != theirs[key]:
-                raise HeadError(f"head was trained for a target with {key} = {mine[key]!r}, "
-                                f"but this target has {key} = {theirs[key]!r}")
+                raise HeadError(
+                    f"head was trained for a target with {key} = {mine[key]!r}, "
+                    f"but this target has {key} = {theirs[key]!r}"
+                )
         # The fingerprint predates transformers 5, where the RoPE base moved into rope_parameters; the head's
         # layer config records it.
         head_base, target_base = rope_base(self.config.layer_config), rope_base(target_config)
         if head_base is not None and target_base is not None and head_base != target_base:
-            raise HeadError(f"head was trained for a target with rope_theta = {head_base!r}, "
-                            f"but this target has rope_theta = {target_base!r}")
+            raise HeadError(
+                f"head was trained for a target with rope_theta = {head_base!r}, "
+                f"but this target has rope_theta = {target_base!r}"
+            )
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -177,15 +184,17 @@ class DraftHead(nn.Module):
         """Write config.json + model.safetensors atomically (a temporary folder, then rename); an existing
         folder is replaced as a whole, or with `keep_others` only these two files are."""
         directory = Path(directory)
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
-                 for k, v in self.state_dict().items()}
+        state = {
+            k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+        }
         with building(directory) as tmp:
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "eagletree": "head"})
             (tmp / CONFIG).write_text(json.dumps(asdict(self.config), indent=2, default=str))
         publish(tmp, directory, keep_others=keep_others)
 
     @classmethod
-    def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> "DraftHead":
+    def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> DraftHead:
         """Load a saved head; with `target_config`, refuse a head built for another target."""
         directory = Path(directory)
         if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
@@ -205,8 +214,10 @@ class DraftHead(nn.Module):
         missing, unexpected = set(expected) - set(state), set(state) - set(expected)
         bad_shape = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
         if missing or unexpected or bad_shape:
-            raise HeadError(f"{directory / WEIGHTS} does not match its config: missing {sorted(missing)}, "
-                            f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad_shape)}")
+            raise HeadError(
+                f"{directory / WEIGHTS} does not match its config: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}, wrong shape {sorted(bad_shape)}"
+            )
         if "d2t" in state:
             head.d2t = state["d2t"].clone()
         head.load_state_dict(state)

@@ -12,8 +12,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..packing import (apply_choice, draft_kernel_choice, is_packed, pack_linears, packed_linear, packed_weight,
-                       packing_problem)
+from ..packing import (
+    apply_choice,
+    draft_kernel_choice,
+    is_packed,
+    pack_linears,
+    packed_linear,
+    packed_weight,
+    packing_problem,
+)
 from ..target.attention import use_gqa_sdpa_layer
 
 
@@ -70,8 +77,9 @@ class TreeDrafter:
         self.dtype = next(head.parameters()).dtype
         full = head.config.draft_vocab_size is None
         self.own_lm_head = head.has_own_lm_head()  # EAGLE-3: its own norm and lm_head
-        self.lm_weight, self.lm_bias = (None, None) if self.own_lm_head else sliced_lm_head(head, target_model,
-                                                                                               self.dtype)
+        self.lm_weight, self.lm_bias = (
+            (None, None) if self.own_lm_head else sliced_lm_head(head, target_model, self.dtype)
+        )
         self.lm_packed, self.kernel_choice = None, None
         if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
             # The target runs oneDNN-packed kernels (--pack): so does the drafter, at the row counts where the

@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .objectives import eagle_loss
 from .base import DraftHead, HeadConfig, HeadError, target_identity
 from .drafter import TreeDrafter
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
-
+from .objectives import eagle_loss
 
 # The decoder layer's weights that read its input and that write its updates (rescaled by init_from_target).
 READS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -44,15 +43,18 @@ class EagleHead(DraftHead):
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def for_target(cls, target_config, draft_tokens: torch.Tensor | None = None, fc_bias: bool = False) -> "EagleHead":
+    def for_target(cls, target_config, draft_tokens: torch.Tensor | None = None, fc_bias: bool = False) -> EagleHead:
         """A freshly initialized head for a target (config of the HF model); optional draft vocabulary.
 
         fc_bias=False (the default) matches EAGLE's LLaMA-3 heads and vLLM, whose fc has no bias.
         """
         head_cfg = HeadConfig(
-            head_type="eagle", hidden_size=target_config.hidden_size, target=target_identity(target_config),
+            head_type="eagle",
+            hidden_size=target_config.hidden_size,
+            target=target_identity(target_config),
             layer_config=layer_config_dict(target_config),
-            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()), fc_bias=fc_bias,
+            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
+            fc_bias=fc_bias,
         )
         head = cls(head_cfg)
         if draft_tokens is not None:
@@ -66,7 +68,7 @@ class EagleHead(DraftHead):
         return head
 
     @classmethod
-    def create(cls, target_model, cfg, draft_tokens=None) -> "EagleHead":
+    def create(cls, target_model, cfg, draft_tokens=None) -> EagleHead:
         head = cls.for_target(target_model.config, draft_tokens, fc_bias=cfg.fc_bias)
         if cfg.init_from_target:
             head.init_from_target(target_model)
@@ -87,15 +89,19 @@ class EagleHead(DraftHead):
         decoder = target_model.get_decoder()
         last = decoder.layers[-1]
         if type(last) is not type(self.layer):
-            raise HeadError(f"the target's decoder layer is a {type(last).__name__}, the head's a "
-                            f"{type(self.layer).__name__}: cannot start from it")
+            raise HeadError(
+                f"the target's decoder layer is a {type(last).__name__}, the head's a "
+                f"{type(self.layer).__name__}: cannot start from it"
+            )
         mine = self.layer.state_dict()
         theirs = {k: v for k, v in last.state_dict().items() if k in mine}  # the head's layer has no input norm
         if set(theirs) != set(mine):
             raise HeadError(f"the target's last layer lacks {sorted(set(mine) - set(theirs))}: cannot start from it")
         if not set(READS + WRITES) <= set(mine):
-            raise HeadError(f"the head's layer lacks {sorted(set(READS + WRITES) - set(mine))}: cannot rescale the "
-                            f"target's last layer to the feature's scale")
+            raise HeadError(
+                f"the head's layer lacks {sorted(set(READS + WRITES) - set(mine))}: cannot rescale the "
+                f"target's last layer to the feature's scale"
+            )
         self.layer.load_state_dict(theirs)  # shapes must match
         residual, normed, feature = _last_layer_scales(target_model, probe_tokens)
         for names, factor in ((READS, normed / feature), (WRITES, feature / residual)):
@@ -117,8 +123,14 @@ class EagleHead(DraftHead):
         """
         x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
         position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, x, position_ids, allowed, cache)
-        out = self.layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=pos,
-                         use_cache=cache is not None, **{self._cache_kw: cache})
+        out = self.layer(
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=pos,
+            use_cache=cache is not None,
+            **{self._cache_kw: cache},
+        )
         return out[0] if isinstance(out, tuple) else out
 
     def new_cache(self):
@@ -151,7 +163,9 @@ def _last_layer_scales(target_model, probe_tokens: torch.Tensor | None) -> tuple
         generator = torch.Generator().manual_seed(0)
         probe_tokens = torch.randint(0, target_model.config.vocab_size, (256,), generator=generator)
     if probe_tokens.dim() != 1 or probe_tokens.numel() < 32:
-        raise HeadError(f"probe_tokens must be one sequence of at least 32 token ids, got shape {tuple(probe_tokens.shape)}")
+        raise HeadError(
+            f"probe_tokens must be one sequence of at least 32 token ids, got shape {tuple(probe_tokens.shape)}"
+        )
     decoder = target_model.get_decoder()
     states = decoder(input_ids=probe_tokens[None].to(device), output_hidden_states=True).hidden_states
     entering = states[-2][0, 16:]

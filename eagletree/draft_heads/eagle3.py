@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .objectives import eagle3_loss
 from .base import DraftHead, HeadConfig, target_identity
 from .drafter import TreeDrafter
-from .layers import (attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache,
-                     rms_norm)
+from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache, rms_norm
+from .objectives import eagle3_loss
 
 
 def default_fused_layers(num_layers: int) -> list[int]:
@@ -51,17 +50,23 @@ class Eagle3Head(DraftHead):
         self.register_buffer("d2t", torch.arange(vocab), persistent=True)
 
     @classmethod
-    def for_target(cls, target_model, draft_tokens=None, fused_layers=None) -> "Eagle3Head":
+    def for_target(cls, target_model, draft_tokens=None, fused_layers=None) -> Eagle3Head:
         """A new head whose norm and lm_head start from the target's (lm_head rows of the draft vocabulary)."""
         tc = target_model.config
         layers = list(fused_layers or default_fused_layers(tc.num_hidden_layers))
         if any(not 0 <= i < tc.num_hidden_layers - 1 for i in layers) or len(layers) != 3:
-            raise ValueError(f"fused_layers must be 3 decoder layer indices in [0, {tc.num_hidden_layers - 2}], "
-                             f"got {layers}")
-        config = HeadConfig(head_type="eagle3", hidden_size=tc.hidden_size, target=target_identity(tc),
-                            layer_config=layer_config_dict(tc), fc_bias=False,
-                            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
-                            extra={"fused_layers": layers})
+            raise ValueError(
+                f"fused_layers must be 3 decoder layer indices in [0, {tc.num_hidden_layers - 2}], got {layers}"
+            )
+        config = HeadConfig(
+            head_type="eagle3",
+            hidden_size=tc.hidden_size,
+            target=target_identity(tc),
+            layer_config=layer_config_dict(tc),
+            fc_bias=False,
+            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
+            extra={"fused_layers": layers},
+        )
         head = cls(config)
         if draft_tokens is not None:
             head.set_draft_vocab(draft_tokens)
@@ -81,7 +86,7 @@ class Eagle3Head(DraftHead):
         return head
 
     @classmethod
-    def create(cls, target_model, cfg, draft_tokens=None) -> "Eagle3Head":
+    def create(cls, target_model, cfg, draft_tokens=None) -> Eagle3Head:
         return cls.for_target(target_model, draft_tokens)
 
     def fuse(self, layer_states: torch.Tensor) -> torch.Tensor:
@@ -93,9 +98,14 @@ class Eagle3Head(DraftHead):
         emb = self.layer.input_layernorm(embed(tokens).to(hidden.dtype))
         x = torch.cat([emb, self.hidden_norm(hidden)], dim=-1)
         position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, hidden, position_ids, allowed, cache)
-        attn, _ = self.layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=position_ids,
-                                       position_embeddings=pos, use_cache=cache is not None,
-                                       **{self._cache_kw: cache})
+        attn, _ = self.layer.self_attn(
+            hidden_states=x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=pos,
+            use_cache=cache is not None,
+            **{self._cache_kw: cache},
+        )
         h = hidden + attn
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 

@@ -59,7 +59,7 @@ def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch
         if key == "d2t":
             continue
         if key.startswith("layer."):
-            key = "midlayer." + key[len("layer."):]
+            key = "midlayer." + key[len("layer.") :]
         elif key.startswith("hidden_norm."):
             key = "midlayer." + key
         state[key] = value.detach().cpu()
@@ -70,8 +70,9 @@ def eagle3_state(head, embedding: torch.Tensor | None = None) -> dict[str, torch
     if embedding is not None:
         expected = (head.config.target["vocab_size"], head.config.hidden_size)
         if tuple(embedding.shape) != expected:
-            raise HeadError(f"the target's embedding has shape {tuple(embedding.shape)}, expected {expected} "
-                            "for this head")
+            raise HeadError(
+                f"the target's embedding has shape {tuple(embedding.shape)}, expected {expected} for this head"
+            )
         state["embed_tokens.weight"] = embedding.detach().cpu()
     return state
 
@@ -85,21 +86,29 @@ def exported_state(head: EagleHead, fmt: str, embedding: torch.Tensor | None = N
         raise HeadError(f"export format {fmt!r} is not one of {FORMATS}")
     if fmt == "eagle3" or head.config.head_type == "eagle3":
         if head.config.head_type != "eagle3" or fmt != "eagle3":
-            raise HeadError(f"format 'eagle3' is for EAGLE-3 heads and EAGLE-3 heads export only as 'eagle3' "
-                            f"(head {head.config.head_type!r}, format {fmt!r})")
+            raise HeadError(
+                f"format 'eagle3' is for EAGLE-3 heads and EAGLE-3 heads export only as 'eagle3' "
+                f"(head {head.config.head_type!r}, format {fmt!r})"
+            )
         if head.config.target["model_type"] != "llama":
-            raise HeadError(f"the EAGLE-3 loaders take Llama-architecture heads; this head's target is "
-                            f"{head.config.target['model_type']!r}")
+            raise HeadError(
+                f"the EAGLE-3 loaders take Llama-architecture heads; this head's target is "
+                f"{head.config.target['model_type']!r}"
+            )
         if embedding is None:
-            raise HeadError("an eagle3 export carries the target's embedding (EAGLE's code does not load it for "
-                            "EAGLE-3 heads); pass the target model")
+            raise HeadError(
+                "an eagle3 export carries the target's embedding (EAGLE's code does not load it for "
+                "EAGLE-3 heads); pass the target model"
+            )
         return eagle3_state(head, embedding)
     if not isinstance(head, EagleHead):
         raise HeadError(f"only EAGLE-1/2 heads export to {FORMATS}; this head is {head.config.head_type!r}")
     model_type = head.config.target["model_type"]
     if model_type != "llama":
-        raise HeadError(f"the EAGLE, vLLM and SGLang EAGLE loaders take Llama-architecture heads; "
-                        f"this head's target is {model_type!r}")
+        raise HeadError(
+            f"the EAGLE, vLLM and SGLang EAGLE loaders take Llama-architecture heads; "
+            f"this head's target is {model_type!r}"
+        )
     state = {}
     for key, value in head.state_dict().items():
         if key == "d2t":
@@ -108,8 +117,10 @@ def exported_state(head: EagleHead, fmt: str, embedding: torch.Tensor | None = N
     bias = state.get("fc.bias")
     if fmt == "vllm" and bias is not None:
         if bias.abs().max() > 0:
-            raise HeadError("vLLM's EAGLE fc has no bias but this head's fc.bias is non-zero; "
-                            "train with fc_bias=false (the default) to export for vLLM")
+            raise HeadError(
+                "vLLM's EAGLE fc has no bias but this head's fc.bias is non-zero; "
+                "train with fc_bias=false (the default) to export for vLLM"
+            )
         del state["fc.bias"]
     if fmt == "sglang" and bias is None:
         state["fc.bias"] = torch.zeros(head.fc.out_features, dtype=head.fc.weight.dtype)
@@ -117,9 +128,22 @@ def exported_state(head: EagleHead, fmt: str, embedding: torch.Tensor | None = N
 
 
 # Keys of a transformers config that say nothing about the head (two are local paths; the dtype is rewritten).
-_NOT_EXPORTED = ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "id2label",
-                 "label2id", "problem_type", "output_hidden_states", "output_attentions", "return_dict",
-                 "chunk_size_feed_forward", "is_encoder_decoder", "torch_dtype", "dtype")
+_NOT_EXPORTED = (
+    "quantization_config",
+    "_name_or_path",
+    "_model_name_or_path",
+    "transformers_version",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "torch_dtype",
+    "dtype",
+)
 TOKEN_MAP = "token_map.pt"
 
 
@@ -141,8 +165,10 @@ def rope_fields(layer_config: dict, fmt: str = "vllm") -> dict:
         return {"rope_theta": float(theta), "rope_scaling": None}
     if fmt == "eagle":
         if rope_type not in ("linear", "dynamic") or "factor" not in params:
-            raise HeadError(f"EAGLE's code scales RoPE only linearly or dynamically (rope_scaling {{type, factor}}); "
-                            f"the target's is {rope_type!r}: export with --format vllm or sglang")
+            raise HeadError(
+                f"EAGLE's code scales RoPE only linearly or dynamically (rope_scaling {{type, factor}}); "
+                f"the target's is {rope_type!r}: export with --format vllm or sglang"
+            )
         return {"rope_theta": float(theta), "rope_scaling": {"type": rope_type, "factor": params["factor"]}}
     return {"rope_theta": float(theta), "rope_scaling": {**params, "type": rope_type, "rope_type": rope_type}}
 
@@ -151,28 +177,42 @@ def exported_config(head: EagleHead, fmt: str, dtype: torch.dtype) -> dict:
     """config.json of an export: the head's Llama layer config with the fields each engine reads, in its convention."""
     config = {k: v for k, v in head.config.layer_config.items() if k not in _NOT_EXPORTED}
     dtype_name = str(dtype).removeprefix("torch.")
-    common = {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False,
-              "dtype": dtype_name, "torch_dtype": dtype_name, **rope_fields(config, fmt),
-              "eagletree": {"format": fmt, "target": head.config.target}}
+    common = {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        **rope_fields(config, fmt),
+        "eagletree": {"format": fmt, "target": head.config.target},
+    }
     if fmt == "eagle3":
         config.update(common)
-        config.update({
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "draft_vocab_size": head.lm_head.out_features, "target_hidden_size": head.config.hidden_size,
-            "bias": False,
-            # vLLM: inputs of decoder layers (hidden_states[i]); ours are outputs, so i + 1.
-            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.fused_layers],
-            # SGLang reads only this one and adds 1 itself: outputs of decoder layers, ours as they are.
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.fused_layers),
-                             "use_aux_hidden_state": True},
-        })
+        config.update(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": head.lm_head.out_features,
+                "target_hidden_size": head.config.hidden_size,
+                "bias": False,
+                # vLLM: inputs of decoder layers (hidden_states[i]); ours are outputs, so i + 1.
+                "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.fused_layers],
+                # SGLang reads only this one and adds 1 itself: outputs of decoder layers, ours as they are.
+                "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": list(head.fused_layers),
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
         return config
     config.update(common)
-    config.update({
-        "architectures": [ARCHITECTURES[fmt]],
-        # EAGLE: whether fc has a bias. vLLM and SGLang read it as the attention's bias (SGLang's fc always has one).
-        "bias": fmt == "eagle" and head.config.fc_bias,
-    })
+    config.update(
+        {
+            "architectures": [ARCHITECTURES[fmt]],
+            # EAGLE: whether fc has a bias. vLLM and SGLang read it as the attention's bias (SGLang's fc always has
+            # one).
+            "bias": fmt == "eagle" and head.config.fc_bias,
+        }
+    )
     return config
 
 
@@ -182,17 +222,22 @@ def engine_notes(head, fmt: str, target_config=None) -> list[str]:
     if fmt == "eagle3" and target_config is not None:
         inputs, fixed = [i + 1 for i in head.fused_layers], eagle_code_fused_inputs(target_config.num_hidden_layers)
         if inputs != fixed:
-            notes.append(f"EAGLE's own code always fuses the inputs of layers {fixed}, this head those of {inputs}: "
-                         f"run it with vLLM or SGLang (they read the layer ids from config.json), not EAGLE's EaModel")
+            notes.append(
+                f"EAGLE's own code always fuses the inputs of layers {fixed}, this head those of {inputs}: "
+                f"run it with vLLM or SGLang (they read the layer ids from config.json), not EAGLE's EaModel"
+            )
     elif fmt != "eagle3" and head.config.draft_vocab_size is not None:
-        notes.append(f"the draft vocabulary ({head.config.draft_vocab_size} tokens) is in {TOKEN_MAP}: pass it to "
-                     "SGLang as --speculative-token-map; vLLM and EAGLE draft EAGLE-1/2 heads over the full "
-                     "vocabulary")
+        notes.append(
+            f"the draft vocabulary ({head.config.draft_vocab_size} tokens) is in {TOKEN_MAP}: pass it to "
+            "SGLang as --speculative-token-map; vLLM and EAGLE draft EAGLE-1/2 heads over the full "
+            "vocabulary"
+        )
     return notes
 
 
-def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False,
-                target=None) -> Path:
+def export_head(
+    head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, target=None
+) -> Path:
     """Write the export folder (config.json + model.safetensors, and token_map.pt for EAGLE-1/2) atomically.
 
     `out_dir` must be absent or empty unless `overwrite`, which replaces these files and keeps the
@@ -207,8 +252,9 @@ def export_head(head, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, ov
     embedding = None if target is None or fmt != "eagle3" else target.get_input_embeddings().weight
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in exported_state(head, fmt, embedding).items()}
     with building(out) as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
         (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
         if fmt != "eagle3":  # always written, so an overwrite never keeps another head's map
             torch.save(head.d2t.detach().cpu().long().tolist(), tmp / TOKEN_MAP)  # SGLang: torch.tensor(list)
@@ -242,8 +288,10 @@ def read_export_config(folder) -> dict:
     if not isinstance(config, dict):
         raise HeadError(f"{path} holds a JSON {type(config).__name__}; expected an object of config keys")
     if "head_type" in config and "layer_config" in config:
-        raise HeadError(f"{str(folder)!r} is an eagletree head (head_type {config['head_type']!r}), not an EAGLE "
-                        "export: pass it to --head as it is, or copy the folder")
+        raise HeadError(
+            f"{str(folder)!r} is an eagletree head (head_type {config['head_type']!r}), not an EAGLE "
+            "export: pass it to --head as it is, or copy the folder"
+        )
     return config
 
 
@@ -255,20 +303,30 @@ def check_export_target(config: dict, target_config, folder) -> None:
     if isinstance(recorded, dict):
         for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
             if key in recorded and recorded[key] != ours[key]:
-                raise HeadError(f"{str(folder)!r} was exported for a target with {key} = {recorded[key]!r}, but this "
-                                f"target has {key} = {ours[key]!r}")
-    theirs = dict(config, rope_theta=rope_fields(config)["rope_theta"] if (
-        config.get("rope_parameters") or config.get("rope_theta") is not None) else None)
-    mine = {"hidden_size": target_config.hidden_size,
-            "num_attention_heads": getattr(target_config, "num_attention_heads", None),
-            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None),
-            "head_dim": getattr(target_config, "head_dim", None),
-            "rms_norm_eps": getattr(target_config, "rms_norm_eps", None),
-            "rope_theta": rope_fields(layer_config_dict(target_config))["rope_theta"]}
+                raise HeadError(
+                    f"{str(folder)!r} was exported for a target with {key} = {recorded[key]!r}, but this "
+                    f"target has {key} = {ours[key]!r}"
+                )
+    theirs = dict(
+        config,
+        rope_theta=rope_fields(config)["rope_theta"]
+        if (config.get("rope_parameters") or config.get("rope_theta") is not None)
+        else None,
+    )
+    mine = {
+        "hidden_size": target_config.hidden_size,
+        "num_attention_heads": getattr(target_config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(target_config, "num_key_value_heads", None),
+        "head_dim": getattr(target_config, "head_dim", None),
+        "rms_norm_eps": getattr(target_config, "rms_norm_eps", None),
+        "rope_theta": rope_fields(layer_config_dict(target_config))["rope_theta"],
+    }
     for key, value in mine.items():
         if theirs.get(key) is not None and value is not None and theirs[key] != value:
-            raise HeadError(f"the head in {str(folder)!r} has {key} = {theirs[key]!r}, but this target has "
-                            f"{key} = {value!r}: it was made for another target")
+            raise HeadError(
+                f"the head in {str(folder)!r} has {key} = {theirs[key]!r}, but this target has "
+                f"{key} = {value!r}: it was made for another target"
+            )
 
 
 def import_eagle(folder, target_config) -> EagleHead:
@@ -281,9 +339,10 @@ def import_eagle(folder, target_config) -> EagleHead:
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "layers.0.input_layernorm."))}
     if "fc.bias" in weights and not weights["fc.bias"].abs().max() > 0:
         del weights["fc.bias"]  # SGLang's layout always has one: all zeros is no bias
-    head = EagleHead.for_target(target_config, draft_tokens=_token_map(folder, target_config.vocab_size),
-                                fc_bias="fc.bias" in weights)
-    state = {("layer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in weights.items()}
+    head = EagleHead.for_target(
+        target_config, draft_tokens=_token_map(folder, target_config.vocab_size), fc_bias="fc.bias" in weights
+    )
+    state = {("layer." + k[len("layers.0.") :]) if k.startswith("layers.0.") else k: v for k, v in weights.items()}
     return _load_checked(head, state, folder, "an EAGLE-1/2 head")
 
 
@@ -309,12 +368,15 @@ def _load_checked(head, state, folder, kind: str):
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     bad = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
     if missing or unexpected or bad:
+
         def some(keys) -> str:
             keys = sorted(keys)
             return str(keys[:6])[:-1] + (f", ... {len(keys) - 6} more]" if len(keys) > 6 else "]")
 
-        raise HeadError(f"{str(folder)!r} is not {kind} for this target: missing {some(missing)}, "
-                        f"unexpected {some(unexpected)}, wrong shape {some(bad)}")
+        raise HeadError(
+            f"{str(folder)!r} is not {kind} for this target: missing {some(missing)}, "
+            f"unexpected {some(unexpected)}, wrong shape {some(bad)}"
+        )
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return head.eval()
 
@@ -335,8 +397,7 @@ def import_eagle3(folder, target_model) -> Eagle3Head:
         if any(i < 1 for i in layers):
             raise HeadError(f"eagle_aux_hidden_state_layer_ids {layers} must be >= 1 (inputs of decoder layers)")
         layers = [i - 1 for i in layers]
-    elif isinstance(config.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in \
-            config["eagle_config"]:
+    elif isinstance(config.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in config["eagle_config"]:
         layers = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])  # SGLang's: outputs already
     head = Eagle3Head.for_target(target_model, d2t, fused_layers=layers)
     state = {}
@@ -344,8 +405,8 @@ def import_eagle3(folder, target_model) -> Eagle3Head:
         if key in ("d2t", "t2d") or key.startswith("embed_tokens."):
             continue
         if key.startswith("midlayer.hidden_norm."):
-            key = key[len("midlayer."):]
+            key = key[len("midlayer.") :]
         elif key.startswith("midlayer."):
-            key = "layer." + key[len("midlayer."):]
+            key = "layer." + key[len("midlayer.") :]
         state[key] = value
     return _load_checked(head, state, folder, "an EAGLE-3 head")

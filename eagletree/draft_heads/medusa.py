@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .objectives import medusa_loss
 from .base import DraftHead, HeadConfig, target_identity
+from .objectives import medusa_loss
 
 
 class ResBlock(nn.Module):
@@ -44,12 +44,17 @@ class MedusaHead(DraftHead):
         return self.own_lm_head
 
     @classmethod
-    def for_target(cls, target_config, draft_tokens=None, num_heads: int = 4, num_layers: int = 1,
-                   own_lm_head: bool = False) -> "MedusaHead":
-        config = HeadConfig(head_type="medusa", hidden_size=target_config.hidden_size,
-                            target=target_identity(target_config), layer_config={},
-                            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
-                            extra={"num_heads": num_heads, "num_layers": num_layers, "own_lm_head": own_lm_head})
+    def for_target(
+        cls, target_config, draft_tokens=None, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False
+    ) -> MedusaHead:
+        config = HeadConfig(
+            head_type="medusa",
+            hidden_size=target_config.hidden_size,
+            target=target_identity(target_config),
+            layer_config={},
+            draft_vocab_size=None if draft_tokens is None else int(draft_tokens.numel()),
+            extra={"num_heads": num_heads, "num_layers": num_layers, "own_lm_head": own_lm_head},
+        )
         head = cls(config)
         if draft_tokens is not None:
             head.set_draft_vocab(draft_tokens)
@@ -60,7 +65,7 @@ class MedusaHead(DraftHead):
         return head
 
     @classmethod
-    def create(cls, target_model, cfg, draft_tokens=None) -> "MedusaHead":
+    def create(cls, target_model, cfg, draft_tokens=None) -> MedusaHead:
         return cls.for_target(target_model.config, draft_tokens, num_heads=cfg.medusa_heads)
 
     @property
@@ -80,7 +85,7 @@ class MedusaHead(DraftHead):
     def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
         return module(torch.zeros(2, self.config.hidden_size, device=device), lm_weight, lm_bias).float().sum() * 0.0
 
-    def make_drafter(self, target_model) -> "MedusaDrafter":
+    def make_drafter(self, target_model) -> MedusaDrafter:
         return MedusaDrafter(self, target_model)
 
 
@@ -109,6 +114,8 @@ class MedusaDrafter:
         if self.level_probs is None:
             raise RuntimeError("call extend() with the prompt's target features before drafting")
         if level > self.head.num_heads:
-            raise ValueError(f"Medusa head has {self.head.num_heads} heads; cannot draft level {level} (use depth <= "
-                             f"{self.head.num_heads})")
+            raise ValueError(
+                f"Medusa head has {self.head.num_heads} heads; cannot draft level {level} (use depth <= "
+                f"{self.head.num_heads})"
+            )
         return self.level_probs[level - 1].expand(nodes.numel(), -1)

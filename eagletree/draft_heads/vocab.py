@@ -7,7 +7,7 @@ d2t[i] = target id of draft id i; t2d = boolean mask over the target vocabulary.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -16,7 +16,9 @@ def check_draft_vocab(d2t: torch.Tensor, target_vocab: int) -> None:
     if d2t.dim() != 1 or d2t.numel() == 0:
         raise ValueError(f"draft vocabulary must be a non-empty 1-D tensor of target ids, got shape {tuple(d2t.shape)}")
     if int(d2t.min()) < 0 or int(d2t.max()) >= target_vocab:
-        raise ValueError(f"draft vocabulary ids must lie in [0, {target_vocab}), got [{int(d2t.min())}, {int(d2t.max())}]")
+        raise ValueError(
+            f"draft vocabulary ids must lie in [0, {target_vocab}), got [{int(d2t.min())}, {int(d2t.max())}]"
+        )
     if torch.unique(d2t).numel() != d2t.numel():
         raise ValueError("draft vocabulary repeats a target id; each target token may appear once")
 

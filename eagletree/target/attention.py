@@ -19,21 +19,28 @@ import torch
 GQA_SDPA = "eagletree_sdpa_gqa"
 
 
-def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                       **kwargs):
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' `sdpa_attention_forward`, except that on CPU grouped key/value heads are read in place
     (`enable_gqa`) when several masked query rows attend; anything else goes to transformers' own function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
-    if query.device.type != "cpu" or groups == 1 or q_len == 1 or attention_mask is None \
-            or kwargs.get("position_bias") is not None \
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    if (
+        query.device.type != "cpu"
+        or groups == 1
+        or q_len == 1
+        or attention_mask is None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions", False)
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -47,8 +54,9 @@ def register() -> None:
 
 
 def _grouped_on_cpu_sdpa(config, device) -> bool:
-    groups = config.num_attention_heads // max(getattr(config, "num_key_value_heads", None)
-                                                or config.num_attention_heads, 1)
+    groups = config.num_attention_heads // max(
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, 1
+    )
     return device.type == "cpu" and getattr(config, "_attn_implementation", None) == "sdpa" and groups > 1
 
 

@@ -27,7 +27,7 @@ def _takes(model, name: str) -> bool:
     return name in _forward_parameters(type(getattr(model, "_orig_mod", model)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_parameters(cls) -> frozenset:
     # Once per class: tree_forward asks on every pass.
     return frozenset(inspect.signature(inspect.unwrap(cls.forward)).parameters)
@@ -77,8 +77,9 @@ def is_causal(allowed: torch.Tensor) -> bool:
     n, kv = allowed.shape
     if n == 1:
         return bool(allowed.all())
-    return bool(allowed[:, : kv - n].all()) and torch.equal(allowed[:, kv - n:].cpu(),
-                                                            torch.ones(n, n, dtype=torch.bool).tril())
+    return bool(allowed[:, : kv - n].all()) and torch.equal(
+        allowed[:, kv - n :].cpu(), torch.ones(n, n, dtype=torch.bool).tril()
+    )
 
 
 @torch.inference_mode()
@@ -103,8 +104,10 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, lo
     layers = list(layers or [])
     n_layers = model.config.num_hidden_layers
     if any(not 0 <= i < n_layers - 1 for i in layers):
-        raise ValueError(f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
-                         f"(the last layer's output is `hidden`, after the final norm)")
+        raise ValueError(
+            f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
+            f"(the last layer's output is `hidden`, after the final norm)"
+        )
     # A left-to-right mask (a one-node tree, a prompt) is the model's own causal attention: without a mask the
     # model takes its unmasked fast path (SDPA's causal kernel; no per-head copies of grouped key/value heads).
     mask = None if is_causal(allowed) else mask_for_model(model, allowed.to(input_ids.device), model.dtype)
@@ -119,12 +122,16 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, lo
         **extra,
     )
     if cache is not None and cache_length(cache) != kv:
-        raise TargetError(f"the model did not extend the KV cache ({cache_length(cache)} entries, expected {kv}); "
-                          f"its forward ignored the cache argument {cache_kwarg(model)!r}")
+        raise TargetError(
+            f"the model did not extend the KV cache ({cache_length(cache)} entries, expected {kv}); "
+            f"its forward ignored the cache argument {cache_kwarg(model)!r}"
+        )
     # hidden_states[0] is the embedding output; [i + 1] is decoder layer i's output; the last is post-norm.
     states = out.hidden_states
     layer_hidden = {i: states[i + 1] for i in layers} if layers else None
-    return TreeForwardOutput(logits=out.logits.float() if logits else None, hidden=states[-1], layer_hidden=layer_hidden)
+    return TreeForwardOutput(
+        logits=out.logits.float() if logits else None, hidden=states[-1], layer_hidden=layer_hidden
+    )
 
 
 @torch.inference_mode()
@@ -157,6 +164,8 @@ def _set_length(layer, length: int) -> None:
     if hasattr(layer, "cumulative_length"):
         window = getattr(layer, "sliding_window", None)
         if window is not None and length >= window:
-            raise TargetError(f"context of {length} tokens reached the sliding window ({window}): "
-                              "tree verification over a rolling cache is not supported")
+            raise TargetError(
+                f"context of {length} tokens reached the sliding window ({window}): "
+                "tree verification over a rolling cache is not supported"
+            )
         layer.cumulative_length = length

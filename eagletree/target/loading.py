@@ -100,7 +100,6 @@ def gguf_to_folder(gguf_path: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir() / "targets" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (final / _CACHE_COMPLETE).is_file():
@@ -140,12 +139,19 @@ def gguf_to_folder(gguf_path: Path) -> Path:
 
 def check_causal_lm(config) -> None:
     """Raise TargetError unless `config` describes a decoder-only causal LM."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     # Bidirectional encoders (BERT, RoBERTa, ...) also have a causal-LM class, usable only as a
     # decoder half; a masked-LM head marks them.
     encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    if getattr(config, "is_encoder_decoder", False) or encoder or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        or encoder
+        or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
         raise TargetError(
             f"model type {config.model_type!r} (architectures {getattr(config, 'architectures', None)}) "
             "is not a decoder-only causal LM; eagletree needs a model AutoModelForCausalLM can load"
@@ -167,22 +173,29 @@ def checked_device(device) -> torch.device:
         raise TargetError(f"device {device!r} is not a device name; expected cpu, cuda or cuda:N") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise TargetError(f"device {device!r}: CUDA is not available on this machine "
-                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use cpu")
+            raise TargetError(
+                f"device {device!r}: CUDA is not available on this machine "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use cpu"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise TargetError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type in ("mps", "xpu"):
-        available = torch.backends.mps.is_available() if dev.type == "mps" else (
-            hasattr(torch, "xpu") and torch.xpu.is_available())
+        available = (
+            torch.backends.mps.is_available()
+            if dev.type == "mps"
+            else (hasattr(torch, "xpu") and torch.xpu.is_available())
+        )
         if not available:
-            raise TargetError(f"device {device!r}: {dev.type.upper()} is not available on this machine "
-                              f"(torch {torch.__version__}); use cpu")
+            raise TargetError(
+                f"device {device!r}: {dev.type.upper()} is not available on this machine "
+                f"(torch {torch.__version__}); use cpu"
+            )
     elif dev.type != "cpu":
         raise TargetError(f"device {device!r} is not supported; expected cpu or cuda")
     return dev
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 matrix products read half the
     bytes of fp32 (a bf16 drafter call costs about half an fp32 one there: docs/results.md); elsewhere they are

@@ -22,8 +22,12 @@ from .config import TrainConfig, TrainingError, lr_lambda
 
 def rng_state(noise_gen) -> dict:
     """Every random state a run draws from: torch's, Python's, the noise generator's and CUDA's."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "noise": noise_gen.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "noise": noise_gen.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state, noise_gen) -> None:
@@ -35,17 +39,37 @@ def set_rng_state(state, noise_gen) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(folder: Path, head, optimizer, scheduler, step, counters, noise_gen, cfg, keep: int,
-                    precision: str = "fp32", data: dict | None = None):
+def save_checkpoint(
+    folder: Path,
+    head,
+    optimizer,
+    scheduler,
+    step,
+    counters,
+    noise_gen,
+    cfg,
+    keep: int,
+    precision: str = "fp32",
+    data: dict | None = None,
+):
     """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones. `data`: what the run
     trains on (`inputs.data_fingerprint`), so that a resume notices a changed dataset."""
     root = folder / "checkpoints"
     final = root / f"step-{step:07d}"
     with building(final) as tmp:  # also removes what a killed save left in `root`
         head.save_pretrained(tmp / "head")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "counters": counters, "rng": rng_state(noise_gen), "precision": precision, "data": data},
-                   tmp / "trainer.pt")
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "counters": counters,
+                "rng": rng_state(noise_gen),
+                "precision": precision,
+                "data": data,
+            },
+            tmp / "trainer.pt",
+        )
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     publish(tmp, final, keep_others=False)
     # the `keep` newest by step, the one just written always among them
@@ -61,14 +85,33 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 # Keys that may differ on --resume without changing the run (where and how it is written, when it stops).
-NOT_RUN_DEFINING = ("out_dir", "stop_after", "save_every", "keep_checkpoints", "log_every", "eval_conversations",
-                    "eval_dataset", "report_to", "device", "precision", "features_dir")
+NOT_RUN_DEFINING = (
+    "out_dir",
+    "stop_after",
+    "save_every",
+    "keep_checkpoints",
+    "log_every",
+    "eval_conversations",
+    "eval_dataset",
+    "report_to",
+    "device",
+    "precision",
+    "features_dir",
+)
 
 
 # Keys that make the head what it is (its shape, vocabulary, where its weights start): a resume goes on with the
 # checkpoint's head, so these cannot change, not even with --allow-changes.
-HEAD_DEFINING = ("head_type", "medusa_heads", "fc_bias", "draft_vocab", "draft_vocab_sample", "init_head",
-                 "init_from_target", "widen_vocab")
+HEAD_DEFINING = (
+    "head_type",
+    "medusa_heads",
+    "fc_bias",
+    "draft_vocab",
+    "draft_vocab_sample",
+    "init_head",
+    "init_from_target",
+    "widen_vocab",
+)
 
 
 def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
@@ -94,8 +137,9 @@ def resume_point(folder: Path, target_config, set_aside: bool = True):
                 raise ValueError("trainer.pt lacks the trainer state")
         except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
             damaged.append((ckpt, f"{ckpt.name} ({' '.join(str(e).split())[:160]})"))
-            print(f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it",
-                  file=sys.stderr)
+            print(
+                f"warning: checkpoint {ckpt} is damaged ({damaged[-1][1]}); trying the one before it", file=sys.stderr
+            )
             continue
         head.check_target(target_config)  # another target is a wrong run, not a damaged checkpoint
         if damaged and set_aside:
@@ -107,42 +151,63 @@ def resume_point(folder: Path, target_config, set_aside: bool = True):
                 print(f"warning: set the damaged {bad.name} aside as {aside}", file=sys.stderr)
         return ckpt, head, state, saved
     if damaged:
-        raise TrainingError(f"no intact checkpoint in {folder / 'checkpoints'} to resume from: "
-                            f"{'; '.join(text for _, text in damaged)}")
+        raise TrainingError(
+            f"no intact checkpoint in {folder / 'checkpoints'} to resume from: {'; '.join(text for _, text in damaged)}"
+        )
     return None, None, None, None
 
 
-def check_resume(ckpt: Path, head, state: dict, changes: dict, data: dict, cfg: TrainConfig,
-                 allow_changes: bool) -> None:
+def check_resume(
+    ckpt: Path, head, state: dict, changes: dict, data: dict, cfg: TrainConfig, allow_changes: bool
+) -> None:
     """Refuse to resume from `ckpt` (its `head` and trainer `state`) a run that the config would change: another
     head type or a head-defining key always; run-defining keys that differ (`changes`) or other training data
     (`data`, `inputs.data_fingerprint`) unless `allow_changes` (then a changed dataset is warned about)."""
     if head.config.head_type != cfg.head_type:  # no flag changes this
-        raise TrainingError(f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
-                            f"head_type {cfg.head_type!r}")
+        raise TrainingError(
+            f"checkpoint {ckpt} holds a {head.config.head_type!r} head but the config asks for "
+            f"head_type {cfg.head_type!r}"
+        )
     fixed = {k: v for k, v in changes.items() if k in HEAD_DEFINING}
     if fixed:  # the checkpoint's head already has its shape and start: no flag changes these either
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fixed.items())
-        raise TrainingError(f"--resume from {ckpt}: {listed} would change the head's shape or start, which the "
-                            "checkpoint fixes; keep the checkpoint's values, or start a new run in another out_dir")
+        raise TrainingError(
+            f"--resume from {ckpt}: {listed} would change the head's shape or start, which the "
+            "checkpoint fixes; keep the checkpoint's values, or start a new run in another out_dir"
+        )
     saved_data = state.get("data")  # (checkpoints before this key record none)
     if saved_data is not None and saved_data != data:
         before, now = saved_data["conversations"], data["conversations"]
         counts = f"{before} -> {now} conversations" if before != now else f"{now} conversations, other ones"
-        what = (f"the training data changed since the checkpoint ({counts}), so the rest of the run takes them in "
-                "another order than a straight run")
+        what = (
+            f"the training data changed since the checkpoint ({counts}), so the rest of the run takes them in "
+            "another order than a straight run"
+        )
         if not allow_changes:
-            raise TrainingError(f"--resume from {ckpt}: {what}; pass --allow-changes to continue on the new data, "
-                                "or give the run another out_dir")
+            raise TrainingError(
+                f"--resume from {ckpt}: {what}; pass --allow-changes to continue on the new data, "
+                "or give the run another out_dir"
+            )
         warnings.warn(f"--resume from {ckpt}: {what}", stacklevel=5)  # (at train()'s caller)
     if changes and not allow_changes:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-        raise TrainingError(f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
-                            "--allow-changes to continue with the new values, or give the run another out_dir")
+        raise TrainingError(
+            f"--resume from {ckpt} with changed run-defining keys: {listed}; pass "
+            "--allow-changes to continue with the new values, or give the run another out_dir"
+        )
 
 
-def restore_trainer(accelerator, ckpt: Path, state: dict, changes: dict, optimizer, scheduler, noise_gen,
-                    cfg: TrainConfig, precision: str) -> tuple[int, dict]:
+def restore_trainer(
+    accelerator,
+    ckpt: Path,
+    state: dict,
+    changes: dict,
+    optimizer,
+    scheduler,
+    noise_gen,
+    cfg: TrainConfig,
+    precision: str,
+) -> tuple[int, dict]:
     """Load a checkpoint's trainer `state` into the optimizer, the schedule (then the `changes` that
     `check_resume` allowed) and the random generators; returns (step, counters) to go on from."""
     optimizer.load_state_dict(state["optimizer"])
@@ -152,13 +217,18 @@ def restore_trainer(accelerator, ckpt: Path, state: dict, changes: dict, optimiz
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         accelerator.print(f"resuming with changed keys: {listed}")
     # the checkpoint holds the whole run's counts: the main process carries them on, the others count afresh
-    step, counters = state["step"], (state["counters"] if accelerator.is_main_process
-                                     else dict.fromkeys(state["counters"], 0))
+    step, counters = (
+        state["step"],
+        (state["counters"] if accelerator.is_main_process else dict.fromkeys(state["counters"], 0)),
+    )
     set_rng_state(state["rng"], noise_gen)
     if state.get("precision", precision) != precision:  # (checkpoints before the precision key record none)
-        warnings.warn(f"{ckpt} was trained in {state['precision']} and continues in {precision} (precision="
-                      f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
-                      "run exactly; pass precision=... to keep it", stacklevel=4)  # (at train()'s caller)
+        warnings.warn(
+            f"{ckpt} was trained in {state['precision']} and continues in {precision} (precision="
+            f"{cfg.precision!r} on this machine): the run will not match a straight {state['precision']} "
+            "run exactly; pass precision=... to keep it",
+            stacklevel=4,
+        )  # (at train()'s caller)
     accelerator.print(f"resumed from {ckpt} at step {step}")
     return step, counters
 
@@ -184,9 +254,11 @@ def check_run_dir(folder: Path, resume: bool, overwrite: bool) -> list[Path]:
     if not overwrite:
         last = latest_checkpoint(folder)
         where = f"checkpoints up to {last.name}" if last is not None else ", ".join(held)
-        raise TrainingError(f"out_dir {str(folder)!r} holds a run ({where}); pass --resume to continue it, "
-                            "--overwrite to start over (its checkpoints, head, history and metrics are deleted), "
-                            "or another out_dir")
+        raise TrainingError(
+            f"out_dir {str(folder)!r} holds a run ({where}); pass --resume to continue it, "
+            "--overwrite to start over (its checkpoints, head, history and metrics are deleted), "
+            "or another out_dir"
+        )
     return [folder / name for name in held]
 
 

@@ -79,9 +79,11 @@ class TrainConfig:
 
 
 # the config keys a head type's model and objective never read (the EAGLE-1/2 objective reads them all but one)
-IGNORED_BY = {"eagle": ("medusa_heads",),
-              "eagle3": ("l1_weight", "ce_weight", "fc_bias", "medusa_heads"),
-              "medusa": ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias")}
+IGNORED_BY = {
+    "eagle": ("medusa_heads",),
+    "eagle3": ("l1_weight", "ce_weight", "fc_bias", "medusa_heads"),
+    "medusa": ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias"),
+}
 
 
 def _read_values(path, overrides, defaults: TrainConfig) -> dict:
@@ -140,28 +142,44 @@ def _check_ranges(values: dict) -> None:
     for key in positive:
         if key in values and isinstance(values[key], int) and values[key] < 1:
             raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
-    ranges = {"lr": (0.0, False), "weight_decay": (0.0, True), "noise": (0.0, True), "clip": (0.0, True),
-              "l1_weight": (0.0, True), "ce_weight": (0.0, True), "ttt_decay": (0.0, False),
-              "warmup_steps": (0, True), "max_conversations": (0, True), "draft_vocab": (0, True),
-              "draft_vocab_sample": (1, True), "eval_conversations": (1, True), "stop_after": (0, True),
-              "seed": (0, True)}
+    ranges = {
+        "lr": (0.0, False),
+        "weight_decay": (0.0, True),
+        "noise": (0.0, True),
+        "clip": (0.0, True),
+        "l1_weight": (0.0, True),
+        "ce_weight": (0.0, True),
+        "ttt_decay": (0.0, False),
+        "warmup_steps": (0, True),
+        "max_conversations": (0, True),
+        "draft_vocab": (0, True),
+        "draft_vocab_sample": (1, True),
+        "eval_conversations": (1, True),
+        "stop_after": (0, True),
+        "seed": (0, True),
+    }
     for key, (low, inclusive) in ranges.items():
         if key in values and (values[key] < low if inclusive else values[key] <= low):
             raise TrainingError(f"config key {key!r} must be {'>=' if inclusive else '>'} {low}, got {values[key]}")
     if "min_lr_ratio" in values and not 0.0 <= values["min_lr_ratio"] <= 1.0:
         raise TrainingError(f"config key 'min_lr_ratio' must be in [0, 1], got {values['min_lr_ratio']}")
     if "heldout_fraction" in values and not 0.0 < values["heldout_fraction"] < 1.0:
-        raise TrainingError(f"config key 'heldout_fraction' must be in (0, 1): the held-out conversations are "
-                            f"never trained on and evaluation needs some, got {values['heldout_fraction']}")
+        raise TrainingError(
+            f"config key 'heldout_fraction' must be in (0, 1): the held-out conversations are "
+            f"never trained on and evaluation needs some, got {values['heldout_fraction']}"
+        )
     for key in ("out_dir", "dataset", "target"):
         if key in values and not str(values[key]).strip():
-            expected = {"out_dir": "the run's folder",
-                        "dataset": "'sharegpt', a data file or several joined by commas",
-                        "target": "a target alias, HF model folder or .gguf file"}[key]
+            expected = {
+                "out_dir": "the run's folder",
+                "dataset": "'sharegpt', a data file or several joined by commas",
+                "target": "a target alias, HF model folder or .gguf file",
+            }[key]
             raise TrainingError(f"config key {key!r} is empty; expected {expected}")
     if values.get("ttt_steps", 0) < 0:
-        raise TrainingError(f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), "
-                            f"got {values['ttt_steps']}")
+        raise TrainingError(
+            f"config key 'ttt_steps' must be >= 0 (0 = the head type's default), got {values['ttt_steps']}"
+        )
     if values.get("feature_dtype", "bf16") not in ("bf16", "fp16", "fp32"):
         raise TrainingError(f"feature_dtype must be bf16, fp16 or fp32, got {values['feature_dtype']!r}")
     if values.get("precision", "auto") not in ("auto", "bf16", "fp32"):
@@ -172,28 +190,42 @@ def _check_choices(values: dict, defaults: TrainConfig) -> None:
     """The keys that depend on one another agree (where the head starts, its vocabulary, what its type reads), and
     the keys naming a choice name a known one."""
     if values.get("init_from_target") and values.get("head_type", "eagle") != "eagle":
-        raise TrainingError(f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
-                            f"head_type is {values['head_type']!r}")
+        raise TrainingError(
+            f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
+            f"head_type is {values['head_type']!r}"
+        )
     if values.get("init_from_target") and values.get("init_head"):
-        raise TrainingError(f"init_from_target and init_head {values['init_head']!r} both say where the head "
-                            "starts: set one")
+        raise TrainingError(
+            f"init_from_target and init_head {values['init_head']!r} both say where the head starts: set one"
+        )
     if values.get("widen_vocab") and not values.get("init_head"):
-        raise TrainingError("widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
-                            "head drafts over the full vocabulary with draft_vocab=0)")
+        raise TrainingError(
+            "widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
+            "head drafts over the full vocabulary with draft_vocab=0)"
+        )
     if values.get("widen_vocab") and values.get("head_type", "eagle") == "eagle3":
-        raise TrainingError("widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
-                            "vocabulary, so it cannot be widened; drop widen_vocab")
+        raise TrainingError(
+            "widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
+            "vocabulary, so it cannot be widened; drop widen_vocab"
+        )
     if values.get("widen_vocab") and values.get("draft_vocab"):
-        raise TrainingError(f"widen_vocab trains over the full vocabulary, but draft_vocab is "
-                            f"{values['draft_vocab']}: set draft_vocab=0")
+        raise TrainingError(
+            f"widen_vocab trains over the full vocabulary, but draft_vocab is "
+            f"{values['draft_vocab']}: set draft_vocab=0"
+        )
     head_type = values.get("head_type", "eagle")
-    ignored = [k for k in IGNORED_BY.get(head_type, ()) if k in values and values[k] != getattr(defaults, k)
-               and not (k == "noise" and values[k] == 0)]  # no noise: what such a head does anyway
+    ignored = [
+        k
+        for k in IGNORED_BY.get(head_type, ())
+        if k in values and values[k] != getattr(defaults, k) and not (k == "noise" and values[k] == 0)
+    ]  # no noise: what such a head does anyway
     if ignored:
-        raise TrainingError(f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
-                            f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
-                            f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
-                            f"{'it' if len(ignored) == 1 else 'them'} from the config")
+        raise TrainingError(
+            f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
+            f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
+            f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
+            f"{'it' if len(ignored) == 1 else 'them'} from the config"
+        )
     if values.get("report_to", "wandb") not in ("wandb", "none"):
         raise TrainingError(f"report_to must be 'wandb' or 'none', got {values['report_to']!r}")
     if values.get("long", "truncate") not in ("truncate", "drop"):
@@ -202,11 +234,13 @@ def _check_choices(values: dict, defaults: TrainConfig) -> None:
 
 def lr_lambda(cfg: TrainConfig):
     """The learning-rate factor at each optimizer step: linear warm-up, then cosine down to min_lr_ratio."""
+
     def f(step):
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 

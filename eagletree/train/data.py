@@ -85,13 +85,12 @@ def to_messages(record, where: str) -> list[dict] | None:
     messages = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise DataError(f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, "
-                            f"got {turn!r:.120}")
+            raise DataError(
+                f"{where}, turn {t}: expected an object with {role_key!r} and {text_key!r}, got {turn!r:.120}"
+            )
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
-            raise DataError(
-                f"{where}, turn {t}: unknown role {turn[role_key]!r}; known roles: {sorted(ROLE_ALIASES)}"
-            )
+            raise DataError(f"{where}, turn {t}: unknown role {turn[role_key]!r}; known roles: {sorted(ROLE_ALIASES)}")
         content = turn[text_key]
         if not isinstance(content, str):
             raise DataError(f"{where}, turn {t}: {text_key!r} must be a string, got {type(content).__name__}")
@@ -138,7 +137,7 @@ def scan_json_array(text: str, path: str) -> tuple[list, bool, int]:
     decoder = json.JSONDecoder()
     i = _skip_ws(text, 0)
     if i == len(text) or text[i] != "[":
-        raise DataError(f"{path}: expected a JSON array of conversations (or JSONL), found {text[i:i + 40]!r}")
+        raise DataError(f"{path}: expected a JSON array of conversations (or JSONL), found {text[i : i + 40]!r}")
     i = _skip_ws(text, i + 1)
     records, last_end = [], i
     if i < len(text) and text[i] == "]":
@@ -147,7 +146,7 @@ def scan_json_array(text: str, path: str) -> tuple[list, bool, int]:
         if i == len(text):
             return records, True, last_end
         if text[i] != "{":
-            raise DataError(f"{path}: record {len(records)} should start with '{{', found {text[i:i + 20]!r}")
+            raise DataError(f"{path}: record {len(records)} should start with '{{', found {text[i : i + 20]!r}")
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
@@ -162,7 +161,7 @@ def scan_json_array(text: str, path: str) -> tuple[list, bool, int]:
         if text[i] == "]":
             return records, False, i + 1
         if text[i] != ",":
-            raise DataError(f"{path}: expected ',' or ']' after record {len(records) - 1}, found {text[i:i + 20]!r}")
+            raise DataError(f"{path}: expected ',' or ']' after record {len(records) - 1}, found {text[i : i + 20]!r}")
         i = _skip_ws(text, i + 1)
 
 
@@ -257,8 +256,10 @@ def _read_jsonl(text: str, path: Path, n_bytes: int) -> Dataset:
             except json.JSONDecodeError:
                 whole = None
             if isinstance(whole, dict):
-                raise DataError(f"{path} is one JSON object spread over {len(lines)} lines, not records: expected a "
-                                f"JSON array of records (.json) or one record per line (.jsonl)") from None
+                raise DataError(
+                    f"{path} is one JSON object spread over {len(lines)} lines, not records: expected a "
+                    f"JSON array of records (.json) or one record per line (.jsonl)"
+                ) from None
             raise DataError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
     conversations, empty = _collect(records, lambda i: f"{path}: line {numbers[i]}")
     data = Dataset(conversations, str(path), truncated=truncated, file_bytes=n_bytes, skipped_empty=empty)
@@ -328,13 +329,16 @@ def dataset_parts(source) -> list[str]:
         return [text]
     parts = [part.strip() for part in text.split(",")]
     if not all(parts):
-        raise DataError(f"dataset {text!r} has an empty entry; expected sources joined by commas, e.g. "
-                        "'a.jsonl,b.jsonl'")
+        raise DataError(
+            f"dataset {text!r} has an empty entry; expected sources joined by commas, e.g. 'a.jsonl,b.jsonl'"
+        )
     names = [part if part == "sharegpt" else str(Path(part).resolve()) for part in parts]
     repeated = sorted({part for part, name in zip(parts, names) if names.count(name) > 1})
     if repeated:
-        raise DataError(f"dataset {text!r} names {' and '.join(map(repr, repeated))}: the same source more than once; "
-                        "name each source once")
+        raise DataError(
+            f"dataset {text!r} names {' and '.join(map(repr, repeated))}: the same source more than once; "
+            "name each source once"
+        )
     return parts
 
 
@@ -356,11 +360,14 @@ def merge(datasets: list[Dataset]) -> Dataset:
                     replacing[data.source] = replacing.get(data.source, 0) + 1
             place.setdefault(conv.id, []).append(len(kept))
             kept.append(conv)
-    merged = Dataset([conv for conv in kept if conv is not None], ",".join(d.source for d in datasets),
-                     truncated=any(d.truncated for d in datasets),
-                     file_bytes=sum(d.file_bytes or 0 for d in datasets),
-                     skipped_empty=sum(d.skipped_empty for d in datasets),
-                     notes=[note for d in datasets for note in d.notes])
+    merged = Dataset(
+        [conv for conv in kept if conv is not None],
+        ",".join(d.source for d in datasets),
+        truncated=any(d.truncated for d in datasets),
+        file_bytes=sum(d.file_bytes or 0 for d in datasets),
+        skipped_empty=sum(d.skipped_empty for d in datasets),
+        notes=[note for d in datasets for note in d.notes],
+    )
     merged.replaced = sum(replacing.values())
     if replacing:
         note = "; ".join(f"{source} replaced {n:,}" for source, n in replacing.items())

@@ -74,8 +74,10 @@ def _record(line: str, where: str, settings: dict | None, fix: str) -> str:
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise DistillError(f"{where} is not a distillation record ({e}); {fix}") from e
     if settings is not None and made_with != settings:
-        raise DistillError(f"{where} was made with {made_with}, this run asks for {settings}; pass another --out "
-                           "(one file, one way of answering)")
+        raise DistillError(
+            f"{where} was made with {made_with}, this run asks for {settings}; pass another --out "
+            "(one file, one way of answering)"
+        )
     return conv_id
 
 
@@ -165,15 +167,17 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     device = next(model.parameters()).device
     stops = stop_token_ids(model, tok)
     if not stops:
-        raise DistillError(f"{getattr(tok, 'name_or_path', 'the tokenizer')}: no EOS token and no eos_token_id in the "
-                           "model's generation_config: answers would never end")
+        raise DistillError(
+            f"{getattr(tok, 'name_or_path', 'the tokenizer')}: no EOS token and no eos_token_id in the "
+            "model's generation_config: answers would never end"
+        )
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     width = max(len(r[2]) for r in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
     for i, (_, _, p) in enumerate(batch):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
     # Every logits-shaping value set explicitly: generate() fills the unset ones from the model's generation_config.
     config = hf_generation_config(max_new_tokens, temperature, stops, pad_token_id=pad)
     torch.manual_seed(seed)
@@ -196,10 +200,23 @@ def check_match(match: str) -> re.Pattern:
         raise DistillError(f"match must be a regular expression, got {match!r} ({e})") from None
 
 
-def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: int = 320, max_prompt_tokens: int = 256,
-            batch_size: int = 16, temperature: float = 0.0, limit: int = 0, seed: int = 0,
-            skip_answered: tuple = (), progress: bool = True, turns: str = "first", min_prompt_tokens: int = 0,
-            match: str | None = None) -> dict:
+def distill(
+    model,
+    tok,
+    conversations,
+    out: str | os.PathLike,
+    max_new_tokens: int = 320,
+    max_prompt_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    limit: int = 0,
+    seed: int = 0,
+    skip_answered: tuple = (),
+    progress: bool = True,
+    turns: str = "first",
+    min_prompt_tokens: int = 0,
+    match: str | None = None,
+) -> dict:
     """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
     `user_turns`) with the target; append JSONL records to `out`.
 
@@ -214,9 +231,14 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     answers) are answered, the others counted; `limit` then takes the first N of those. Returns counts.
     """
     _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens)
-    settings = {"target": target_identity(model.config)["fingerprint"], "dtype": str(model.dtype).removeprefix("torch."),
-                "temperature": float(temperature), "max_new_tokens": max_new_tokens,
-                **({"seed": seed} if temperature > 0 else {}), **({"turns": turns} if turns != "first" else {})}
+    settings = {
+        "target": target_identity(model.config)["fingerprint"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "temperature": float(temperature),
+        "max_new_tokens": max_new_tokens,
+        **({"seed": seed} if temperature > 0 else {}),
+        **({"turns": turns} if turns != "first" else {}),
+    }
     path = Path(out)
     if isinstance(skip_answered, (str, os.PathLike)):
         skip_answered = (skip_answered,)
@@ -238,31 +260,48 @@ def distill(model, tok, conversations, out: str | os.PathLike, max_new_tokens: i
     batches, long, short = _batches(items, tok, batch_size, max_prompt_tokens, min_prompt_tokens)
     left_out = done | elsewhere
     todo = [b for b in batches if any(r[0] not in left_out for r in b)]
-    counts = {"out": str(path), "already": sum(r[0] in done for b in batches for r in b), "answered": 0,
-              "skipped_long_prompt": long, "skipped_short_prompt": short, "skipped_no_match": no_match,
-              "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
-              "new_tokens": 0, "eos": 0, "length": 0}
-    bar = tqdm(total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer",
-               disable=not progress)
+    counts = {
+        "out": str(path),
+        "already": sum(r[0] in done for b in batches for r in b),
+        "answered": 0,
+        "skipped_long_prompt": long,
+        "skipped_short_prompt": short,
+        "skipped_no_match": no_match,
+        "skipped_answered_elsewhere": sum(r[0] in elsewhere and r[0] not in done for b in batches for r in b),
+        "new_tokens": 0,
+        "eos": 0,
+        "length": 0,
+    }
+    bar = tqdm(
+        total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer", disable=not progress
+    )
     _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
     return counts
 
 
 def _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens):
     """DistillError naming the first setting outside its range, or a tokenizer without a chat template."""
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("max_prompt_tokens", max_prompt_tokens, 1),
-                             ("batch_size", batch_size, 1), ("limit", limit, 0),
-                             ("min_prompt_tokens", min_prompt_tokens, 0)):
+    for name, value, low in (
+        ("max_new_tokens", max_new_tokens, 1),
+        ("max_prompt_tokens", max_prompt_tokens, 1),
+        ("batch_size", batch_size, 1),
+        ("limit", limit, 0),
+        ("min_prompt_tokens", min_prompt_tokens, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise DistillError(f"{name} must be an integer >= {low}, got {value!r}")
     if min_prompt_tokens > max_prompt_tokens:
-        raise DistillError(f"min_prompt_tokens ({min_prompt_tokens}) must not exceed max_prompt_tokens "
-                           f"({max_prompt_tokens}): no prompt would be answered")
+        raise DistillError(
+            f"min_prompt_tokens ({min_prompt_tokens}) must not exceed max_prompt_tokens "
+            f"({max_prompt_tokens}): no prompt would be answered"
+        )
     if not temperature >= 0:
         raise DistillError(f"temperature must be >= 0, got {temperature!r}")
     if getattr(tok, "chat_template", None) is None:
-        raise DistillError(f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no chat template: there is no "
-                           "prompt format to answer in")
+        raise DistillError(
+            f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no chat template: there is no "
+            "prompt format to answer in"
+        )
 
 
 def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed):
@@ -280,8 +319,13 @@ def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max
             lines = []
             for (conv_id, msgs, _), (text, n, finish) in zip(pending, answers):
                 context = [dict(m, weight=0) if m["role"] == "assistant" else m for m in msgs]  # the dataset's answers
-                record = {"id": conv_id, "messages": context + [{"role": "assistant", "content": text}],
-                          "finish": finish, "new_tokens": n, "settings": settings}
+                record = {
+                    "id": conv_id,
+                    "messages": context + [{"role": "assistant", "content": text}],
+                    "finish": finish,
+                    "new_tokens": n,
+                    "settings": settings,
+                }
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 counts["new_tokens"] += n
                 counts[finish] += 1

@@ -39,8 +39,9 @@ def _rendered(tokenizer, conversations, max_len: int):
 
 
 @torch.inference_mode()
-def agreement(head, target, tokenizer, conversations=(), steps: int = 5, max_len: int = 512, stride: int = 8,
-              sequences=None) -> dict:
+def agreement(
+    head, target, tokenizer, conversations=(), steps: int = 5, max_len: int = 512, stride: int = 8, sequences=None
+) -> dict:
     """Top-1 agreement of the head's draft with the target's greedy token.
 
     teacher_forced: every assistant position, the head reading the target's real features.
@@ -69,11 +70,12 @@ def agreement(head, target, tokenizer, conversations=(), steps: int = 5, max_len
         greedy = lm(final).argmax(-1)  # [T] the target's next token after each position
         drafter = TreeDrafter(head, target)
         d2t = drafter.token_map
-        to_target = (lambda x: x) if d2t is None else (lambda x: d2t[x])  # noqa: E731
+        to_target = (lambda x: x) if d2t is None else (lambda x: d2t[x])  # noqa: E731, B023 (used in this iteration)
         # Teacher-forced: one causal pass over the whole conversation.
         head_in = head.fuse(feats[:-1])
-        pred = head(head_in[None], ids[None, 1:], torch.arange(ids.numel() - 1, device=device),
-                    target.get_input_embeddings())[0]
+        pred = head(
+            head_in[None], ids[None, 1:], torch.arange(ids.numel() - 1, device=device), target.get_input_embeddings()
+        )[0]
         tf = to_target(drafter.draft_probs(pred).argmax(-1))  # prediction of the token after position t+1
         m = mask[1:-1]
         hits_tf += int((tf[:-1] == greedy[1:-1])[m].sum())
@@ -90,9 +92,12 @@ def agreement(head, target, tokenizer, conversations=(), steps: int = 5, max_len
                     probs = drafter(node, ids[s + k : s + k + 1], node - 1, k + 1)[0]
                 hits[k] += int(to_target(probs.argmax()) == greedy[s + k])
                 total[k] += 1
-    return {"teacher_forced": hits_tf / max(total_tf, 1),
-            "free_running": [h / max(t, 1) for h, t in zip(hits, total)],
-            "positions": total_tf, "chains": total[0]}
+    return {
+        "teacher_forced": hits_tf / max(total_tf, 1),
+        "free_running": [h / max(t, 1) for h, t in zip(hits, total)],
+        "positions": total_tf,
+        "chains": total[0],
+    }
 
 
 def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=None, answers=None, **options) -> dict:
@@ -108,8 +113,9 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
         stats = GenerationStats(steps=[] if steps is not None else None)
         answer = []
-        for tokens in decode_steps(target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats,
-                                   **options):
+        for tokens in decode_steps(
+            target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats, **options
+        ):
             answer += tokens
         if answers is not None:
             answers.append((encode_prompt(tokenizer, prompt).flatten().cpu(), torch.tensor(answer, dtype=torch.long)))
@@ -118,12 +124,18 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
         predicted += stats.predicted
         if steps is not None:
             steps += stats.steps
-    return {"tokens_per_pass": new / max(passes, 1), "predicted": sum(predicted) / max(len(predicted), 1),
-            "prompts": len(prompts), "new_tokens": new, "passes": passes}
+    return {
+        "tokens_per_pass": new / max(passes, 1),
+        "predicted": sum(predicted) / max(len(predicted), 1),
+        "prompts": len(prompts),
+        "new_tokens": new,
+        "passes": passes,
+    }
 
 
-def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=128, copy_len=16, table_len=16,
-                             **options):
+def measure_copy_calibration(
+    head, target, tokenizer, prompts, max_new_tokens=128, copy_len=16, table_len=16, **options
+):
     """Acceptance of copied spans by match length and position, measured by decoding `prompts` with copying on.
 
     Spans run to `copy_len` tokens; the table has `table_len` positions, its last one counting every later
@@ -134,8 +146,17 @@ def measure_copy_calibration(head, target, tokenizer, prompts, max_new_tokens=12
     the shipped table was): decoding values retrieved spans (a head's datastore.npz) with the same table.
     """
     calibration = CopyCalibration(max_len=table_len, draft_vocab_size=head.drafted_vocab_size())
-    result = tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens, copy=True, copy_len=copy_len,
-                             copy_calibration=calibration, **({"store": None} | options))
+    result = tokens_per_pass(
+        head,
+        target,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        copy=True,
+        copy_len=copy_len,
+        copy_calibration=calibration,
+        **({"store": None} | options),
+    )
     return calibration, result
 
 
@@ -174,35 +195,55 @@ def evaluation_conversations(cfg) -> list:
     except DataError as e:
         raise TrainingError(f"eval_dataset: {e}") from e
     if len(heldout) <= cfg.eval_conversations:
-        raise TrainingError(f"{source} has {len(heldout)} held-out conversations, too few for eval_conversations="
-                            f"{cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt for a distilled "
-                            "dataset, whose conversations all come from the training split)")
+        raise TrainingError(
+            f"{source} has {len(heldout)} held-out conversations, too few for eval_conversations="
+            f"{cfg.eval_conversations} plus prompts; set eval_dataset (e.g. sharegpt for a distilled "
+            "dataset, whose conversations all come from the training split)"
+        )
     if not has_assistant_text(heldout):
-        raise TrainingError(f"{source}: none of its {len(heldout)} held-out conversations has an assistant turn with "
-                            "text; agreement is measured on assistant tokens")
+        raise TrainingError(
+            f"{source}: none of its {len(heldout)} held-out conversations has an assistant turn with "
+            "text; agreement is measured on assistant tokens"
+        )
     return heldout
 
 
-def mtbench_tokens_per_pass(head, target, tokenizer, questions: int, max_new_tokens: int = 128, depth: int = 6,
-                            copy_calibration: CopyCalibration | None = None) -> dict:
+def mtbench_tokens_per_pass(
+    head,
+    target,
+    tokenizer,
+    questions: int,
+    max_new_tokens: int = 128,
+    depth: int = 6,
+    copy_calibration: CopyCalibration | None = None,
+) -> dict:
     """Tokens/pass on `questions` MT-bench first turns (spread over the 8 categories), per category and mean:
     EAGLE-2, 60 nodes, top-k 10, T = 0, the head alone, or with copied spans valued by `copy_calibration`
     (a copy of it starts every question, so each question's number does not depend on the ones before)."""
     chosen = mtbench_subset(questions)
     new, passes = [], []
     for q in tqdm(chosen, desc="MT-bench", leave=False):
-        copying = dict(copy=False) if copy_calibration is None else \
-            dict(copy=True, copy_calibration=deepcopy(copy_calibration))
-        r = tokens_per_pass(head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth,
-                            top_k_draft=10, **copying)
+        copying = (
+            dict(copy=False)
+            if copy_calibration is None
+            else dict(copy=True, copy_calibration=deepcopy(copy_calibration))
+        )
+        r = tokens_per_pass(
+            head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth, top_k_draft=10, **copying
+        )
         new.append(r["new_tokens"])
         passes.append(r["passes"])
-    return {"questions": len(chosen), "max_new_tokens": max_new_tokens, "depth": depth,
-            "tokens_per_pass": by_category([q.category for q in chosen], new, passes)}
+    return {
+        "questions": len(chosen),
+        "max_new_tokens": max_new_tokens,
+        "depth": depth,
+        "tokens_per_pass": by_category([q.category for q in chosen], new, passes),
+    }
 
 
-def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None,
-                 mtbench: int = 0) -> dict:
+def evaluate_run(
+    cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None, mtbench: int = 0
+) -> dict:
     """Agreement (on held-out ShareGPT answers and on the target's own answers to the held-out prompts) and
     tokens/pass on held-out ShareGPT prompts, and with `mtbench` > 0 on that many MT-bench first turns (128
     new tokens, per category, head alone and with copied spans); written to <out_dir>/metrics.json.
@@ -217,21 +258,36 @@ def evaluate_run(cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth
     head.check_target(target.config)
     head = head.to(next(target.parameters()).device).eval()
     metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
-    prompts = heldout_prompts(heldout[cfg.eval_conversations:], n_prompts)
+    prompts = heldout_prompts(heldout[cfg.eval_conversations :], n_prompts)
     steps, answers = [], []
-    metrics["eagle2_60"] = tokens_per_pass(head, target, tok, prompts, max_new_tokens, steps=steps, answers=answers,
-                                           budget=60, depth=depth, top_k_draft=10, copy=False)  # the head alone
+    metrics["eagle2_60"] = tokens_per_pass(
+        head,
+        target,
+        tok,
+        prompts,
+        max_new_tokens,
+        steps=steps,
+        answers=answers,
+        budget=60,
+        depth=depth,
+        top_k_draft=10,
+        copy=False,
+    )  # the head alone
     metrics["eagle2_60"]["depth"] = depth
-    copy_calibration, metrics["eagle2_60_copy"] = measure_copy_calibration(head, target, tok, prompts, max_new_tokens,
-                                                                           budget=60, depth=depth, top_k_draft=10)
+    copy_calibration, metrics["eagle2_60_copy"] = measure_copy_calibration(
+        head, target, tok, prompts, max_new_tokens, budget=60, depth=depth, top_k_draft=10
+    )
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
     if mtbench:
         # copies valued by the calibration just measured on the held-out prompts (what is saved with the head)
-        metrics["mtbench"] = {"eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth),
-                              "eagle2_60_copy": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth,
-                                                                        copy_calibration=copy_calibration)}
+        metrics["mtbench"] = {
+            "eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth),
+            "eagle2_60_copy": mtbench_tokens_per_pass(
+                head, target, tok, mtbench, depth=depth, copy_calibration=copy_calibration
+            ),
+        }
     head_dir = Path(cfg.out_dir, "head")
     if head_dir.is_dir():
         write_json_atomic(head_dir / "calibration.json", asdict(calibrator))
@@ -260,24 +316,37 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts for tokens/pass")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt for tokens/pass")
     ap.add_argument("--depth", type=int, default=6, help="the EAGLE-2 tree's depth (60 nodes, top-k 10)")
-    ap.add_argument("--mtbench", type=int, default=0,
-                    help="also tokens/pass on this many MT-bench first turns (per category, 128 new tokens)")
+    ap.add_argument(
+        "--mtbench",
+        type=int,
+        default=0,
+        help="also tokens/pass on this many MT-bench first turns (per category, 128 new tokens)",
+    )
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
         if args.mtbench < 0:
             raise TrainingError(f"--mtbench must be >= 0 (0 = no MT-bench), got {args.mtbench}")
-        for flag, value, least in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 2),
-                                   ("--depth", args.depth, 1)):
+        for flag, value, least in (
+            ("--prompts", args.prompts, 1),
+            ("--max-new-tokens", args.max_new_tokens, 2),
+            ("--depth", args.depth, 1),
+        ):
             if value < least:
                 raise TrainingError(f"{flag} must be >= {least}, got {value}")
         if args.ship:
             check_output_folder(args.ship, "--ship")  # before the evaluation, not after it
         cfg = TrainConfig.from_sources(args.config, args.overrides)
         head = load_head(Path(cfg.out_dir) / "head")
-        metrics = evaluate_run(cfg, head, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, depth=args.depth,
-                               mtbench=args.mtbench)
+        metrics = evaluate_run(
+            cfg,
+            head,
+            n_prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            depth=args.depth,
+            mtbench=args.mtbench,
+        )
         print(json.dumps(metrics, indent=2))
         if args.ship:
             print(f"shipped to {ship(cfg.out_dir, args.ship)}")

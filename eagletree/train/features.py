@@ -32,9 +32,16 @@ class FeatureError(EagletreeError, ValueError):
 
 
 def _identity(cfg, target_config) -> dict:
-    return {"target": target_identity(target_config), "dataset": cfg.dataset, "heldout_fraction": cfg.heldout_fraction,
-            "max_len": cfg.max_len, "long": cfg.long, "max_conversations": cfg.max_conversations,
-            "dtype": cfg.feature_dtype, "masks": MASK_VERSION}
+    return {
+        "target": target_identity(target_config),
+        "dataset": cfg.dataset,
+        "heldout_fraction": cfg.heldout_fraction,
+        "max_len": cfg.max_len,
+        "long": cfg.long,
+        "max_conversations": cfg.max_conversations,
+        "dtype": cfg.feature_dtype,
+        "masks": MASK_VERSION,
+    }
 
 
 def load_manifest(folder: Path) -> dict | None:
@@ -55,9 +62,11 @@ def check_features_dir(folder) -> None:
         return
     others = sorted(p.name for p in folder.iterdir() if not (p.name.startswith("shard-") or is_partial(p)))
     if others:
-        raise FeatureError(f"features_dir {str(folder)!r} holds other files ({', '.join(others[:3])}"
-                           f"{', ...' if len(others) > 3 else ''}) and no {MANIFEST}; expected a new or empty "
-                           f"folder, or an earlier feature cache")
+        raise FeatureError(
+            f"features_dir {str(folder)!r} holds other files ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}) and no {MANIFEST}; expected a new or empty "
+            f"folder, or an earlier feature cache"
+        )
 
 
 def check_shards_match(folder, written: list[dict], planned: list[list[str]]) -> None:
@@ -75,12 +84,12 @@ def check_shards_match(folder, written: list[dict], planned: list[list[str]]) ->
                 how = f"it holds {len(held)} conversations, the data now puts {len(now)} there"
             else:
                 how = "the data now puts its conversations in another order"
-            raise FeatureError(f"{folder}: shard {k}: {how}; the dataset changed since it was cached: use another "
-                               "features_dir")
+            raise FeatureError(
+                f"{folder}: shard {k}: {how}; the dataset changed since it was cached: use another features_dir"
+            )
 
 
-def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True,
-                   log=None) -> dict:
+def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True, log=None) -> dict:
     """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
 
     `log` (default: the current sys.stderr, looked up per call) receives the size statement.
@@ -90,19 +99,27 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     folder.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, model.config)
     check_features_dir(folder)
-    manifest = load_manifest(folder) or {"identity": identity, "shards": [], "complete": False,
-                                         "shard_size": shard_size}
+    manifest = load_manifest(folder) or {
+        "identity": identity,
+        "shards": [],
+        "complete": False,
+        "shard_size": shard_size,
+    }
     if manifest["identity"] != identity:
-        raise FeatureError(f"{folder} holds features for {manifest['identity']}, not for {identity}; "
-                           "use another features_dir")
+        raise FeatureError(
+            f"{folder} holds features for {manifest['identity']}, not for {identity}; use another features_dir"
+        )
     # shards are numbered by position: another size would cut the conversations differently, and the shards
     # written before would hold some of them twice (a cache from before the key recorded none: its first shard's
     # size, when a later one shows that the first is full)
-    cached = manifest.get("shard_size") or (len(manifest["shards"][0]["conversations"])
-                                            if len(manifest["shards"]) > 1 else None)
+    cached = manifest.get("shard_size") or (
+        len(manifest["shards"][0]["conversations"]) if len(manifest["shards"]) > 1 else None
+    )
     if cached is not None and cached != shard_size:
-        raise FeatureError(f"{folder} was cached with --shard-size {cached}; continue it with --shard-size {cached} "
-                           f"(got {shard_size}), or use another features_dir")
+        raise FeatureError(
+            f"{folder} was cached with --shard-size {cached}; continue it with --shard-size {cached} "
+            f"(got {shard_size}), or use another features_dir"
+        )
     manifest["shard_size"] = shard_size
     rendered, skipped = [], 0
     for conv in conversations:
@@ -122,12 +139,19 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     shards = [rendered[i : i + shard_size] for i in range(0, len(rendered), shard_size)]
     check_shards_match(folder, manifest["shards"], [[conv_id for conv_id, _ in shard] for shard in shards])
     todo = [k for k in range(len(shards)) if k not in done]
-    print(f"features: {len(rendered):,} conversations ({skipped} skipped), {total_tokens:,} tokens, "
-          f"about {total_tokens * bytes_per_token / 1e9:.2f} GB in {folder} ({len(shards)} shards, "
-          f"{len(shards) - len(todo)} already done)", file=log)
+    print(
+        f"features: {len(rendered):,} conversations ({skipped} skipped), {total_tokens:,} tokens, "
+        f"about {total_tokens * bytes_per_token / 1e9:.2f} GB in {folder} ({len(shards)} shards, "
+        f"{len(shards) - len(todo)} already done)",
+        file=log,
+    )
     device = next(model.parameters()).device
-    bar = tqdm(total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]), unit="tok", desc="features",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]),
+        unit="tok",
+        desc="features",
+        disable=not progress,
+    )
     for k in todo:
         tensors, ids = {}, []
         for i, (conv_id, r) in enumerate(shards[k]):
@@ -141,8 +165,14 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         name = f"shard-{k:05d}.safetensors"
         with writing(folder / name) as tmp:
             save_file(tensors, tmp)
-        manifest["shards"].append({"index": k, "file": name, "conversations": ids,
-                                   "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids"))})
+        manifest["shards"].append(
+            {
+                "index": k,
+                "file": name,
+                "conversations": ids,
+                "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids")),
+            }
+        )
         manifest["shards"].sort(key=lambda s: s["index"])
         write_json_atomic(folder / MANIFEST, manifest, indent=1)
     bar.close()
@@ -160,11 +190,15 @@ class FeatureStore:
         if manifest is None:
             raise FeatureError(f"{self.folder} has no {MANIFEST}; run `eagletree features --config ...` first")
         if manifest["identity"] != _identity(cfg, target_config):
-            raise FeatureError(f"{self.folder} holds features for {manifest['identity']}, "
-                               f"not for {_identity(cfg, target_config)}")
+            raise FeatureError(
+                f"{self.folder} holds features for {manifest['identity']}, not for {_identity(cfg, target_config)}"
+            )
         if not manifest.get("complete"):
-            warnings.warn(f"{self.folder}: feature cache is incomplete; training on the {len(manifest['shards'])} "
-                          "finished shards", stacklevel=2)
+            warnings.warn(
+                f"{self.folder}: feature cache is incomplete; training on the {len(manifest['shards'])} "
+                "finished shards",
+                stacklevel=2,
+            )
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
         self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
         self._open_name, self._open = None, None

@@ -44,12 +44,16 @@ def training_stream(cfg: TrainConfig, target_config, conversations) -> tuple[Fea
     else:
         items = conversations
     if not items:
-        raise TrainingError(f"dataset {cfg.dataset!r} has no training conversations (heldout_fraction="
-                            f"{cfg.heldout_fraction}, max_conversations={cfg.max_conversations})")
+        raise TrainingError(
+            f"dataset {cfg.dataset!r} has no training conversations (heldout_fraction="
+            f"{cfg.heldout_fraction}, max_conversations={cfg.max_conversations})"
+        )
     if store is None and not has_assistant_text(items):
-        raise TrainingError(f"dataset {cfg.dataset!r}: none of its {len(items)} training conversations has an "
-                            "assistant turn with text; the head learns from assistant tokens, so there is nothing to "
-                            "train on")
+        raise TrainingError(
+            f"dataset {cfg.dataset!r}: none of its {len(items)} training conversations has an "
+            "assistant turn with text; the head learns from assistant tokens, so there is nothing to "
+            "train on"
+        )
     return store, Stream(items, cfg.seed)
 
 
@@ -57,8 +61,7 @@ def data_fingerprint(items, store=None) -> dict:
     """What a run trains on, for a resume to compare: the number of training conversations and a hash of their ids
     in order (None when the items have no ids, e.g. pre-tokenized records)."""
     ids = store.ids if store is not None else [getattr(item, "id", None) for item in items]
-    digest = None if any(i is None for i in ids) else \
-        hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+    digest = None if any(i is None for i in ids) else hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
     return {"conversations": len(ids), "ids": digest}
 
 
@@ -69,8 +72,10 @@ def has_assistant_text(conversations) -> bool:
         messages = getattr(conv, "messages", None)
         if messages is None:
             return True
-        if any(m.get("role") == "assistant" and m.get("weight", 1) != 0 and str(m.get("content") or "").strip()
-               for m in messages):
+        if any(
+            m.get("role") == "assistant" and m.get("weight", 1) != 0 and str(m.get("content") or "").strip()
+            for m in messages
+        ):
             return True
     return False
 

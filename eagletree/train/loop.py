@@ -21,17 +21,43 @@ from tqdm import tqdm
 
 from ..draft_heads import HeadError, build_draft_vocab, head_class, load_head
 from ..target import checked_device, load_target
-from .checkpoints import (append_history, changed_run_keys, check_resume, check_run_dir, clear_run, keep_history,
-                          restore_trainer, resume_point, save_checkpoint)
+from .checkpoints import (
+    append_history,
+    changed_run_keys,
+    check_resume,
+    check_run_dir,
+    clear_run,
+    keep_history,
+    restore_trainer,
+    resume_point,
+    save_checkpoint,
+)
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
-from .inputs import (Stream, assistant_tokens, data_fingerprint, has_assistant_text, special_ids,
-                     training_conversations, training_stream)
+from .inputs import (
+    Stream,
+    assistant_tokens,
+    data_fingerprint,
+    has_assistant_text,
+    special_ids,
+    training_conversations,
+    training_stream,
+)
 from .signals import TrainingInterrupted, interrupted, stop_on_signals
 from .step import Stepper, zero_backward
 
 # Re-exported: train.py, the CLI and the scripts import these from here.
-__all__ = ["Stream", "TrainConfig", "TrainingError", "TrainingInterrupted", "has_assistant_text", "on_cpu",
-           "resolve_precision", "train", "training_conversations", "zero_backward"]
+__all__ = [
+    "Stream",
+    "TrainConfig",
+    "TrainingError",
+    "TrainingInterrupted",
+    "has_assistant_text",
+    "on_cpu",
+    "resolve_precision",
+    "train",
+    "training_conversations",
+    "zero_backward",
+]
 
 
 @dataclass
@@ -58,8 +84,15 @@ class Run:
         return self.out / "history.jsonl"
 
 
-def train(cfg: TrainConfig, resume: bool = False, model_and_tokenizer=None, conversations=None, progress=True,
-          allow_changes: bool = False, overwrite: bool = False):
+def train(
+    cfg: TrainConfig,
+    resume: bool = False,
+    model_and_tokenizer=None,
+    conversations=None,
+    progress=True,
+    allow_changes: bool = False,
+    overwrite: bool = False,
+):
     """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests.
 
     A fresh run refuses an out_dir that holds a run unless `overwrite` (`checkpoints.check_run_dir`). A resume
@@ -118,14 +151,18 @@ def _run_steps(run: Run, progress: bool, log_with) -> None:
             run.step += 1
             # a step where none had any (all cut, dropped or without an answer) has no loss: null, not 0
             record = {k: float(v) / n if n else None for k, v in zip(("loss", "l1", "ce", "acc"), totals[:4])} | {
-                "lr": lr, "step": run.step, "sequences": n}
+                "lr": lr,
+                "step": run.step,
+                "sequences": n,
+            }
             run.history.append(record)
             tokens = (stepper.counters["tokens"] - tokens0) * accelerator.num_processes
             record["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
             bar.update(1)
             if n:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.2f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}"
+                )
             if log_with and run.step % cfg.log_every == 0:
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=run.step)
             if run.step % cfg.save_every == 0 or run.step == end or stopping:
@@ -144,9 +181,19 @@ def _save(run: Run) -> None:
     if accelerator.is_main_process:
         # history first: a kill between the two leaves records past the checkpoint, which a resume drops
         run.written = append_history(run.history_path, run.history, run.written)
-        run.last_ckpt = save_checkpoint(run.out, accelerator.unwrap_model(stepper.head), stepper.optimizer,
-                                        stepper.scheduler, run.step, totals, stepper.noise_gen, run.cfg,
-                                        run.cfg.keep_checkpoints, run.precision, run.data)
+        run.last_ckpt = save_checkpoint(
+            run.out,
+            accelerator.unwrap_model(stepper.head),
+            stepper.optimizer,
+            stepper.scheduler,
+            run.step,
+            totals,
+            stepper.noise_gen,
+            run.cfg,
+            run.cfg.keep_checkpoints,
+            run.precision,
+            run.data,
+        )
 
 
 def _finish(run: Run, log_with):
@@ -154,9 +201,11 @@ def _finish(run: Run, log_with):
     cfg, accelerator = run.cfg, run.accelerator
     counters = _global_counters(accelerator, run.stepper.counters)  # the run's, not this process's share
     if counters["tokens"] == 0 and run.step > 0:
-        raise TrainingError(f"dataset {cfg.dataset!r}: {run.step} steps saw no assistant token to train on "
-                            f"({counters['skipped']} conversations skipped, {counters['dropped']} dropped as longer "
-                            f"than max_len={cfg.max_len}); no head was saved")
+        raise TrainingError(
+            f"dataset {cfg.dataset!r}: {run.step} steps saw no assistant token to train on "
+            f"({counters['skipped']} conversations skipped, {counters['dropped']} dropped as longer "
+            f"than max_len={cfg.max_len}); no head was saved"
+        )
     head = accelerator.unwrap_model(run.stepper.head).eval()
     if accelerator.is_main_process:
         head.save_pretrained(run.out / "head")
@@ -167,8 +216,9 @@ def _finish(run: Run, log_with):
     return head, {"steps": run.step, **counters, "final": final}
 
 
-def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: str, resume: bool,
-           allow_changes: bool) -> Run:
+def _start(
+    cfg: TrainConfig, accelerator, model, tok, conversations, precision: str, resume: bool, allow_changes: bool
+) -> Run:
     """The run at its first step: a new head, or with `resume` the newest checkpoint's head, optimizer, schedule,
     counts and random state."""
     model.requires_grad_(False)
@@ -180,8 +230,10 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
     embed = model.get_input_embeddings()
     target_lm = _target_lm(model, head, device)
     if head.fused_layers and store is not None:
-        raise TrainingError(f"{head.head_type!r} heads read target layers {head.fused_layers}: they train on online "
-                            "features (the feature cache holds the last layer only)")
+        raise TrainingError(
+            f"{head.head_type!r} heads read target layers {head.fused_layers}: they train on online "
+            "features (the feature cache holds the last layer only)"
+        )
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -195,18 +247,36 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
         """The run's autocast: bf16 set here per run rather than by accelerate (see `train`)."""
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    stepper = Stepper(cfg, accelerator, model, tok, stream, store, head, head, optimizer, scheduler, params, embed,
-                      target_lm, amp, noise_gen, counters)
+    stepper = Stepper(
+        cfg,
+        accelerator,
+        model,
+        tok,
+        stream,
+        store,
+        head,
+        head,
+        optimizer,
+        scheduler,
+        params,
+        embed,
+        target_lm,
+        amp,
+        noise_gen,
+        counters,
+    )
     return Run(cfg, accelerator, precision, data, stepper, step, last_ckpt=resumed[0] if resumed else None)
 
 
-def _head_to_train(cfg: TrainConfig, accelerator, model, tok, stream, store, data: dict, resume: bool,
-                   allow_changes: bool):
+def _head_to_train(
+    cfg: TrainConfig, accelerator, model, tok, stream, store, data: dict, resume: bool, allow_changes: bool
+):
     """(head, resumed): with `resume` and a checkpoint, its head and resumed = (checkpoint, trainer state, changed
     keys) once `checkpoints.check_resume` allows them; else a new head and None."""
     out = Path(cfg.out_dir)
-    ckpt, head, state, saved_cfg = resume_point(out, model.config, accelerator.is_main_process) if resume \
-        else (None,) * 4
+    ckpt, head, state, saved_cfg = (
+        resume_point(out, model.config, accelerator.is_main_process) if resume else (None,) * 4
+    )
     if resume and ckpt is None:
         accelerator.print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0", file=sys.stderr)
     if ckpt is not None:
@@ -218,8 +288,9 @@ def _head_to_train(cfg: TrainConfig, accelerator, model, tok, stream, store, dat
     set_seed(cfg.seed)  # the head's initial weights depend on the seed only, not on what ran before
     draft_tokens = None
     if cfg.draft_vocab:
-        draft_tokens = build_draft_vocab(assistant_tokens(tok, stream, cfg, store), cfg.draft_vocab,
-                                         model.config.vocab_size, always=special_ids(tok))
+        draft_tokens = build_draft_vocab(
+            assistant_tokens(tok, stream, cfg, store), cfg.draft_vocab, model.config.vocab_size, always=special_ids(tok)
+        )
     return head_class(cfg.head_type).create(model, cfg, draft_tokens), None
 
 
@@ -242,8 +313,10 @@ def _initial_head(cfg: TrainConfig, target_config):
     except HeadError as e:
         raise TrainingError(f"init_head {cfg.init_head!r}: {e}") from e
     if head.config.head_type != cfg.head_type:
-        raise TrainingError(f"init_head {cfg.init_head!r} holds a {head.config.head_type!r} head but the config asks "
-                            f"for head_type {cfg.head_type!r}")
+        raise TrainingError(
+            f"init_head {cfg.init_head!r} holds a {head.config.head_type!r} head but the config asks "
+            f"for head_type {cfg.head_type!r}"
+        )
     if cfg.widen_vocab:
         try:
             head.widen_vocab()
@@ -253,8 +326,10 @@ def _initial_head(cfg: TrainConfig, target_config):
     if cfg.draft_vocab and cfg.draft_vocab != size:
         keep = f"set draft_vocab={size} or 0" if size else "set draft_vocab=0"
         over = f"{size} tokens" if size else "the full vocabulary"
-        raise TrainingError(f"init_head {cfg.init_head!r} drafts over {over} but the config asks for "
-                            f"draft_vocab={cfg.draft_vocab}; {keep} to keep the head's")
+        raise TrainingError(
+            f"init_head {cfg.init_head!r} drafts over {over} but the config asks for "
+            f"draft_vocab={cfg.draft_vocab}; {keep} to keep the head's"
+        )
     head.folder = None  # a new head: the old one's calibration.json does not describe it
     return head
 
@@ -264,8 +339,10 @@ def _global_counters(accelerator, counters: dict) -> dict:
     if accelerator.num_processes == 1:
         return dict(counters)
     keys = sorted(counters)
-    totals = accelerator.reduce(torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64,
-                                             device=accelerator.device), reduction="sum")
+    totals = accelerator.reduce(
+        torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=accelerator.device),
+        reduction="sum",
+    )
     return {k: int(v) for k, v in zip(keys, totals.tolist())}
 
 

@@ -16,7 +16,6 @@ import torch
 
 from ..errors import EagletreeError
 
-
 # Bumped when the loss masks change (2: an opening assistant turn's mask starts at its text; 3: assistant turns of
 # weight 0 are left out), so that caches holding masks (the features cache) are made again rather than mixed.
 MASK_VERSION = 3
@@ -49,8 +48,7 @@ def _first_turn_start(tokenizer, through: str, message: dict) -> int:
     marker = "\u2063eagletree-turn-text\u2063"  # (invisible separators: no template writes this itself)
     at = _render(tokenizer, [dict(message, content=marker)], False).find(marker)
     if at < 0 or not through[at:].lstrip().startswith(text):
-        raise RenderError("the chat template does not render the opening assistant turn's text where its content "
-                          "goes")
+        raise RenderError("the chat template does not render the opening assistant turn's text where its content goes")
     return at
 
 

@@ -42,6 +42,8 @@ def stop_on_signals():
 def interrupted(got: list[int], step: int, steps: int, out: Path) -> TrainingInterrupted:
     """The error that ends a run stopped after `step` by the signals `got` (empty: another process got one)."""
     name = signal.Signals(got[0]).name if got else "a signal to another process"
-    return TrainingInterrupted(f"interrupted by {name} after step {step} of {steps}: saved "
-                               f"{out / 'checkpoints' / f'step-{step:07d}'}; run the same command with --resume to "
-                               "continue")
+    return TrainingInterrupted(
+        f"interrupted by {name} after step {step} of {steps}: saved "
+        f"{out / 'checkpoints' / f'step-{step:07d}'}; run the same command with --resume to "
+        "continue"
+    )

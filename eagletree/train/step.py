@@ -72,8 +72,10 @@ class Stepper:
                 continue
             loss, parts = result
             if not torch.isfinite(loss):
-                raise TrainingError(f"loss is {float(loss.detach())} at step {step + 1} (micro-batch {micro}); "
-                                    f"stopped. The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}")
+                raise TrainingError(
+                    f"loss is {float(loss.detach())} at step {step + 1} (micro-batch {micro}); "
+                    f"stopped. The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}"
+                )
             with _sync_context(accelerator, self.head, micro, cfg):
                 accelerator.backward(loss / cfg.grad_accum)
             stats["loss"] += loss.item()
@@ -93,8 +95,9 @@ class Stepper:
         # Noise seeded by the global micro-batch index: the same whatever the process count or resumes.
         self.noise_gen.manual_seed(self.cfg.seed * 1_000_003 + index)
         with self.amp():
-            return self.core.training_loss(self.head, self.target_lm, self.embed, feats.float(), ids, loss_mask,
-                                           self.cfg, self.noise_gen)
+            return self.core.training_loss(
+                self.head, self.target_lm, self.embed, feats.float(), ids, loss_mask, self.cfg, self.noise_gen
+            )
 
     def _features(self, index: int):
         """(ids [T], loss_mask [T], target features) of one conversation: cached, or the target run on it now;

@@ -57,7 +57,7 @@ class Calibrator:
                 raise ValueError(f"temperature needs finite scale and bias, got {self.scale!r} and {self.bias!r}")
 
     @classmethod
-    def fit(cls, probs, accepted, method: str = "isotonic") -> "Calibrator":
+    def fit(cls, probs, accepted, method: str = "isotonic") -> Calibrator:
         q = np.asarray(probs, dtype=np.float64)
         y = np.asarray(accepted, dtype=np.float64)
         if q.size == 0 or q.shape != y.shape:

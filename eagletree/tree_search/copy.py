@@ -23,9 +23,9 @@ acceptance rules already treat exactly, so the output stays the target's.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -79,11 +79,11 @@ class NgramIndex:
 
     def extend(self, tokens) -> None:
         """Append committed tokens (O(max_ngram) each)."""
-        for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens):
+        for t in tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens:
             self.tokens.append(int(t))
             end = len(self.tokens)
             for n in range(1, min(self.max_ngram, end) + 1):
-                self.table.setdefault(tuple(self.tokens[end - n:]), []).append(end)
+                self.table.setdefault(tuple(self.tokens[end - n :]), []).append(end)
 
     def matches(self, per_ngram: int = 8, suffix=()) -> list[tuple[int, int]]:
         """(match length, position after the match) of earlier occurrences of the context's last tokens.
@@ -106,7 +106,9 @@ class NgramIndex:
                 if end >= n_all or end in found:
                     continue
                 length = n
-                while length < self.max_match and end - 1 - length >= 0 and at(end - 1 - length) == at(n_all - 1 - length):
+                while (
+                    length < self.max_match and end - 1 - length >= 0 and at(end - 1 - length) == at(n_all - 1 - length)
+                ):
                     length += 1
                 found[end] = length
                 seen += 1
@@ -135,20 +137,29 @@ class CopyCalibration:
 
     def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0, draft_vocab_size: int | None = None):
         if not strength > 0:
-            raise ValueError(f"copy calibration strength must be > 0 (observations the prior is worth), got {strength!r}")
+            raise ValueError(
+                f"copy calibration strength must be > 0 (observations the prior is worth), got {strength!r}"
+            )
         self.max_len, self.strength = max_len, float(strength)
         shape = (len(MATCH_BINS), max_len)
-        self.prior = torch.full(shape, 0.5, dtype=torch.float64) if prior is None else \
-            torch.as_tensor(prior, dtype=torch.float64).clone()
+        self.prior = (
+            torch.full(shape, 0.5, dtype=torch.float64)
+            if prior is None
+            else torch.as_tensor(prior, dtype=torch.float64).clone()
+        )
         if self.prior.shape != shape:
-            raise ValueError(f"copy calibration prior must be {list(shape)} (match bins x positions), "
-                             f"got {list(self.prior.shape)}")
+            raise ValueError(
+                f"copy calibration prior must be {list(shape)} (match bins x positions), got {list(self.prior.shape)}"
+            )
         if not ((self.prior > 0) & (self.prior < 1)).all():
             raise ValueError("copy calibration prior values must lie in (0, 1)")
-        if draft_vocab_size is not None and (not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool)
-                                             or draft_vocab_size < 1):
-            raise ValueError(f"copy calibration draft_vocab_size must be a token count >= 1 or None (not recorded), "
-                             f"got {draft_vocab_size!r}")
+        if draft_vocab_size is not None and (
+            not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1
+        ):
+            raise ValueError(
+                f"copy calibration draft_vocab_size must be a token count >= 1 or None (not recorded), "
+                f"got {draft_vocab_size!r}"
+            )
         self.tried = torch.zeros(shape, dtype=torch.float64)
         self.accepted = torch.zeros(shape, dtype=torch.float64)
         # how many tokens the head drafted over while this was measured (None: not recorded); with more, the head
@@ -197,25 +208,42 @@ class CopyCalibration:
         from ..files import write_text_atomic
 
         rate = self.measured().clamp(0.01, 0.99)
-        write_text_atomic(Path(path), json.dumps({"match_bins": list(MATCH_BINS), "rate": rate.tolist(),
-                                                  "tried": self.tried.tolist(), "accepted": self.accepted.tolist(),
-                                                  "draft_vocab_size": self.draft_vocab_size}))
+        write_text_atomic(
+            Path(path),
+            json.dumps(
+                {
+                    "match_bins": list(MATCH_BINS),
+                    "rate": rate.tolist(),
+                    "tried": self.tried.tolist(),
+                    "accepted": self.accepted.tolist(),
+                    "draft_vocab_size": self.draft_vocab_size,
+                }
+            ),
+        )
 
     @classmethod
-    def load(cls, path, strength: float = 8.0) -> "CopyCalibration":
+    def load(cls, path, strength: float = 8.0) -> CopyCalibration:
         try:
             data = json.loads(Path(path).read_text())
             rate, bins = data["rate"], data["match_bins"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}") from None
+            raise ValueError(
+                f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}"
+            ) from None
         if not isinstance(bins, list) or bins != list(MATCH_BINS):
-            raise ValueError(f"{path}: match bins {bins!r}, expected {list(MATCH_BINS)}; measure a new table with "
-                             "`eagletree calibrate-copy`")
+            raise ValueError(
+                f"{path}: match bins {bins!r}, expected {list(MATCH_BINS)}; measure a new table with "
+                "`eagletree calibrate-copy`"
+            )
         if not (isinstance(rate, list) and rate and all(isinstance(row, list) and row for row in rate)):
-            raise ValueError(f"{path}: rate must be a table of match bins x span positions (at least one position), "
-                             f"got {json.dumps(rate)[:80]}; measure a new table with `eagletree calibrate-copy`")
+            raise ValueError(
+                f"{path}: rate must be a table of match bins x span positions (at least one position), "
+                f"got {json.dumps(rate)[:80]}; measure a new table with `eagletree calibrate-copy`"
+            )
         try:
-            return cls(max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size"))
+            return cls(
+                max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size")
+            )
         except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(f"{path}: {e}") from None
 
@@ -231,7 +259,7 @@ class CopyTrie:
     depths: list[int]
     # path (tokens after the root) -> the CopyTrie of the continuations of the context extended by
     # that path, or None; the searches graft it under the head's best nodes (`copy_trie(at_nodes=True)`).
-    lookup: Callable[[tuple], "CopyTrie | None"] | None = None
+    lookup: Callable[[tuple], CopyTrie | None] | None = None
 
     @property
     def depth(self) -> int:
@@ -255,8 +283,14 @@ class CopyTrie:
         return kids
 
 
-def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 3, max_len: int | None = None,
-              at_nodes: bool = False, store=None) -> CopyTrie | None:
+def copy_trie(
+    index: NgramIndex,
+    calibration: CopyCalibration,
+    max_spans: int = 3,
+    max_len: int | None = None,
+    at_nodes: bool = False,
+    store=None,
+) -> CopyTrie | None:
     """The continuations (max_len tokens, default the calibration's length) of the `max_spans` best
     matches as one trie, or None when nothing matches.
 
@@ -271,6 +305,7 @@ def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 
     rate = calibration.rate()
     trie = _matches_trie(index, calibration, rate, max_spans, max_len, (), store)
     if at_nodes:
+
         def lookup(path: tuple) -> CopyTrie | None:
             if len(path) >= max_len:
                 return None
@@ -282,8 +317,15 @@ def copy_trie(index: NgramIndex, calibration: CopyCalibration, max_spans: int = 
     return trie if len(trie) > 1 else None
 
 
-def _matches_trie(index: NgramIndex, calibration: CopyCalibration, rate: torch.Tensor, max_spans: int, max_len: int,
-                  suffix: tuple, store=None) -> CopyTrie:
+def _matches_trie(
+    index: NgramIndex,
+    calibration: CopyCalibration,
+    rate: torch.Tensor,
+    max_spans: int,
+    max_len: int,
+    suffix: tuple,
+    store=None,
+) -> CopyTrie:
     """The trie of the continuations (up to max_len tokens) of the context + `suffix`'s best matches, and of its
     longest match in `store` (a `store.TokenStore`)."""
     trie = CopyTrie([-1], [-1], [1.0], [None], [0])
@@ -312,7 +354,7 @@ def _matches_trie(index: NgramIndex, calibration: CopyCalibration, rate: torch.T
             break
         spans += add(index.continuation(end, max_len, suffix), length)  # a repeat of an earlier span adds nothing
     if store is not None:
-        found = store.match(index.tokens[-store.max_match:] + list(suffix))
+        found = store.match(index.tokens[-store.max_match :] + list(suffix))
         if found is not None:
             add(store.continuation(found[1], max_len), found[0])
     return trie

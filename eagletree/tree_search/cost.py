@@ -52,14 +52,14 @@ class LatencyProfile:
         write_json_atomic(path, asdict(self))
 
     @classmethod
-    def from_measurements(cls, medians: dict[int, dict[str, float]], **info) -> "LatencyProfile":
+    def from_measurements(cls, medians: dict[int, dict[str, float]], **info) -> LatencyProfile:
         """From `eagletree.verify.profile.measure_verify` output (greedy acceptance)."""
         sizes = sorted(medians)
         verify = [sum(medians[n][c] for c in ("mask", "forward", "accept", "commit")) for n in sizes]
         return cls(sizes, verify, **info)
 
     @classmethod
-    def load_or_measure(cls, path, measure) -> "LatencyProfile":
+    def load_or_measure(cls, path, measure) -> LatencyProfile:
         """The cached profile at `path`, or `measure()` saved there for next time."""
         if Path(path).is_file():
             return cls.load(path)
@@ -68,7 +68,7 @@ class LatencyProfile:
         return profile
 
     @classmethod
-    def load(cls, path) -> "LatencyProfile":
+    def load(cls, path) -> LatencyProfile:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -76,8 +76,10 @@ class LatencyProfile:
         known = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not {"sizes", "verify_s"} <= data.keys() or data.keys() - known:
             found = f"keys {', '.join(sorted(data)[:6])}" if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{str(path)!r} is not a latency profile: expected a JSON object of "
-                             f"{', '.join(f.name for f in fields(cls))} (sizes and verify_s required), got {found}")
+            raise ValueError(
+                f"{str(path)!r} is not a latency profile: expected a JSON object of "
+                f"{', '.join(f.name for f in fields(cls))} (sizes and verify_s required), got {found}"
+            )
         try:
             return cls(**data)
         except (TypeError, ValueError) as e:

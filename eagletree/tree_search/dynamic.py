@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -39,8 +40,9 @@ def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -
     runs at every drafting level, where four full-size passes cost 2-3x as much."""
     sums = probs.sum(-1, dtype=torch.float32)
     # one read back to the host (a GPU stalls once per level, not three times)
-    nan, low, worst = torch.stack([sums.isnan().any().double(), probs.min().double(),
-                                   (sums - 1).abs().max().double()]).tolist()
+    nan, low, worst = torch.stack(
+        [sums.isnan().any().double(), probs.min().double(), (sums - 1).abs().max().double()]
+    ).tolist()
     if nan:
         raise ValueError(f"{where} contains NaN")
     if low < 0:
@@ -57,8 +59,9 @@ def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) 
     for rank, v in enumerate(order, start=1):
         remap[v] = rank
     new_parents = [-1] + [remap[parents[v]] for v in order]
-    tree = DraftTree([tokens[0]] + [tokens[v] for v in order], new_parents,
-                     draft_probs=[1.0] + [probs[v] for v in order])
+    tree = DraftTree(
+        [tokens[0]] + [tokens[v] for v in order], new_parents, draft_probs=[1.0] + [probs[v] for v in order]
+    )
     tree.values = torch.tensor([1.0] + [values[v] for v in order], dtype=torch.float64)
     tree.node_ids = [0] + list(order)  # the search's node ids (the ids `expand` saw), per tree node
     if copy_info is not None:
@@ -138,8 +141,9 @@ class _Nodes:
         """Create u's top_k children with non-zero probability (head=True) and its copied ones; return their ids."""
         made, by_token = [], {}
         if head:
-            probs = check_distribution(torch.as_tensor(child_probs(self.paths[u])).double(),
-                                       f"child_probs{self.paths[u]}")
+            probs = check_distribution(
+                torch.as_tensor(child_probs(self.paths[u])).double(), f"child_probs{self.paths[u]}"
+            )
             q, tok = torch.topk(probs, min(top_k, probs.numel()))  # ties: lower token id first
             for p, t in zip(q.tolist(), tok.tolist()):
                 if p > 0:
@@ -161,8 +165,9 @@ class _Nodes:
             copied.append(v)
             self.trie_node[v] = (trie, kids, c)
         if copied:
-            copy_scale, head_scale = _exclusive([u] * len(copied), [self.probs[v] for v in copied],
-                                                [u] * len(merged), [q for _, q in merged])
+            copy_scale, head_scale = _exclusive(
+                [u] * len(copied), [self.probs[v] for v in copied], [u] * len(merged), [q for _, q in merged]
+            )
             for v in made:
                 self.probs[v] *= copy_scale.get(u, 1.0) if v in copied else head_scale[u]
         for v in made:
@@ -174,12 +179,19 @@ class _Nodes:
 
     def tree(self, chosen) -> DraftTree:
         order = sorted(chosen, key=self.key)
-        return _tree_from_selection(self.tokens, self.parents, self.probs, self.values, order,
-                                    self.copy_info if self.copies is not None else None)
+        return _tree_from_selection(
+            self.tokens,
+            self.parents,
+            self.probs,
+            self.values,
+            order,
+            self.copy_info if self.copies is not None else None,
+        )
 
 
-def eagle2_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10,
-                copies=None) -> DraftTree:
+def eagle2_tree(
+    child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10, copies=None
+) -> DraftTree:
     """EAGLE-2: grow top_k frontier nodes per level, then keep the budget-1 best drafted nodes.
 
     `copies` (a `copy.CopyTrie`): its continuations are drafted too, to the trie's depth; the head
@@ -204,8 +216,9 @@ def eagle2_tree(child_probs: Callable, root_token: int, budget: int = 60, depth:
     return nodes.tree(sorted(drafted, key=nodes.key)[: budget - 1])
 
 
-def optimal_tree(child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10,
-                 copies=None) -> DraftTree:
+def optimal_tree(
+    child_probs: Callable, root_token: int, budget: int = 60, depth: int = 6, top_k: int = 10, copies=None
+) -> DraftTree:
     """The budget-node tree (each node among its parent's top_k) with the largest sum of path products.
 
     Best-first: a child is never worth more than its parent, so popping the highest value from a
@@ -254,8 +267,12 @@ class _Table:
     def grow(self, expand, frontier: list[int], top_k, level, token_map=None) -> list[int]:
         """Draft top_k children for every frontier node; return their ids (value -inf: probability 0)."""
         on = dict(device=self.device)
-        probs = expand(torch.tensor(frontier, **on), torch.tensor([self.tokens[u] for u in frontier], **on),
-                       torch.tensor([self.parents[u] for u in frontier], **on), level)
+        probs = expand(
+            torch.tensor(frontier, **on),
+            torch.tensor([self.tokens[u] for u in frontier], **on),
+            torch.tensor([self.parents[u] for u in frontier], **on),
+            level,
+        )
         check_distribution(probs, f"drafter output at level {level}")
         q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
         if token_map is not None:  # a draft vocabulary: its ids -> target ids
@@ -271,7 +288,7 @@ class _Table:
                 self.values.append(self.values[u] * p if p > 0 else -math.inf)
         return list(range(start, len(self.tokens)))
 
-    def graft(self, copies, level, placed, frontier, nodes: "_Level", floor=-math.inf) -> list[int]:
+    def graft(self, copies, level, placed, frontier, nodes: _Level, floor=-math.inf) -> list[int]:
         """Add the copy trie's nodes at depth `level` under their placed parents, merging with equal head children.
 
         Parents worth less than `floor` get none (nothing under them can be chosen), nor do unplaced ones.
@@ -309,8 +326,12 @@ class _Table:
             placed[c] = v
         head_q = [self.probs[v] for v, _, _ in merged]
         merged_p = [agreed(a, q) for (_, _, a), q in zip(merged, head_q)]  # one node: the head and a copy agree
-        copy_scale, head_scale = _exclusive([u for u, _, _ in new] + [u for _, u, _ in merged],
-                                            [a for _, _, a in new] + merged_p, [u for _, u, _ in merged], head_q)
+        copy_scale, head_scale = _exclusive(
+            [u for u, _, _ in new] + [u for _, u, _ in merged],
+            [a for _, _, a in new] + merged_p,
+            [u for _, u, _ in merged],
+            head_q,
+        )
         for (v, u, _), p in zip(merged, merged_p):
             self.probs[v] = p * copy_scale.get(u, 1.0)
             self.values[v] = self.values[u] * self.probs[v]
@@ -334,8 +355,9 @@ class _Table:
         return [v for v in order if self.values[v] > -math.inf]
 
     def tree(self, drafted_ids: list[int], with_copies=False) -> DraftTree:
-        return _tree_from_selection(self.tokens, self.parents, self.probs, self.values, drafted_ids,
-                                    self.copy_info if with_copies else None)
+        return _tree_from_selection(
+            self.tokens, self.parents, self.probs, self.values, drafted_ids, self.copy_info if with_copies else None
+        )
 
 
 class _Level:
@@ -355,8 +377,10 @@ class _Level:
         self.children.setdefault(u, []).append(v)
         self.child[(u, self.table.tokens[v])] = v
 
-def _search(expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None,
-            min_gain=0.0, copies=None) -> DraftTree:
+
+def _search(
+    expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None, min_gain=0.0, copies=None
+) -> DraftTree:
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
     frontier = [0] if expand is not None else []  # None: copies only
@@ -385,8 +409,9 @@ def _search(expand: Expand, root_token, budget, depth, top_k, width, device, tok
             live.append((trie, placed, start))
         tries = live
         drafted += nodes.ids
-        best_kept = heapq.nlargest(budget - 1, best_kept + [x for x in (table.values[v] for v in nodes.ids)
-                                                             if x > -math.inf])
+        best_kept = heapq.nlargest(
+            budget - 1, best_kept + [x for x in (table.values[v] for v in nodes.ids) if x > -math.inf]
+        )
         if len(best_kept) == budget - 1 > 0:
             floor = best_kept[-1]
         best = table.best(head_ids, width)  # values as the grafts left them
@@ -421,19 +446,30 @@ def _look_up(table: _Table, lookup, nodes: list[int], on_copy: set, level: int) 
     return found
 
 
-def eagle2_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
-                  token_map=None, copies=None) -> DraftTree:
+def eagle2_search(
+    expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu", token_map=None, copies=None
+) -> DraftTree:
     """Batched EAGLE-2: the frontier is the top_k nodes of each level; same tree as `eagle2_tree`.
 
     `token_map` (draft id -> target id) is for drafters over a reduced draft vocabulary; `copies`
     (a `copy.CopyTrie`) adds copied continuations as candidates (see `optimal_search`).
     """
-    return _search(expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map,
-                   copies=copies)
+    return _search(
+        expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map, copies=copies
+    )
 
 
-def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10, device="cpu",
-                   token_map=None, min_gain=0.0, copies=None) -> DraftTree:
+def optimal_search(
+    expand: Expand,
+    root_token: int,
+    budget=60,
+    depth=6,
+    top_k=10,
+    device="cpu",
+    token_map=None,
+    min_gain=0.0,
+    copies=None,
+) -> DraftTree:
     """Batched optimum: a beam of budget-1 nodes per level loses no node of the global top budget-1.
 
     min_gain > 0 stops drafting deeper once the next level could add less than that many expected
@@ -443,8 +479,18 @@ def optimal_search(expand: Expand, root_token: int, budget=60, depth=6, top_k=10
     `agreed`), and the head also drafts under copied nodes of the beam. The result is
     `optimal_tree(..., copies=)`'s: the best budget-node tree over head and copy candidates.
     """
-    return _search(expand, root_token, budget, depth, top_k, width=budget - 1, device=device, token_map=token_map,
-                   min_gain=min_gain, copies=copies)
+    return _search(
+        expand,
+        root_token,
+        budget,
+        depth,
+        top_k,
+        width=budget - 1,
+        device=device,
+        token_map=token_map,
+        min_gain=min_gain,
+        copies=copies,
+    )
 
 
 def path_expand(child_probs: Callable) -> Expand:

@@ -118,8 +118,17 @@ class AutoSearcher(Searcher):
     VALUE_PRIOR = 8.0  # drafted tokens the prior value scale of 1 is worth
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
-    def __init__(self, profile: LatencyProfile, calibrator=None, budget: int = 60, top_k: int = 10, device="cpu",
-                 token_map=None, max_wait: int = 64, clock=time.perf_counter):
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        calibrator=None,
+        budget: int = 60,
+        top_k: int = 10,
+        device="cpu",
+        token_map=None,
+        max_wait: int = 64,
+        clock=time.perf_counter,
+    ):
         super().__init__(budget, top_k, device, token_map)
         self.initial_profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
         self.never = not trees_can_pay(profile, budget)
@@ -191,13 +200,21 @@ class AutoSearcher(Searcher):
         # tokens a drafting level must add to pay for itself
         min_gain = (self.profile.draft_s_per_level + self.profile.search_s_per_level) / t_one
         start = self.clock()
-        full = optimal_search(timed if expand is not None else None, root, self.search_budget, depth, self.top_k,
-                              min_gain=min_gain, **self._options(copies))
+        full = optimal_search(
+            timed if expand is not None else None,
+            root,
+            self.search_budget,
+            depth,
+            self.top_k,
+            min_gain=min_gain,
+            **self._options(copies),
+        )
         searched = self.clock() - start  # the drafter's calls and the search's own work between them
         values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
         if expand is None:
-            return self._chosen(full, values, choose_budget(self._scaled(values), self.measured, 0,
-                                                            max_budget=self.search_budget)[0])
+            return self._chosen(
+                full, values, choose_budget(self._scaled(values), self.measured, 0, max_budget=self.search_budget)[0]
+            )
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         # The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
@@ -207,8 +224,9 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(self._scaled(values), self.measured, spent[1] + 1,
-                                          max_budget=self.search_budget)
+        n, expected, rate = choose_budget(
+            self._scaled(values), self.measured, spent[1] + 1, max_budget=self.search_budget
+        )
         # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
         # tree of a generation decides nothing: its first token, the answer's first, is the least predictable
         # (it was the answer's lowest estimate on every prompt measured: docs/results.md), and its drafting cost is
@@ -248,11 +266,21 @@ def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
     return torch.exp(tree.ancestors().double() @ a.log())[1:]
 
 
-def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, device="cpu", token_map=None,
-                  accept_by_rank=None, paths=None, profile: LatencyProfile | None = None,
-                  calibrator=None) -> Searcher:
-    """The searcher of a tree kind (decode_config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g. [(0,), (1,), (0, 0)])
-    to draft that static shape instead of Sequoia's own; "auto" needs the device's latency `profile`."""
+def make_searcher(
+    kind: str,
+    budget: int = 60,
+    depth: int = 6,
+    top_k: int = 10,
+    device="cpu",
+    token_map=None,
+    accept_by_rank=None,
+    paths=None,
+    profile: LatencyProfile | None = None,
+    calibrator=None,
+) -> Searcher:
+    """The searcher of a tree kind (decode_config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g.
+    [(0,), (1,), (0, 0)]) to draft that static shape instead of Sequoia's own; "auto" needs the device's latency
+    `profile`."""
     if kind == "eagle2":
         return Eagle2Searcher(budget, top_k, device, token_map)
     if kind == "optimal":
@@ -260,8 +288,13 @@ def make_searcher(kind: str, budget: int = 60, depth: int = 6, top_k: int = 10, 
     if kind == "chain":  # the budget counts the root, so a chain drafts at most budget - 1 tokens
         return StaticSearcher(chain_shape(min(depth, budget - 1)), device, token_map)
     if kind == "sequoia":
-        shape = choices_shape(paths) if paths is not None else sequoia_tree(  # no deeper than budget - 1
-            accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, max(min(depth, budget - 1), 1))
+        shape = (
+            choices_shape(paths)
+            if paths is not None
+            else sequoia_tree(  # no deeper than budget - 1
+                accept_by_rank or DEFAULT_ACCEPT_BY_RANK, budget, max(min(depth, budget - 1), 1)
+            )
+        )
         return StaticSearcher(shape, device, token_map)
     if kind == "auto":
         if profile is None:

@@ -7,8 +7,8 @@ Filled with a drafter's tokens it becomes a DraftTree.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -40,8 +40,9 @@ def choices_shape(choices: Sequence[Sequence[int]]) -> Shape:
     """Medusa-style choice list: each entry is the rank path from the root, e.g. (0, 1) = 2nd child of the 1st."""
     index = {(): 0}
     parents, ranks = [-1], [-1]
-    if not all(isinstance(c, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in c)
-               for c in choices):
+    if not all(
+        isinstance(c, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in c) for c in choices
+    ):
         raise ValueError(f"tree paths must be rank paths such as [(0,), (1,), (0, 0)], got {list(choices)[:4]}")
     for path in sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c)):
         if not path or any(r < 0 for r in path):
@@ -57,12 +58,16 @@ def choices_shape(choices: Sequence[Sequence[int]]) -> Shape:
 def acceptance_rows(accept_by_rank, depth: int) -> list[list[float]]:
     """Per-depth acceptance rows for `depth` levels: one list of per-rank probabilities for every depth, or a list
     of such rows (row d-1 for children at depth d; the last row repeats below the measured depths)."""
-    nested = len(accept_by_rank) > 0 and not isinstance(accept_by_rank[0], (int, float)) and \
-        getattr(accept_by_rank[0], "__len__", None) is not None
+    nested = (
+        len(accept_by_rank) > 0
+        and not isinstance(accept_by_rank[0], (int, float))
+        and getattr(accept_by_rank[0], "__len__", None) is not None
+    )
     rows = [[float(x) for x in row] for row in accept_by_rank] if nested else [[float(x) for x in accept_by_rank]]
     if not rows or not rows[0] or len({len(r) for r in rows}) != 1:
-        raise ValueError(f"accept_by_rank must be one non-empty row of probabilities or rows of equal length, "
-                         f"got {accept_by_rank}")
+        raise ValueError(
+            f"accept_by_rank must be one non-empty row of probabilities or rows of equal length, got {accept_by_rank}"
+        )
     for row in rows:
         if any(not 0.0 <= x <= 1.0 or math.isnan(x) for x in row):
             raise ValueError(f"accept_by_rank must hold probabilities in [0, 1], got {row}")
@@ -126,8 +131,11 @@ def breadth_first(shape: Shape) -> Shape:
         depth[i] = depth[shape.parents[i]] + 1
     order = sorted(range(len(depth)), key=lambda i: (depth[i], i))
     new = {old: k for k, old in enumerate(order)}
-    return Shape([-1] + [new[shape.parents[i]] for i in order[1:]], [shape.ranks[i] for i in order],
-                 expected_tokens=shape.expected_tokens)
+    return Shape(
+        [-1] + [new[shape.parents[i]] for i in order[1:]],
+        [shape.ranks[i] for i in order],
+        expected_tokens=shape.expected_tokens,
+    )
 
 
 def sequoia_tree(accept_by_rank, budget: int, depth: int) -> Shape:

@@ -44,14 +44,16 @@ class TokenStore:
 
     def __init__(self, tokens, min_match: int = 5, max_ngram: int = 8, max_match: int = 16):
         if not 1 <= min_match <= max_ngram <= max_match:
-            raise ValueError(f"token store needs 1 <= min_match <= max_ngram <= max_match, got {min_match}, "
-                             f"{max_ngram}, {max_match}")
+            raise ValueError(
+                f"token store needs 1 <= min_match <= max_ngram <= max_match, got {min_match}, {max_ngram}, {max_match}"
+            )
         self.tokens = np.asarray(tokens, dtype=np.int64)
         if self.tokens.ndim != 1:
             raise ValueError(f"token store tokens must be one sequence, got shape {self.tokens.shape}")
         if self.tokens.size and int(self.tokens.min()) < SEPARATOR:
-            raise ValueError(f"token store tokens must be ids >= 0 or the separator {SEPARATOR}, got "
-                             f"{int(self.tokens.min())}")
+            raise ValueError(
+                f"token store tokens must be ids >= 0 or the separator {SEPARATOR}, got {int(self.tokens.min())}"
+            )
         self.min_match, self.max_ngram, self.max_match = min_match, max_ngram, max_match
         self._list = self.tokens.tolist()
         self.keys: dict[int, np.ndarray] = {}  # n -> sorted hashes of the n-grams
@@ -66,7 +68,7 @@ class TokenStore:
                 shifted[1:] = h[:-1]
                 h = shifted * _MULT + t  # the n-gram ending at each position
                 reach = np.ones(len(t), dtype=bool)
-                reach[n - 1:] = False
+                reach[n - 1 :] = False
                 bad = (np.concatenate([[True], bad[:-1]]) if n > 1 else np.zeros(len(t), dtype=bool)) | sep | reach
                 if n >= min_match:
                     ok = np.flatnonzero(~bad)
@@ -80,7 +82,7 @@ class TokenStore:
         """(match length, position after it) for the longest suffix of `context` that occurs in the corpus
         (min_match..max_ngram tokens), or None: of its `candidates` latest occurrences the one that extends
         furthest back (up to max_match tokens; the latest among equals)."""
-        context = list(context[-self.max_match:])
+        context = list(context[-self.max_match :])
         for n in range(min(self.max_ngram, len(context)), self.min_match - 1, -1):
             gram = context[-n:]
             key = np.uint64(_hash(gram))
@@ -88,11 +90,14 @@ class TokenStore:
             lo, hi = int(np.searchsorted(keys, key, "left")), int(np.searchsorted(keys, key, "right"))
             best, seen = None, 0
             for end in self.ends[n][lo:hi][::-1].tolist():  # the latest first
-                if self._list[end - n:end] != gram:  # a hash collision
+                if self._list[end - n : end] != gram:  # a hash collision
                     continue
                 length = n
-                while (length < len(context) and end - 1 - length >= 0
-                       and self._list[end - 1 - length] == context[-1 - length]):
+                while (
+                    length < len(context)
+                    and end - 1 - length >= 0
+                    and self._list[end - 1 - length] == context[-1 - length]
+                ):
                     length += 1
                 if best is None or length > best[0]:
                     best = (length, end)
@@ -106,14 +111,14 @@ class TokenStore:
     def continuation(self, end: int, length: int) -> list[int]:
         """Up to `length` tokens from position `end`, stopping at the end of that text."""
         span = []
-        for t in self._list[end:end + length]:
+        for t in self._list[end : end + length]:
             if t == SEPARATOR:
                 break
             span.append(t)
         return span
 
     @classmethod
-    def from_chat_file(cls, path, tokenizer, **kw) -> "TokenStore":
+    def from_chat_file(cls, path, tokenizer, **kw) -> TokenStore:
         """The last assistant turn of each record of one or more chat JSONL files (a path or a list of them),
         tokenized, a separator after each: in `eagletree distill`'s files the target's own answer (the turns before
         it are the dataset's, the context). A record whose "id" an earlier record had replaces it when it has an
@@ -131,15 +136,19 @@ class TokenStore:
                     continue
                 try:
                     record = json.loads(raw.decode("utf-8"))
-                    turns = [m["content"] for m in record["messages"] if m.get("role") == "assistant"
-                             and m.get("content") and m.get("weight", 1) != 0]
+                    turns = [
+                        m["content"]
+                        for m in record["messages"]
+                        if m.get("role") == "assistant" and m.get("content") and m.get("weight", 1) != 0
+                    ]
                     if not all(isinstance(t, str) for t in turns):
                         raise TypeError("an assistant turn's content is not text")
                     key = record.get("id")
                 except (ValueError, KeyError, TypeError, AttributeError) as e:  # (UnicodeDecodeError is a ValueError)
                     if n == len(lines):
-                        warnings.warn(f"{path}:{n}: the last line is not a whole record (a run stopped mid-write?); "
-                                      "skipped")
+                        warnings.warn(
+                            f"{path}:{n}: the last line is not a whole record (a run stopped mid-write?); skipped"
+                        )
                         continue
                     raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
                 if isinstance(key, (str, int)) and not isinstance(key, bool) and str(key):
@@ -161,31 +170,50 @@ class TokenStore:
         e.g. `pretokenized.tokenizer_fingerprint`) and the lookup settings, atomically; returns the header."""
         from ..files import writing
 
-        header = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_id, "tokens": len(self),
-                  "texts": int((self.tokens == SEPARATOR).sum()), "min_match": self.min_match,
-                  "max_ngram": self.max_ngram, "max_match": self.max_match, **info}
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": tokenizer_id,
+            "tokens": len(self),
+            "texts": int((self.tokens == SEPARATOR).sum()),
+            "min_match": self.min_match,
+            "max_ngram": self.max_ngram,
+            "max_match": self.max_match,
+            **info,
+        }
         with writing(Path(path)) as tmp, open(tmp, "wb") as f:
             np.savez_compressed(f, tokens=self.tokens.astype(np.int32), header=np.array(json.dumps(header)))
         return header
 
     @classmethod
-    def load(cls, path, tokenizer_id: str | None = None, vocab_size: int | None = None) -> tuple["TokenStore", dict]:
+    def load(cls, path, tokenizer_id: str | None = None, vocab_size: int | None = None) -> tuple[TokenStore, dict]:
         """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer, with
         `vocab_size`, one holding ids the target does not have. Every problem is a ValueError naming the file."""
         from ..files import read_npz
 
-        header, arrays = read_npz(path, ("tokens",), what="datastore", kind=FORMAT, version=VERSION,
-                                  remedy="make one with `eagletree datastore`")
+        header, arrays = read_npz(
+            path,
+            ("tokens",),
+            what="datastore",
+            kind=FORMAT,
+            version=VERSION,
+            remedy="make one with `eagletree datastore`",
+        )
         tokens = arrays["tokens"]
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != header.get("tokens"):
-            raise ValueError(f"{path}: {tokens.shape} {tokens.dtype} tokens, the header says {header.get('tokens')}; "
-                             "make it again")
+            raise ValueError(
+                f"{path}: {tokens.shape} {tokens.dtype} tokens, the header says {header.get('tokens')}; make it again"
+            )
         if tokenizer_id is not None and header.get("tokenizer") != tokenizer_id:
-            raise ValueError(f"{path}: made with tokenizer {header.get('tokenizer')}, but the target's is {tokenizer_id}; "
-                             "make it again with this target (`eagletree datastore`)")
+            raise ValueError(
+                f"{path}: made with tokenizer {header.get('tokenizer')}, but the target's is {tokenizer_id}; "
+                "make it again with this target (`eagletree datastore`)"
+            )
         if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
-            raise ValueError(f"{path}: token id {int(tokens.max())} is past the target's vocabulary of {vocab_size}; "
-                             "make it again with this target (`eagletree datastore`)")
+            raise ValueError(
+                f"{path}: token id {int(tokens.max())} is past the target's vocabulary of {vocab_size}; "
+                "make it again with this target (`eagletree datastore`)"
+            )
         try:
             store = cls(tokens, **{k: header[k] for k in ("min_match", "max_ngram", "max_match")})
         except (KeyError, TypeError, ValueError) as e:

@@ -5,6 +5,18 @@ from .engine import StepResult, causal_mask, commit, emitted_tokens, prefill, ve
 from .tree import DraftTree, TreeError
 
 __all__ = [
-    "DraftTree", "TreeError", "accept_tree", "accept_greedy", "accept_sampling", "target_probs", "warp_logits",
-    "StepResult", "causal_mask", "commit", "emitted_tokens", "prefill", "verify_step", "verify_tree",
+    "DraftTree",
+    "TreeError",
+    "accept_tree",
+    "accept_greedy",
+    "accept_sampling",
+    "target_probs",
+    "warp_logits",
+    "StepResult",
+    "causal_mask",
+    "commit",
+    "emitted_tokens",
+    "prefill",
+    "verify_step",
+    "verify_tree",
 ]

@@ -121,7 +121,9 @@ def accept_sampling(tree: DraftTree, probs, generator=None) -> tuple[list[int], 
         u = nxt
 
 
-def accept_tree(tree: DraftTree, logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None):
+def accept_tree(
+    tree: DraftTree, logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None
+):
     """(accepted node indices from the root, next token) for target logits [N, vocab] (row v: after v)."""
     if logits.dim() != 2 or logits.shape[0] != len(tree):
         raise TreeError(f"logits must be [N={len(tree)}, vocab], got shape {tuple(logits.shape)}")

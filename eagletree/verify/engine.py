@@ -39,8 +39,9 @@ def prefill(model, cache, input_ids: torch.Tensor, layers=None) -> TreeForwardOu
     if n == 0:
         return None
     positions = torch.arange(start, start + n, device=input_ids.device)
-    return tree_forward(model, input_ids.reshape(1, n), cache, causal_mask(n, start, input_ids.device), positions, layers,
-                        logits=False)
+    return tree_forward(
+        model, input_ids.reshape(1, n), cache, causal_mask(n, start, input_ids.device), positions, layers, logits=False
+    )
 
 
 def verify_tree(model, cache, tree: DraftTree, layers=None) -> TreeForwardOutput:
@@ -86,6 +87,10 @@ def verify_step(
     index = torch.tensor(accepted, device=out.hidden.device)
     layer_hidden = {k: h[0, index] for k, h in out.layer_hidden.items()} if out.layer_hidden else None
     return StepResult(
-        accepted, tokens, stopped, out.hidden[0, index], layer_hidden,
+        accepted,
+        tokens,
+        stopped,
+        out.hidden[0, index],
+        layer_hidden,
         {"verify": t1 - t0, "accept": t2 - t1, "commit": t3 - t2},
     )

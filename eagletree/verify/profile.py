@@ -36,8 +36,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure_verify(model, sizes=(1, 4, 8, 16, 32, 64, 128), prefix: int = 256, depth: int = 6, reps: int = 10,
-                   seed: int = 0, progress: bool = True, variants: dict | None = None) -> dict:
+def measure_verify(
+    model,
+    sizes=(1, 4, 8, 16, 32, 64, 128),
+    prefix: int = 256,
+    depth: int = 6,
+    reps: int = 10,
+    seed: int = 0,
+    progress: bool = True,
+    variants: dict | None = None,
+) -> dict:
     """Median seconds per component (mask, forward, greedy/T=1 acceptance, KV commit) for each N.
 
     All sizes are measured round-robin in one loop after one warm-up round, so machine noise
@@ -57,7 +65,7 @@ def measure_verify(model, sizes=(1, 4, 8, 16, 32, 64, 128), prefix: int = 256, d
     times = {(v, n): {c: [] for c in COLUMNS} for v in names for n in sizes}
     sampler = torch.Generator().manual_seed(seed + 1)
     for rep in tqdm(range(reps + 1), desc=f"verify cost ({device.type})", disable=not progress):
-        for v in (names if rep % 2 else names[::-1]):
+        for v in names if rep % 2 else names[::-1]:
             with variants[v]() if variants else nullcontext():
                 for n in sizes:
                     tree = trees[n]

@@ -30,7 +30,9 @@ class SyntheticPair:
 
     def logits(self, context: tuple) -> torch.Tensor:
         if context not in self._logits:
-            self._logits[context] = (torch.randn(self.vocab, generator=_seeded("target", context)) * 1.3).to(self.device)
+            self._logits[context] = (torch.randn(self.vocab, generator=_seeded("target", context)) * 1.3).to(
+                self.device
+            )
         return self._logits[context]
 
     def draft(self, context: tuple) -> torch.Tensor:
@@ -40,8 +42,9 @@ class SyntheticPair:
         return self._draft[context]
 
 
-def synthetic_tree(pair: SyntheticPair, context: tuple, mode: str, generator: torch.Generator,
-                   widths=(3, 2)) -> tuple[DraftTree, torch.Tensor]:
+def synthetic_tree(
+    pair: SyntheticPair, context: tuple, mode: str, generator: torch.Generator, widths=(3, 2)
+) -> tuple[DraftTree, torch.Tensor]:
     """A tree after `context` (`widths` children per node and level) and the target's logits at its nodes.
 
     mode: "deterministic" (each node's top-k draft tokens), "sampled" (drawn from the draft without

@@ -75,7 +75,9 @@ class DraftTree:
         bad = ((parents[1:] < 0) | (parents[1:] >= idx[1:])).nonzero()
         if bad.numel():
             v = int(bad[0]) + 1
-            raise TreeError(f"node {v} has parent {int(parents[v])}; expected a node index in [0, {v - 1}] (parent before child)")
+            raise TreeError(
+                f"node {v} has parent {int(parents[v])}; expected a node index in [0, {v - 1}] (parent before child)"
+            )
         tokens = self.tokens.cpu()
         if (tokens < 0).any() or (vocab_size is not None and (tokens >= vocab_size).any()):
             v = int(((tokens < 0) | (tokens >= (vocab_size or 1 << 62))).nonzero()[0])
@@ -98,13 +100,17 @@ class DraftTree:
                 raise TreeError("draft_dists holds NaN, infinite or negative probabilities")
         if self.sampled:
             if self.draft_dists is None:
-                raise TreeError("a sampled tree needs draft_dists: the distribution each node's children were drawn from")
+                raise TreeError(
+                    "a sampled tree needs draft_dists: the distribution each node's children were drawn from"
+                )
             child = torch.arange(1, n)
             q = self.draft_dists.cpu()[parents[1:], tokens[1:]]
             zero = (q <= 0).nonzero()
             if zero.numel():
                 v = int(child[int(zero[0])])
-                raise TreeError(f"node {v} (token {int(tokens[v])}) has draft probability 0 under its parent's draft_dists")
+                raise TreeError(
+                    f"node {v} (token {int(tokens[v])}) has draft probability 0 under its parent's draft_dists"
+                )
         if n > 1 and not (self.sampled and self.with_replacement):
             # Top-k siblings, and siblings drawn without replacement, are distinct: a repeat would be tried twice.
             key = parents[1:] * (int(tokens.max()) + 1) + tokens[1:]
@@ -122,7 +128,7 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    def prefix(self, n: int) -> "DraftTree":
+    def prefix(self, n: int) -> DraftTree:
         """The first n nodes (the searches emit them best first, and parents always come first, so it stays a
         tree), with the search's fields cut alike; the tree itself when it has at most n nodes."""
         if n >= len(self):
@@ -131,8 +137,9 @@ class DraftTree:
             raise TreeError(f"a tree prefix needs at least the root: n must be >= 1, got {n}")
         if self.sampled:
             raise TreeError("a sampled tree cannot be cut: its nodes' draws depend on their siblings")
-        cut = DraftTree(self.tokens[:n], self.parents[:n],
-                        draft_probs=None if self.draft_probs is None else self.draft_probs[:n])
+        cut = DraftTree(
+            self.tokens[:n], self.parents[:n], draft_probs=None if self.draft_probs is None else self.draft_probs[:n]
+        )
         cut.node_ids = (self.node_ids or list(range(len(self))))[:n]
         cut.values = None if self.values is None else self.values[:n]
         cut.copy_info = None if self.copy_info is None else self.copy_info[:n]
@@ -217,7 +224,7 @@ class DraftTree:
         """Predicted tokens per pass: 1 + sum of the non-root path products."""
         return 1.0 + float(self.path_products()[1:].sum())
 
-    def to(self, device) -> "DraftTree":
+    def to(self, device) -> DraftTree:
         """The same tree with its tensors on `device` (validation is not repeated)."""
         clone = object.__new__(DraftTree)
         clone.__dict__.update(self.__dict__)

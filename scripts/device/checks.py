@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from eagletree.draft_heads import EagleHead
 from eagletree.decoding import decode_steps
+from eagletree.draft_heads import EagleHead
 from eagletree.target import new_cache
 from eagletree.verify import DraftTree, accept_tree, prefill, target_probs, verify_step, verify_tree
 from eagletree.verify.synthetic import SyntheticPair, synthetic_tree
@@ -26,9 +26,20 @@ def tiny_model(kind: str, device, dtype, attn: str = "sdpa", seed: int = 0, voca
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
-    config = cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
-                 eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    config = cls(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return model.to(device=device, dtype=dtype).eval()
@@ -48,9 +59,14 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def _plain(model, prompt, max_new):
     with torch.no_grad():
-        out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False)
-    return out[0, prompt.numel():].tolist()
+        out = model.generate(
+            prompt[None],
+            attention_mask=torch.ones_like(prompt)[None],
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+        )
+    return out[0, prompt.numel() :].tolist()
 
 
 def _gap(model, prompt, ref, ours) -> tuple[int, float, float]:
@@ -90,7 +106,7 @@ def _engine_greedy(model, prompt, max_new, ref, g):
     prefill(model, cache, prompt[:-1])
     root, out, passes = int(prompt[-1]), [], 0
     while len(out) < max_new:
-        step = verify_step(model, cache, _oracle_tree(root, ref[len(out):], 16, 6, model.config.vocab_size, g))
+        step = verify_step(model, cache, _oracle_tree(root, ref[len(out) :], 16, 6, model.config.vocab_size, g))
         out += step.tokens
         root, passes = step.tokens[-1], passes + 1
     return out[:max_new], passes
@@ -100,20 +116,42 @@ def greedy_check(device, dtype, kinds=("llama", "qwen2"), prompts: int = 10, max
     """eagletree greedy == HF generate on tiny random models; mismatches are judged by their logit gap."""
     # A difference counts as a near-tie when the two logits are within the dtype's rounding of each other.
     tie = 1e-3 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
-    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "sequences": 0, "identical": 0,
-              "near_ties": [], "wrong": [], "engine_tokens_per_pass": None}
+    result = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "sequences": 0,
+        "identical": 0,
+        "near_ties": [],
+        "wrong": [],
+        "engine_tokens_per_pass": None,
+    }
     new = passes = 0
     for kind in kinds:
         model = tiny_model(kind, device, dtype)
         head = EagleHead.for_target(model.config).to(device=device, dtype=dtype).eval()
         g = torch.Generator().manual_seed(7)
         for k in range(prompts):
-            prompt = torch.randint(model.config.vocab_size, (int(torch.randint(2, 30, (1,), generator=g)),),
-                                   generator=g).to(device)
+            prompt = torch.randint(
+                model.config.vocab_size, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g
+            ).to(device)
             ref = _plain(model, prompt, max_new)
-            runs = {"generate": [t for step in decode_steps(model, None, head, prompt, max_new_tokens=max_new,
-                                                            tree="eagle2", budget=16, depth=4, top_k_draft=4)
-                                 for t in step]}
+            runs = {
+                "generate": [
+                    t
+                    for step in decode_steps(
+                        model,
+                        None,
+                        head,
+                        prompt,
+                        max_new_tokens=max_new,
+                        tree="eagle2",
+                        budget=16,
+                        depth=4,
+                        top_k_draft=4,
+                    )
+                    for t in step
+                ]
+            }
             runs["engine"], p = _engine_greedy(model, prompt, max_new, ref, g)
             new, passes = new + max_new, passes + p
             for name, ours in runs.items():
@@ -129,8 +167,9 @@ def greedy_check(device, dtype, kinds=("llama", "qwen2"), prompts: int = 10, max
     return result
 
 
-def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: float = 1.0, top_p=None,
-                  max_seconds: float | None = None) -> dict:
+def sampled_check(
+    device, draws: int = 20_000, vocab: int = 6, temperature: float = 1.0, top_p=None, max_seconds: float | None = None
+) -> dict:
     """Chi-square of the first token and of the first two tokens emitted by tree acceptance on `device`,
     for top-k-drafted and sampled trees; p > 0.01 passes. `max_seconds` per tree kind ends the draws early
     (the stopping time does not depend on the draws' values, so the test stays valid)."""
@@ -157,8 +196,11 @@ def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: floa
             pairs[out[0], out[1]] += 1
         p1 = target_probs(syn.logits((0,))[None], **sampling)[0].cpu()
         p2 = torch.stack([target_probs(syn.logits((0, a))[None], **sampling)[0].cpu() for a in range(vocab)])
-        result[mode] = {"draws": int(pairs.sum()), "p_first": chi_square_p(pairs.sum(1), p1),
-                        "p_pair": chi_square_p(pairs, p1[:, None] * p2)}
+        result[mode] = {
+            "draws": int(pairs.sum()),
+            "p_first": chi_square_p(pairs.sum(1), p1),
+            "p_pair": chi_square_p(pairs, p1[:, None] * p2),
+        }
     result["ok"] = all(min(result[m]["p_first"], result[m]["p_pair"]) > 0.01 for m in ("deterministic", "sampled"))
     return result
 
@@ -166,8 +208,14 @@ def sampled_check(device, draws: int = 20_000, vocab: int = 6, temperature: floa
 def tree_pass_check(device, dtype=torch.float32, kinds=("llama", "qwen2"), sizes=(1, 2, 9, 33, 64)) -> dict:
     """Max |tree-pass logit - root-path forward logit| over random trees, SDPA with the boolean tree mask."""
     tol = 1e-3 if dtype == torch.float32 else 0.05
-    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "attention": "sdpa", "trees": 0,
-              "max_abs_diff": 0.0, "max_rel_diff": 0.0}
+    result = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention": "sdpa",
+        "trees": 0,
+        "max_abs_diff": 0.0,
+        "max_rel_diff": 0.0,
+    }
     g = torch.Generator().manual_seed(1)
     for kind in kinds:
         model = tiny_model(kind, device, dtype)
@@ -181,7 +229,7 @@ def tree_pass_check(device, dtype=torch.float32, kinds=("llama", "qwen2"), sizes
                 for path in tree.paths():
                     path = torch.as_tensor(path, dtype=torch.long)
                     ids = torch.cat([prefix, tree.tokens[path].to(device)])[None]
-                    ref = model(ids).logits[0, prefix.numel():].float()
+                    ref = model(ids).logits[0, prefix.numel() :].float()
                     diff = float((logits[path.to(device)] - ref).abs().max())
                     result["max_abs_diff"] = max(result["max_abs_diff"], diff)
                     result["max_rel_diff"] = max(result["max_rel_diff"], diff / max(float(ref.abs().max()), 1.0))

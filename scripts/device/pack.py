@@ -36,8 +36,13 @@ CALL_LIMIT = 64 * MIB  # what one device call carries: the working tree, the man
 
 def tree_bytes() -> int:
     """Bytes of the working tree a device call carries (tracked files and untracked ones git does not ignore)."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
@@ -61,11 +66,15 @@ def package_files(name: str) -> list[tuple[Path, str]]:
     try:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(f"error: the package {name!r} is not installed here; install it (scripts/setup.sh does)") from None
+        raise SystemExit(
+            f"error: the package {name!r} is not installed here; install it (scripts/setup.sh does)"
+        ) from None
     files = []
     for rel in dist.files or ():
         top = rel.parts[0]
-        if (top == name or (top.startswith(f"{name}-") and top.endswith(".dist-info"))) and "__pycache__" not in rel.parts:
+        if (
+            top == name or (top.startswith(f"{name}-") and top.endswith(".dist-info"))
+        ) and "__pycache__" not in rel.parts:
             files.append((Path(dist.locate_file(rel)), f"site/{rel.as_posix()}"))
     if not any(arc.startswith(f"site/{name}/") for _, arc in files):
         raise SystemExit(f"error: the installed {name!r} lists no files of its package")
@@ -101,11 +110,21 @@ def pack(args) -> dict:
                 conversations += train
             conversations = conversations[: args.limit] if args.limit else conversations
             records, skipped = render_all(conversations, tok, max_len, name)
-            headers[name] = pretokenized.save(data / f"{name}.npz", records, tok, source=[str(f) for f in files],
-                                              max_len=max_len, skipped=skipped, heldout_fraction=cfg.heldout_fraction)
-            print(f"{name}: {len(records)} conversations, {headers[name]['tokens']:,} tokens "
-                  f"({headers[name]['assistant_tokens']:,} assistant), {skipped} not renderable, "
-                  f"{(data / f'{name}.npz').stat().st_size / MIB:.1f} MiB", file=sys.stderr)
+            headers[name] = pretokenized.save(
+                data / f"{name}.npz",
+                records,
+                tok,
+                source=[str(f) for f in files],
+                max_len=max_len,
+                skipped=skipped,
+                heldout_fraction=cfg.heldout_fraction,
+            )
+            print(
+                f"{name}: {len(records)} conversations, {headers[name]['tokens']:,} tokens "
+                f"({headers[name]['assistant_tokens']:,} assistant), {skipped} not renderable, "
+                f"{(data / f'{name}.npz').stat().st_size / MIB:.1f} MiB",
+                file=sys.stderr,
+            )
 
     payload = out / "payload.tar"
     with tarfile.open(payload, "w") as tar:
@@ -130,28 +149,45 @@ def pack(args) -> dict:
             parts.append(part.name)
     pieces = [{"name": n, "bytes": (out / n).stat().st_size, "sha256": sha256(out / n)} for n in parts + [payload.name]]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    manifest = {"format": FORMAT, "pieces": pieces, "payload": payload.name,
-                "gguf": {"name": gguf.name, "bytes": size, "sha256": sha256(gguf), "parts": parts},
-                "data": headers, "commit": commit, "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    manifest = {
+        "format": FORMAT,
+        "pieces": pieces,
+        "payload": payload.name,
+        "gguf": {"name": gguf.name, "bytes": size, "sha256": sha256(gguf), "parts": parts},
+        "data": headers,
+        "commit": commit,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     tree = tree_bytes()
     for p in pieces:
         call = tree + p["bytes"] + (out / MANIFEST).stat().st_size
-        print(f"piece {p['name']}: {p['bytes'] / MIB:.1f} MiB; its call carries {call / MIB:.1f} MiB with the "
-              f"working tree ({tree / MIB:.1f} MiB)", file=sys.stderr)
+        print(
+            f"piece {p['name']}: {p['bytes'] / MIB:.1f} MiB; its call carries {call / MIB:.1f} MiB with the "
+            f"working tree ({tree / MIB:.1f} MiB)",
+            file=sys.stderr,
+        )
         if p["bytes"] > PIECE_LIMIT or call > CALL_LIMIT:
-            raise SystemExit(f"error: piece {p['name']} is {p['bytes'] / MIB:.1f} MiB and its call "
-                             f"{call / MIB:.1f} MiB; expected <= {PIECE_LIMIT / MIB:.0f} and <= {CALL_LIMIT / MIB:.0f} MiB")
+            raise SystemExit(
+                f"error: piece {p['name']} is {p['bytes'] / MIB:.1f} MiB and its call "
+                f"{call / MIB:.1f} MiB; expected <= {PIECE_LIMIT / MIB:.0f} and <= {CALL_LIMIT / MIB:.0f} MiB"
+            )
     return manifest
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(PIECES), help="folder for the pieces and manifest.json (default device-pieces/)")
+    p.add_argument(
+        "--out", default=str(PIECES), help="folder for the pieces and manifest.json (default device-pieces/)"
+    )
     p.add_argument("--dataset", default="sharegpt", help="ShareGPT (default) or a .json/.jsonl file of conversations")
     p.add_argument("--distill", nargs="*", default=[], help="distill JSONL files (eagletree distill) to pack too")
-    p.add_argument("--max-len", type=int, default=0, help="tokens kept per conversation (default: the training config's)")
-    p.add_argument("--limit", type=int, default=0, help="pack only the first N conversations of each source (rehearsals)")
+    p.add_argument(
+        "--max-len", type=int, default=0, help="tokens kept per conversation (default: the training config's)"
+    )
+    p.add_argument(
+        "--limit", type=int, default=0, help="pack only the first N conversations of each source (rehearsals)"
+    )
     args = p.parse_args(argv)
     pack(args)
     print(f"packed into {args.out}", file=sys.stderr)

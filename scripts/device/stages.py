@@ -20,8 +20,24 @@ sys.path[:0] = [str(HERE), str(REPO)]
 
 SHIPPED_HEAD = REPO / "eagletree" / "heads" / "smollm2-135m"
 TRAIN_CONFIG = REPO / "configs" / "smollm2-135m-eagle.yaml"
-PACKAGES = ("torch", "transformers", "accelerate", "numpy", "safetensors", "yaml", "tqdm", "tokenizers", "jinja2",
-            "huggingface_hub", "gguf", "scipy", "matplotlib", "datasets", "wandb", "pytest")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "numpy",
+    "safetensors",
+    "yaml",
+    "tqdm",
+    "tokenizers",
+    "jinja2",
+    "huggingface_hub",
+    "gguf",
+    "scipy",
+    "matplotlib",
+    "datasets",
+    "wandb",
+    "pytest",
+)
 
 
 def write(out: Path, results: dict, summary: list[str]) -> None:
@@ -58,14 +74,27 @@ def stage_env(args) -> int:
 
     import torch
 
-    info = {"python": sys.version.split()[0], "executable": sys.executable, "platform": platform.platform(),
-            "cpus": os.cpu_count(), "packages": found, "cuda": torch.cuda.is_available()}
+    info = {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "packages": found,
+        "cuda": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
-                    cuda_version=torch.version.cuda, bf16=torch.cuda.is_bf16_supported())
-    summary = [f"python {info['python']}, {info['cpus']} CPUs, "
-               + (f"{info['gpu']} ({info['gpu_memory_gib']} GiB, CUDA {info['cuda_version']})" if info["cuda"] else "no CUDA")]
+        info.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            cuda_version=torch.version.cuda,
+            bf16=torch.cuda.is_bf16_supported(),
+        )
+    summary = [
+        f"python {info['python']}, {info['cpus']} CPUs, "
+        + (f"{info['gpu']} ({info['gpu_memory_gib']} GiB, CUDA {info['cuda_version']})" if info["cuda"] else "no CUDA")
+    ]
     summary += [f"  {k}: {v}" for k, v in found.items()]
     write(args.out, info, summary)
     return 0
@@ -73,21 +102,24 @@ def stage_env(args) -> int:
 
 def stage_checks(args) -> int:
     """Greedy == HF generate (fp32, bf16), sampled chi-square, tree pass == path forwards, on the device."""
-    import torch
-
     import checks
+    import torch
 
     dev, dry = device(), args.dry_run
     results, summary = {}, []
     greedy = {"prompts": 1, "max_new": 8, "kinds": ("llama",)} if dry else {"prompts": 4, "max_new": 40}
     trees = {"sizes": (1, 9), "kinds": ("qwen2",)} if dry else {}
-    todo = [("greedy_fp32", lambda: checks.greedy_check(dev, torch.float32, **greedy)),
-            ("greedy_bf16", lambda: checks.greedy_check(dev, torch.bfloat16, **greedy)),
-            ("sampled_T1", lambda: checks.sampled_check(dev, draws=300 if dry else 20_000, max_seconds=10)),
-            ("sampled_T0.7_top_p0.9", lambda: checks.sampled_check(dev, draws=300 if dry else 20_000, temperature=0.7,
-                                                                   top_p=0.9, max_seconds=5)),
-            ("tree_pass_fp32", lambda: checks.tree_pass_check(dev, torch.float32, **trees)),
-            ("tree_pass_bf16", lambda: checks.tree_pass_check(dev, torch.bfloat16, **trees))]
+    todo = [
+        ("greedy_fp32", lambda: checks.greedy_check(dev, torch.float32, **greedy)),
+        ("greedy_bf16", lambda: checks.greedy_check(dev, torch.bfloat16, **greedy)),
+        ("sampled_T1", lambda: checks.sampled_check(dev, draws=300 if dry else 20_000, max_seconds=10)),
+        (
+            "sampled_T0.7_top_p0.9",
+            lambda: checks.sampled_check(dev, draws=300 if dry else 20_000, temperature=0.7, top_p=0.9, max_seconds=5),
+        ),
+        ("tree_pass_fp32", lambda: checks.tree_pass_check(dev, torch.float32, **trees)),
+        ("tree_pass_bf16", lambda: checks.tree_pass_check(dev, torch.bfloat16, **trees)),
+    ]
     for name, run in todo:
         t0 = time.perf_counter()
         try:
@@ -96,9 +128,9 @@ def stage_checks(args) -> int:
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         results[name]["seconds"] = round(time.perf_counter() - t0, 1)
         r = results[name]
-        detail = r.get("error") or ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("ok", "device", "seconds")
-                                             and not isinstance(v, list)) + \
-            (f", near-ties {len(r['near_ties'])}, wrong {len(r['wrong'])}" if "wrong" in r else "")
+        detail = r.get("error") or ", ".join(
+            f"{k}={v}" for k, v in r.items() if k not in ("ok", "device", "seconds") and not isinstance(v, list)
+        ) + (f", near-ties {len(r['near_ties'])}, wrong {len(r['wrong'])}" if "wrong" in r else "")
         summary.append(f"{name} on {dev}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s): {detail}")
         write(args.out, results, summary)  # after every check: a time-out keeps the finished ones
     return 0 if all(r["ok"] for r in results.values()) else 1
@@ -110,9 +142,20 @@ def stage_profile(args) -> int:
 
     if args.dry_run:
         config = args.out / "tiny-config.json"
-        config.write_text(json.dumps({"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-                                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                      "max_position_embeddings": 512}))
+        config.write_text(
+            json.dumps(
+                {
+                    "model_type": "llama",
+                    "vocab_size": 128,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 512,
+                }
+            )
+        )
         argv = ["--config", str(config), "--sizes", "1,2,4", "--reps", "1", "--prefix", "16"]
     else:
         argv = ["--config", "llama-3.1-8b", "--sizes", "1,2,4,8,16,32,48,64,96,128,192,256", "--reps", "10"]
@@ -124,7 +167,8 @@ def stage_profile(args) -> int:
         n = 64 if 64 in at else max(at)
         (args.out / "summary.txt").write_text(
             f"t({n})/t(1) = {at[n]['ratio']:.2f}, engine overhead {at[n]['overhead']:.1%} of a pass, "
-            f"t(1) = {at[1]['forward_ms']:.2f} ms, head call {at[n]['draft_level_ms']:.2f} ms\n")
+            f"t(1) = {at[1]['forward_ms']:.2f} ms, head call {at[n]['draft_level_ms']:.2f} ms\n"
+        )
     return rc
 
 
@@ -136,7 +180,6 @@ def _mtbench(work: Path, n: int):
 
 def stage_smollm2(args) -> int:
     """SmolLM2 on the device: eagletree eagle2 and auto vs HF generate on MT-bench prompts, outputs compared."""
-    import torch
 
     from eagletree.bench import machine_info, markdown_report, method_grid, run_bench
     from eagletree.draft_heads import load_head
@@ -155,31 +198,59 @@ def stage_smollm2(args) -> int:
         import eagletree.verify.profile as verify_profile
 
         measure = verify_profile.measure_verify
-        verify_profile.measure_verify = lambda target, **kw: measure(target, **(kw | dict(sizes=(1, 8), prefix=16, reps=1)))
+        verify_profile.measure_verify = lambda target, **kw: measure(
+            target, **(kw | dict(sizes=(1, 8), prefix=16, reps=1))
+        )
     methods = method_grid(["eagle2", "auto"], [budget])
     prompts = _mtbench(args.work, 1 if dry else 8)  # one per category
-    report = run_bench(model, tok, head, prompts, methods, temperatures=(0.0,), max_new_tokens=6 if dry else 128,
-                       progress=False, log=lambda s: print(s, flush=True))
-    report.update(command="scripts/device/stages.py smollm2", machine=machine_info(model), load_s=load_s, plots=[],
-                  settings={"target": "smollm2-135m (the carried GGUF)", "head": str(SHIPPED_HEAD.relative_to(REPO)),
-                            "prompts": f"mtbench:{len(prompts)}", "packed": False,
-                            "head_dtype": str(model.dtype).removeprefix("torch."),
-                            "draft_vocab": head.config.draft_vocab_size or "full", "budgets": [budget], "depth": 6,
-                            "top_k_draft": 10, "methods": [m.label for m in methods]})
+    report = run_bench(
+        model,
+        tok,
+        head,
+        prompts,
+        methods,
+        temperatures=(0.0,),
+        max_new_tokens=6 if dry else 128,
+        progress=False,
+        log=lambda s: print(s, flush=True),
+    )
+    report.update(
+        command="scripts/device/stages.py smollm2",
+        machine=machine_info(model),
+        load_s=load_s,
+        plots=[],
+        settings={
+            "target": "smollm2-135m (the carried GGUF)",
+            "head": str(SHIPPED_HEAD.relative_to(REPO)),
+            "prompts": f"mtbench:{len(prompts)}",
+            "packed": False,
+            "head_dtype": str(model.dtype).removeprefix("torch."),
+            "draft_vocab": head.config.draft_vocab_size or "full",
+            "budgets": [budget],
+            "depth": 6,
+            "top_k_draft": 10,
+            "methods": [m.label for m in methods],
+        },
+    )
     (args.out / "results.md").write_text(markdown_report(report))
     greedy = [r for r in report["results"] if not r["temperature"]]
-    summary = [f"SmolLM2 {report['machine']['dtype']} on {report['machine']['device']}, {len(prompts)} MT-bench prompts x "
-               f"{report['max_new_tokens']} tokens, budget {budget}:"]
+    summary = [
+        f"SmolLM2 {report['machine']['dtype']} on {report['machine']['device']}, {len(prompts)} MT-bench prompts x "
+        f"{report['max_new_tokens']} tokens, budget {budget}:"
+    ]
     for r in report["results"]:
-        summary.append(f"  T={r['temperature']:g} {r['method']}: {r['tokens_per_pass']:.2f} tokens/pass, "
-                       f"{r['tokens_per_s'] or 0:.1f} tokens/s, speedup {(r['speedup'] or {}).get('median') or 0:.2f}x"
-                       + ("" if r["temperature"] else f", identical to plain {r['identical']}"))
+        summary.append(
+            f"  T={r['temperature']:g} {r['method']}: {r['tokens_per_pass']:.2f} tokens/pass, "
+            f"{r['tokens_per_s'] or 0:.1f} tokens/s, speedup {(r['speedup'] or {}).get('median') or 0:.2f}x"
+            + ("" if r["temperature"] else f", identical to plain {r['identical']}")
+        )
     write(args.out, report, summary)
     return 0 if all(r["identical"] in (True, None) or r["method"] == "plain" for r in greedy) else 1
 
 
 def stage_train(args) -> int:
-    """Train a head on all the carried data for the time left, then its MT-bench tokens/pass against the shipped head."""
+    """Train a head on all the carried data for the time left, then its MT-bench tokens/pass against the shipped
+    head."""
     import torch
 
     from eagletree.draft_heads import load_head
@@ -190,7 +261,9 @@ def stage_train(args) -> int:
 
     dry, t_start = args.dry_run, time.perf_counter()
     dev = device()
-    model, tok = load_target(gguf_file(args.work), device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    model, tok = load_target(
+        gguf_file(args.work), device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
+    )
     records, sources = [], {}
     for name in ("sharegpt", "distill"):
         path = args.work / "data" / f"{name}.npz"
@@ -219,34 +292,60 @@ def stage_train(args) -> int:
     ship(cfg.out_dir, args.out / "head")  # bf16, as the shipped head
     (args.out / "history.jsonl").write_text((Path(cfg.out_dir) / "history.jsonl").read_text())
     micro = steps * cfg.grad_accum
-    results = {"device": str(dev), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "data": sources, "conversations": len(records), "trial_s_per_step": per_step, "steps": steps,
-               "grad_accum": cfg.grad_accum, "epochs": micro / len(records), "train_s": train_s,
-               "s_per_step": train_s / steps, "summary": summary_, "config": str(TRAIN_CONFIG.relative_to(REPO))}
-    summary = [f"trained {steps} steps x {cfg.grad_accum} conversations in {train_s:.0f} s ({micro / len(records):.2f} "
-               f"epochs of {len(records)}; {summary_['tokens']} assistant tokens), final loss "
-               f"{summary_['final']['loss']:.3f}, acc {summary_['final']['acc']:.3f}"]
+    results = {
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "data": sources,
+        "conversations": len(records),
+        "trial_s_per_step": per_step,
+        "steps": steps,
+        "grad_accum": cfg.grad_accum,
+        "epochs": micro / len(records),
+        "train_s": train_s,
+        "s_per_step": train_s / steps,
+        "summary": summary_,
+        "config": str(TRAIN_CONFIG.relative_to(REPO)),
+    }
+    summary = [
+        f"trained {steps} steps x {cfg.grad_accum} conversations in {train_s:.0f} s ({micro / len(records):.2f} "
+        f"epochs of {len(records)}; {summary_['tokens']} assistant tokens), final loss "
+        f"{summary_['final']['loss']:.3f}, acc {summary_['final']['acc']:.3f}"
+    ]
     write(args.out, results, summary)
     # Tokens/pass of the new head and the shipped one on the same MT-bench prompts, prompt by prompt (paired).
     prompts = _mtbench(args.work, eval_n)
     options = dict(max_new_tokens=eval_tokens, tree="eagle2", budget=8 if dry else 60, depth=6, top_k_draft=10)
-    heads = {"trained": load_head(args.out / "head", target_config=model.config, device=dev, dtype=model.dtype),
-             "shipped": load_head(SHIPPED_HEAD, target_config=model.config, device=dev, dtype=model.dtype)}
+    heads = {
+        "trained": load_head(args.out / "head", target_config=model.config, device=dev, dtype=model.dtype),
+        "shipped": load_head(SHIPPED_HEAD, target_config=model.config, device=dev, dtype=model.dtype),
+    }
     per_prompt = {name: [tokens_per_pass(h, model, tok, [p], **options) for p in prompts] for name, h in heads.items()}
-    results["mtbench"] = {name: {"tokens_per_pass": sum(r["new_tokens"] for r in rows) / sum(r["passes"] for r in rows),
-                                 "passes": [r["passes"] for r in rows], "new_tokens": [r["new_tokens"] for r in rows]}
-                          for name, rows in per_prompt.items()}
+    results["mtbench"] = {
+        name: {
+            "tokens_per_pass": sum(r["new_tokens"] for r in rows) / sum(r["passes"] for r in rows),
+            "passes": [r["passes"] for r in rows],
+            "new_tokens": [r["new_tokens"] for r in rows],
+        }
+        for name, rows in per_prompt.items()
+    }
     results["mtbench"].update(prompts=len(prompts), **options)
     m = results["mtbench"]
-    summary.append(f"MT-bench ({len(prompts)} prompts x {eval_tokens} tokens, EAGLE-2 {options['budget']} nodes): "
-                   f"trained head {m['trained']['tokens_per_pass']:.2f} tokens/pass, shipped head "
-                   f"{m['shipped']['tokens_per_pass']:.2f}")
+    summary.append(
+        f"MT-bench ({len(prompts)} prompts x {eval_tokens} tokens, EAGLE-2 {options['budget']} nodes): "
+        f"trained head {m['trained']['tokens_per_pass']:.2f} tokens/pass, shipped head "
+        f"{m['shipped']['tokens_per_pass']:.2f}"
+    )
     write(args.out, results, summary)
     return 0
 
 
-STAGES = {"env": stage_env, "checks": stage_checks, "profile": stage_profile, "smollm2": stage_smollm2,
-          "train": stage_train}
+STAGES = {
+    "env": stage_env,
+    "checks": stage_checks,
+    "profile": stage_profile,
+    "smollm2": stage_smollm2,
+    "train": stage_train,
+}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,20 @@
+"""The code is formatted and linted as pyproject.toml's [tool.ruff] says (CI runs this with the suite)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff_passes(command):
+    assert RUFF is not None, (
+        "ruff is missing: it comes with the test extras (pip install -e '.[test]', scripts/setup.sh)"
+    )
+    run = subprocess.run([RUFF, *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, f"ruff {' '.join(command)} found:\n{run.stdout}{run.stderr}"
