@@ -77,7 +77,8 @@ def retrieved(
     return longest, agree[0], max(agree)
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, Path, list]:
+    """The command line checked: (args, the store's path, the prompts); exits with a usage error otherwise."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", default="mtbench:40", help="as bench's: mtbench[:N], humaneval:A-B, heldout:N")
     ap.add_argument("--store", required=True, help="a distilled JSONL file (eagletree distill): the corpus")
@@ -97,7 +98,11 @@ def main(argv=None) -> int:
         prompts = load_prompts(args.prompts)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
+    return args, store_path, prompts
 
+
+def main(argv=None) -> int:
+    args, store_path, prompts = parse_args(argv)
     torch.set_num_threads(1)
     target, tok, head, _ = load_models(TARGET, SHIPPED_HEADS[TARGET], pack="auto", head_dtype=None)
     store = NgramIndex(store_tokens(store_path, tok), max_ngram=args.max_ngram)

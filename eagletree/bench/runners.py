@@ -217,6 +217,57 @@ def logit_gap(model, tok, messages, want: list[int], got: list[int], k: int) -> 
     return float(logits[want[k]] - logits[got[k]])
 
 
+def _empty_row() -> dict:
+    """The running totals of one (method, temperature) row, filled by `_add_run`."""
+    return dict(
+        rate=[],
+        e2e=[],
+        first=[],
+        ratio=[],
+        same=[],
+        new=0,
+        passes=0,
+        predicted=[],
+        lengths=Counter(),
+        mismatches=[],
+    )
+
+
+def _add_run(row: dict, m: Method, run: Run, ref: Run, same: Run | None) -> None:
+    """Add one run to its row; `ref` is plain decoding with stock kernels, `same` with the target's own."""
+    row["rate"].append(run.decode_rate)
+    row["ratio"].append(run.decode_rate / ref.decode_rate)  # NaN (dropped) where either has one pass
+    if m.name != "plain":  # like for like: against plain decoding with the same kernels
+        row["same"].append(run.decode_rate / (same or ref).decode_rate)
+    row["e2e"].append(len(run.token_ids) / run.seconds)
+    row["first"].append(run.first_seconds)
+    row["new"] += len(run.token_ids)
+    row["passes"] += run.passes
+    row["predicted"] += run.predicted
+    row["lengths"].update(run.accepted_lengths)
+
+
+def _check_same_tokens(row: dict, model, tok, messages, i: int, m: Method, run: Run, ref: Run, log) -> None:
+    """Record in the row, and log, where a greedy run's tokens first differ from plain decoding's (prompt `i`)."""
+    if (k := first_difference(run.token_ids, ref.token_ids)) is None:
+        return
+    gap = logit_gap(model, tok, messages, ref.token_ids, run.token_ids, k)
+    row["mismatches"].append(
+        {
+            "prompt": i,
+            "position": k,
+            "got": run.token_ids[k : k + 8],
+            "plain": ref.token_ids[k : k + 8],
+            "logit_gap": gap,
+        }
+    )
+    log(
+        f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
+        f"{run.token_ids[k : k + 8]} vs plain {ref.token_ids[k : k + 8]}"
+        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)")
+    )
+
+
 def run_bench(
     model,
     tok,
@@ -244,22 +295,7 @@ def run_bench(
         log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
     plain = Method("plain")
     everything = [plain] + list(methods)
-    rows = {
-        (m, t): dict(
-            rate=[],
-            e2e=[],
-            first=[],
-            ratio=[],
-            same=[],
-            new=0,
-            passes=0,
-            predicted=[],
-            lengths=Counter(),
-            mismatches=[],
-        )
-        for m in everything
-        for t in temperatures
-    }
+    rows = {(m, t): _empty_row() for m in everything for t in temperatures}
     pairs = ([], [])  # (draft probability, accepted?) of every tried node, greedy tree runs
     bar = tqdm(total=len(prompts) * len(temperatures) * len(everything), desc="bench", disable=not progress)
     for i, messages in enumerate(prompts):
@@ -284,32 +320,9 @@ def run_bench(
                 ref = run if ref is None else ref
                 same = run if m.name == "packed" else same
                 row = rows[(m, temperature)]
-                row["rate"].append(run.decode_rate)
-                row["ratio"].append(run.decode_rate / ref.decode_rate)  # NaN (dropped) where either has one pass
-                if m.name != "plain":  # like for like: against plain decoding with the same kernels
-                    row["same"].append(run.decode_rate / (same or ref).decode_rate)
-                row["e2e"].append(len(run.token_ids) / run.seconds)
-                row["first"].append(run.first_seconds)
-                row["new"] += len(run.token_ids)
-                row["passes"] += run.passes
-                row["predicted"] += run.predicted
-                row["lengths"].update(run.accepted_lengths)
-                if not temperature and (k := first_difference(run.token_ids, ref.token_ids)) is not None:
-                    gap = logit_gap(model, tok, messages, ref.token_ids, run.token_ids, k)
-                    row["mismatches"].append(
-                        {
-                            "prompt": i,
-                            "position": k,
-                            "got": run.token_ids[k : k + 8],
-                            "plain": ref.token_ids[k : k + 8],
-                            "logit_gap": gap,
-                        }
-                    )
-                    log(
-                        f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
-                        f"{run.token_ids[k : k + 8]} vs plain {ref.token_ids[k : k + 8]}"
-                        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)")
-                    )
+                _add_run(row, m, run, ref, same)
+                if not temperature:
+                    _check_same_tokens(row, model, tok, messages, i, m, run, ref, log)
                 for tree, accepted in run.steps or ():
                     q, y = acceptance_pairs(tree, accepted)
                     pairs[0].extend(q)

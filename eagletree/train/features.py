@@ -89,16 +89,8 @@ def check_shards_match(folder, written: list[dict], planned: list[list[str]]) ->
             )
 
 
-def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True, log=None) -> dict:
-    """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
-
-    `log` (default: the current sys.stderr, looked up per call) receives the size statement.
-    """
-    log = log if log is not None else sys.stderr
-    folder = Path(cfg.features_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    identity = _identity(cfg, model.config)
-    check_features_dir(folder)
+def _resumable_manifest(folder: Path, identity: dict, shard_size: int) -> dict:
+    """The folder's manifest, or a new one; raises FeatureError if it is for another identity or shard size."""
     manifest = load_manifest(folder) or {
         "identity": identity,
         "shards": [],
@@ -121,6 +113,11 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
             f"(got {shard_size}), or use another features_dir"
         )
     manifest["shard_size"] = shard_size
+    return manifest
+
+
+def _render_all(cfg, tokenizer, conversations) -> tuple[list, int]:
+    """([(conversation id, rendered)], how many were skipped: unrenderable, or too long under `long: drop`)."""
     rendered, skipped = [], 0
     for conv in conversations:
         try:
@@ -132,6 +129,35 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
             skipped += 1
             continue
         rendered.append((conv.id, r))
+    return rendered, skipped
+
+
+def _shard_tensors(model, shard: list, device, dtype, bar) -> tuple[dict, list]:
+    """Run the target on one shard's conversations: (the tensors to save, the conversation ids)."""
+    tensors, ids = {}, []
+    for i, (conv_id, r) in enumerate(shard):
+        with torch.inference_mode():
+            hidden = model.get_decoder()(input_ids=r.input_ids[None].to(device)).last_hidden_state[0]
+        tensors[f"{i}.ids"] = r.input_ids.to(torch.int32)
+        tensors[f"{i}.mask"] = r.loss_mask.to(torch.uint8)
+        tensors[f"{i}.hidden"] = hidden.to("cpu", dtype).contiguous()
+        ids.append(conv_id)
+        bar.update(r.input_ids.numel())
+    return tensors, ids
+
+
+def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True, log=None) -> dict:
+    """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
+
+    `log` (default: the current sys.stderr, looked up per call) receives the size statement.
+    """
+    log = log if log is not None else sys.stderr
+    folder = Path(cfg.features_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    identity = _identity(cfg, model.config)
+    check_features_dir(folder)
+    manifest = _resumable_manifest(folder, identity, shard_size)
+    rendered, skipped = _render_all(cfg, tokenizer, conversations)
     dtype = _DTYPES[cfg.feature_dtype]
     bytes_per_token = model.config.hidden_size * torch.finfo(dtype).bits // 8 + 9  # features + id + mask
     total_tokens = sum(r.input_ids.numel() for _, r in rendered)
@@ -153,15 +179,7 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         disable=not progress,
     )
     for k in todo:
-        tensors, ids = {}, []
-        for i, (conv_id, r) in enumerate(shards[k]):
-            with torch.inference_mode():
-                hidden = model.get_decoder()(input_ids=r.input_ids[None].to(device)).last_hidden_state[0]
-            tensors[f"{i}.ids"] = r.input_ids.to(torch.int32)
-            tensors[f"{i}.mask"] = r.loss_mask.to(torch.uint8)
-            tensors[f"{i}.hidden"] = hidden.to("cpu", dtype).contiguous()
-            ids.append(conv_id)
-            bar.update(r.input_ids.numel())
+        tensors, ids = _shard_tensors(model, shards[k], device, dtype, bar)
         name = f"shard-{k:05d}.safetensors"
         with writing(folder / name) as tmp:
             save_file(tensors, tmp)
