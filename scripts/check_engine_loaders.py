@@ -478,7 +478,18 @@ class VLLM:
 
     def __init__(self, wheel: Wheel):
         self.wheel, self.box, self.rope = wheel, Sandbox(f"vLLM {wheel.version}"), RopeRecorder()
-        box, w, self.current = self.box, wheel, {}
+        self.current = {}
+        self._own_helpers()
+        self._stub_runtime()
+        self._stub_layers()
+        self._stub_model_support()
+        self._run_models()
+        self._run_proposer_methods()
+        self.sources = {n: wheel.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
+
+    def _own_helpers(self):
+        """The engine's own default_weight_loader and without_trust_remote_code, placed in their stand-in modules."""
+        box, w = self.box, self.wheel
         box.own(
             "vllm.model_executor.model_loader.weight_utils",
             "default_weight_loader",
@@ -500,27 +511,16 @@ class VLLM:
             p,
         )
 
+    def _stub_runtime(self):
+        """Stand-ins for the config, the process group, logging and torch.compile."""
+        box = self.box
+
         class VllmConfig:  # only get_quantization_config is called (models/utils.py get_draft_quant_config)
             @staticmethod
             def get_quantization_config(model_config, load_config):
                 if getattr(model_config.hf_config, "quantization_config", None):
                     raise NotImplementedError("quantized drafts are not covered by this check")
 
-        class SupportsEagleBase:  # interfaces.py defaults, read by process_eagle_weight and the proposer
-            has_own_lm_head = False
-            has_own_embed_tokens = False
-
-        mixins = {
-            n: type(n, (), {})
-            for n in (
-                "EagleModelMixin",
-                "LocalArgmaxMixin",
-                "SupportsLoRA",
-                "SupportsPP",
-                "SupportsQuant",
-                "SupportsMultiModal",
-            )
-        }
         box.stub(
             "vllm.config",
             "the draft config is passed in; no quantization (get_quantization_config -> None)",
@@ -538,6 +538,10 @@ class VLLM:
         )
         box.stub("vllm.logger", "Python logging", init_logger=engine_logger)
         box.stub("vllm.compilation.decorators", "no torch.compile", support_torch_compile=passthrough)
+
+    def _stub_layers(self):
+        """Stand-ins for the model_executor layers: their parameters at tensor-parallel size 1, no kernels."""
+        box = self.box
         box.stub("vllm.model_executor.layers.activation", "no weights", SiluAndMul=NoWeights)
         box.stub(
             "vllm.model_executor.layers.attention",
@@ -567,6 +571,26 @@ class VLLM:
             VocabParallelEmbedding=VocabParallelEmbedding,
             ParallelLMHead=ParallelLMHead,
         )
+
+    def _stub_model_support(self):
+        """Stand-ins for the model interfaces, adapters, types and utilities the model files import."""
+        box = self.box
+
+        class SupportsEagleBase:  # interfaces.py defaults, read by process_eagle_weight and the proposer
+            has_own_lm_head = False
+            has_own_embed_tokens = False
+
+        mixins = {
+            n: type(n, (), {})
+            for n in (
+                "EagleModelMixin",
+                "LocalArgmaxMixin",
+                "SupportsLoRA",
+                "SupportsPP",
+                "SupportsQuant",
+                "SupportsMultiModal",
+            )
+        }
         box.stub(
             "vllm.model_executor.model_loader.reload",
             "no quantized reload",
@@ -596,12 +620,20 @@ class VLLM:
             "constants",
             AttentionType=SimpleNamespace(DECODER="decoder", ENCODER_ONLY="encoder_only"),
         )
+
+    def _run_models(self):
+        """The model files, EAGLEConfig and the speculative-decoding registry, from the wheel."""
+        box, w = self.box, self.wheel
         for name in ("utils", "llama", "llama_eagle", "llama_eagle3"):
             path = f"{self.MODELS}{name}.py"
             box.run(f"vllm.model_executor.models.{name}", w.source(path), path)
         p = "vllm/transformers_utils/configs/eagle.py"
         self.EAGLEConfig = box.run("vllm.transformers_utils.configs.eagle", w.source(p), p).EAGLEConfig
         self.registry = self._registry()
+
+    def _run_proposer_methods(self):
+        """The proposer's sharing of the target's embedding and lm_head, and the runner's EAGLE-3 aux layer ids."""
+        box, w = self.box, self.wheel
         p = "vllm/v1/spec_decode/llm_base_proposer.py"
         share_ns = {"torch": torch, "nn": nn, "get_pp_group": lambda: PP_GROUP, "logger": engine_logger("vllm")}
         self.share_embeddings = definition(
@@ -616,7 +648,6 @@ class VLLM:
             w.source(p), self._proposer_method(w.source(p), "_get_eagle3_aux_layers_from_config"), p, {}
         )
         box.executed.append(f"{p}: _get_eagle3_aux_layers_from_config")
-        self.sources = {n: w.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
 
     @staticmethod
     def _proposer_method(text: str, method: str) -> str:
@@ -729,7 +760,15 @@ class SGLang:
 
     def __init__(self, wheel: Wheel):
         self.wheel, self.box, self.rope = wheel, Sandbox(f"SGLang {wheel.version}"), RopeRecorder()
-        box, w = self.box, wheel
+        self._own_helpers()
+        self._stub_runtime()
+        self._stub_layers()
+        self._run_models()
+        self.sources = {n: wheel.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
+
+    def _own_helpers(self):
+        """The engine's own default_weight_loader, add_prefix and get_layer_id, placed in their stand-in modules."""
+        box, w = self.box, self.wheel
         p = "sglang/srt/model_loader/weight_utils.py"
         self.default_loader = definition(w.source(p), "default_weight_loader", p, {"torch": torch})
         box.own("sglang.srt.model_loader.weight_utils", "default_weight_loader", self.default_loader, p)
@@ -743,7 +782,13 @@ class SGLang:
         box.own("sglang.srt.utils", "add_prefix", definition(w.source(p), "add_prefix", p, {}), p)
         p = "sglang/srt/layers/utils/common.py"
         box.own("sglang.srt.layers.utils", "get_layer_id", definition(w.source(p), "get_layer_id", p, {"re": re}), p)
-        env = re.search(r"SGLANG_ENABLE_WEIGHT_LOADER_V2 = EnvBool\((True|False)\)", w.source("sglang/srt/environ.py"))
+
+    def _stub_runtime(self):
+        """Stand-ins for the environment flags, platform, process groups and draft-parallel settings."""
+        box = self.box
+        env = re.search(
+            r"SGLANG_ENABLE_WEIGHT_LOADER_V2 = EnvBool\((True|False)\)", self.wheel.source("sglang/srt/environ.py")
+        )
         if env is None or env.group(1) != "False":
             raise SystemExit("error: this SGLang's default weight loader is not the legacy one this script runs")
         flag = SimpleNamespace(get=lambda: False)
@@ -778,6 +823,10 @@ class SGLang:
             DraftTPExecution=SimpleNamespace(SINGLE_GROUP="single_group"),
             DraftParallelSpec=lambda **kw: SimpleNamespace(**kw),
         )
+
+    def _stub_layers(self):
+        """Stand-ins for the layers: their parameters at tensor-parallel size 1, no kernels."""
+        box = self.box
         box.stub("sglang.srt.layers.activation", "no weights", SiluAndMul=NoWeights)
         box.stub("sglang.srt.layers.aux_hidden_states", "forward only", AuxHiddenStateList=list)
         box.stub("sglang.srt.layers.dual_gemm", "no weights of its own", DualGemm=NoWeights)
@@ -818,6 +867,10 @@ class SGLang:
         box.stub(
             "sglang.srt.model_executor.forward_batch_info", "type only", ForwardBatch=object, PPProxyTensors=object
         )
+
+    def _run_models(self):
+        """The model files and spec_utils.py's load_token_map, from the wheel."""
+        box, w = self.box, self.wheel
         self.modules = {
             n: box.run(f"sglang.srt.models.{n}", w.source(f"{self.MODELS}{n}.py"), f"{self.MODELS}{n}.py")
             for n in ("llama", "llama_eagle", "llama_eagle3")
@@ -836,7 +889,6 @@ class SGLang:
             },
         )
         box.executed.append(f"{p}: load_token_map")
-        self.sources = {n: w.source(f"{self.MODELS}{n}.py") for n in ("llama_eagle3",)}
 
     def check(self, export: Export, target) -> Audit:
         from safetensors.torch import load_file
@@ -987,13 +1039,25 @@ def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export,
         change(dst)
         cases.append((what, Export(dst, fmt, src.layers, src.draft_ids), expect))
 
-    def layer_ids(folder):
-        return json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    hidden_size = json.loads((by_fmt["sglang"].folder / "config.json").read_text())["hidden_size"]
+    break_sglang(case)
+    break_vllm(case, hidden_size)
+    break_eagle3(case, by_fmt["eagle3"].draft_ids)
+    return cases
 
-    def eagle_config(ids):
-        return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
 
-    h = json.loads((by_fmt["sglang"].folder / "config.json").read_text())["hidden_size"]
+def aux_layer_ids(folder: Path) -> list[int]:
+    """The EAGLE-3 export's layer ids as SGLang reads them (eagle_config)."""
+    return json.loads((folder / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def aux_eagle_config(ids) -> dict:
+    """config.json's eagle_config entry naming `ids` as the layers to capture."""
+    return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+
+def break_sglang(case):
+    """The EAGLE-1/2 'sglang' export broken the ways SGLang must report."""
     case(
         "tie_word_embeddings true (SGLang ties lm_head to the draft's embedding)",
         "sglang",
@@ -1013,11 +1077,15 @@ def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export,
         {"SGLang"},
         lambda d: torch.save(torch.load(d / "token_map.pt")[::-1], d / "token_map.pt"),
     )
+
+
+def break_vllm(case, hidden_size: int):
+    """The EAGLE-1/2 'vllm' export broken the ways vLLM must report."""
     case(
         "a non-zero fc.bias (vLLM's fc has none)",
         "vllm",
         {"vLLM"},
-        lambda d: edit_weights(d, **{"fc.bias": torch.ones(h, dtype=torch.bfloat16)}),
+        lambda d: edit_weights(d, **{"fc.bias": torch.ones(hidden_size, dtype=torch.bfloat16)}),
     )
     case("config bias true (read as the attention's bias)", "vllm", {"vLLM"}, lambda d: edit_config(d, bias=True))
     case(
@@ -1026,32 +1094,38 @@ def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export,
         {"vLLM"},
         lambda d: edit_config(d, architectures=["LlamaForCausalLMEagle"]),
     )
+
+
+def break_eagle3(case, draft_ids: list[int]):
+    """The 'eagle3' export broken the ways vLLM, SGLang or both must report; `draft_ids` are the head's target ids."""
     case("tie_word_embeddings true", "eagle3", {"SGLang"}, lambda d: edit_config(d, tie_word_embeddings=True))
     case("no d2t", "eagle3", {"vLLM", "SGLang"}, lambda d: edit_weights(d, drop=["d2t"]))
     case(
         "d2t as target ids instead of offsets",
         "eagle3",
         {"vLLM", "SGLang"},
-        lambda d: edit_weights(d, d2t=torch.tensor(by_fmt["eagle3"].draft_ids)),
+        lambda d: edit_weights(d, d2t=torch.tensor(draft_ids)),
     )
     case(
         "top-level layer ids as layer outputs (vLLM wants inputs: + 1)",
         "eagle3",
         {"vLLM"},
-        lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=layer_ids(d)),
+        lambda d: edit_config(d, eagle_aux_hidden_state_layer_ids=aux_layer_ids(d)),
     )
     case(
         "eagle_config layer ids + 1 (SGLang adds 1 itself)",
         "eagle3",
         {"SGLang"},
-        lambda d: edit_config(d, **eagle_config([i + 1 for i in layer_ids(d)])),
+        lambda d: edit_config(d, **aux_eagle_config([i + 1 for i in aux_layer_ids(d)])),
     )
     case(
         "two layer ids everywhere (fc built for 2 hidden states, the file has 3)",
         "eagle3",
         {"vLLM", "SGLang"},
         lambda d: edit_config(
-            d, eagle_aux_hidden_state_layer_ids=[i + 1 for i in layer_ids(d)[:2]], **eagle_config(layer_ids(d)[:2])
+            d,
+            eagle_aux_hidden_state_layer_ids=[i + 1 for i in aux_layer_ids(d)[:2]],
+            **aux_eagle_config(aux_layer_ids(d)[:2]),
         ),
     )
     case(
@@ -1060,7 +1134,6 @@ def broken_exports(exports: list[Export], work: Path) -> list[tuple[str, Export,
         set(),
         lambda d: edit_weights(d, drop=["embed_tokens.weight"]),
     )
-    return cases
 
 
 def main(argv=None) -> int:

@@ -82,12 +82,10 @@ def package_files(name: str) -> list[tuple[Path, str]]:
 
 
 def pack(args) -> dict:
+    """Write the pieces and manifest.json under args.out; returns the manifest."""
     import torch
 
-    from eagletree.prompts import mtbench_file
     from eagletree.target import alias_path, load_target
-    from eagletree.train import pretokenized
-    from eagletree.train.data import load_dataset, split
     from eagletree.train.loop import TrainConfig
 
     out = Path(args.out)
@@ -99,6 +97,31 @@ def pack(args) -> dict:
 
     data = out / "data"
     data.mkdir(exist_ok=True)
+    headers = pretokenize(args, cfg, tok, max_len, data)
+    payload = write_payload(out / "payload.tar", data, headers)
+    shutil.rmtree(data)  # the arrays live in the payload now
+    parts = split_gguf(gguf, out)
+    pieces = [{"name": n, "bytes": (out / n).stat().st_size, "sha256": sha256(out / n)} for n in parts + [payload.name]]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    manifest = {
+        "format": FORMAT,
+        "pieces": pieces,
+        "payload": payload.name,
+        "gguf": {"name": gguf.name, "bytes": gguf.stat().st_size, "sha256": sha256(gguf), "parts": parts},
+        "data": headers,
+        "commit": commit,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    check_call_sizes(pieces, (out / MANIFEST).stat().st_size)
+    return manifest
+
+
+def pretokenize(args, cfg, tok, max_len: int, data: Path) -> dict:
+    """Each source's training conversations rendered and saved as data/NAME.npz; returns each one's header."""
+    from eagletree.train import pretokenized
+    from eagletree.train.data import load_dataset, split
+
     headers = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -125,8 +148,13 @@ def pack(args) -> dict:
                 f"{(data / f'{name}.npz').stat().st_size / MIB:.1f} MiB",
                 file=sys.stderr,
             )
+    return headers
 
-    payload = out / "payload.tar"
+
+def write_payload(payload: Path, data: Path, headers: dict) -> Path:
+    """payload.tar: the gguf package's files, the pre-tokenized arrays with their headers, and MT-bench."""
+    from eagletree.prompts import mtbench_file
+
     with tarfile.open(payload, "w") as tar:
         for f, arcname in package_files("gguf"):
             tar.add(f, arcname)
@@ -137,31 +165,26 @@ def pack(args) -> dict:
         info = tarfile.TarInfo("data/headers.json")
         info.size = len(note)
         tar.addfile(info, io.BytesIO(note))
+    return payload
 
-    shutil.rmtree(data)  # the arrays live in the payload now
-    size = gguf.stat().st_size
-    half = (size + 1) // 2
+
+def split_gguf(path: Path, out: Path) -> list[str]:
+    """The GGUF file `path` cut in two halves, written to out/STEM.gguf.1 and .2; returns their names."""
+    half = (path.stat().st_size + 1) // 2
     parts = []
-    with open(gguf, "rb") as f:
+    with open(path, "rb") as f:
         for k in (1, 2):
-            part = out / f"{gguf.stem}.gguf.{k}"
+            part = out / f"{path.stem}.gguf.{k}"
             part.write_bytes(f.read(half))
             parts.append(part.name)
-    pieces = [{"name": n, "bytes": (out / n).stat().st_size, "sha256": sha256(out / n)} for n in parts + [payload.name]]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    manifest = {
-        "format": FORMAT,
-        "pieces": pieces,
-        "payload": payload.name,
-        "gguf": {"name": gguf.name, "bytes": size, "sha256": sha256(gguf), "parts": parts},
-        "data": headers,
-        "commit": commit,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return parts
+
+
+def check_call_sizes(pieces: list[dict], manifest_bytes: int) -> None:
+    """Each piece, and the device call that carries it with the working tree and the manifest, must fit the limits."""
     tree = tree_bytes()
     for p in pieces:
-        call = tree + p["bytes"] + (out / MANIFEST).stat().st_size
+        call = tree + p["bytes"] + manifest_bytes
         print(
             f"piece {p['name']}: {p['bytes'] / MIB:.1f} MiB; its call carries {call / MIB:.1f} MiB with the "
             f"working tree ({tree / MIB:.1f} MiB)",
@@ -172,7 +195,6 @@ def pack(args) -> dict:
                 f"error: piece {p['name']} is {p['bytes'] / MIB:.1f} MiB and its call "
                 f"{call / MIB:.1f} MiB; expected <= {PIECE_LIMIT / MIB:.0f} and <= {CALL_LIMIT / MIB:.0f} MiB"
             )
-    return manifest
 
 
 def main(argv=None) -> int:

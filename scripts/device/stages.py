@@ -253,44 +253,15 @@ def stage_train(args) -> int:
     head."""
     import torch
 
-    from eagletree.draft_heads import load_head
     from eagletree.target import load_target
-    from eagletree.train import pretokenized
-    from eagletree.train.evaluate import ship, tokens_per_pass
-    from eagletree.train.loop import TrainConfig, train
 
-    dry, t_start = args.dry_run, time.perf_counter()
+    t_start = time.perf_counter()
     dev = device()
     model, tok = load_target(
         gguf_file(args.work), device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
     )
-    records, sources = [], {}
-    for name in ("sharegpt", "distill"):
-        path = args.work / "data" / f"{name}.npz"
-        if path.is_file():
-            part, header = pretokenized.load(path, tok)
-            records += part
-            sources[name] = {k: header[k] for k in ("records", "tokens", "assistant_tokens", "truncated", "max_len")}
-    if not records:
-        raise FileNotFoundError(f"no pre-tokenized data in {args.work / 'data'}")
-    work = args.work / "train"
-    base = ["report_to=none", "device=" + dev.type, "save_every=1000000", "keep_checkpoints=1"]
-    base += ["max_len=64", "grad_accum=1", "draft_vocab=256", "draft_vocab_sample=8", "warmup_steps=1"] if dry else []
-    eval_n, eval_tokens = (1, 6) if dry else (8, 128)
-    eval_reserve = 12 if dry else 50  # seconds kept for the two heads' tokens/pass
-    trial_steps = 1 if dry else 20
-    cfg = TrainConfig.from_sources(TRAIN_CONFIG, base + [f"out_dir={work / 'trial'}", f"steps={trial_steps}"])
-    t0 = time.perf_counter()
-    train(cfg, model_and_tokenizer=(model, tok), conversations=records, progress=False)
-    per_step = (time.perf_counter() - t0) / trial_steps
-    left = args.limit - (time.perf_counter() - t_start) - eval_reserve
-    steps = max(1, int(left / per_step)) if not dry else 2
-    cfg = TrainConfig.from_sources(TRAIN_CONFIG, base + [f"out_dir={work / 'run'}", f"steps={steps}"])
-    t0 = time.perf_counter()
-    head, summary_ = train(cfg, model_and_tokenizer=(model, tok), conversations=records, progress=False)
-    train_s = time.perf_counter() - t0
-    ship(cfg.out_dir, args.out / "head")  # bf16, as the shipped head
-    (args.out / "history.jsonl").write_text((Path(cfg.out_dir) / "history.jsonl").read_text())
+    records, sources = _pretokenized_records(args.work, tok)
+    cfg, steps, per_step, train_s, summary_ = _train_for_time_left(args, t_start, dev, model, tok, records)
     micro = steps * cfg.grad_accum
     results = {
         "device": str(dev),
@@ -312,7 +283,63 @@ def stage_train(args) -> int:
         f"{summary_['final']['loss']:.3f}, acc {summary_['final']['acc']:.3f}"
     ]
     write(args.out, results, summary)
-    # Tokens/pass of the new head and the shipped one on the same MT-bench prompts, prompt by prompt (paired).
+    results["mtbench"], line = _compare_heads_on_mtbench(args, dev, model, tok)
+    summary.append(line)
+    write(args.out, results, summary)
+    return 0
+
+
+def _pretokenized_records(work: Path, tok):
+    """All the carried pre-tokenized conversations, and each source's header figures."""
+    from eagletree.train import pretokenized
+
+    records, sources = [], {}
+    for name in ("sharegpt", "distill"):
+        path = work / "data" / f"{name}.npz"
+        if path.is_file():
+            part, header = pretokenized.load(path, tok)
+            records += part
+            sources[name] = {k: header[k] for k in ("records", "tokens", "assistant_tokens", "truncated", "max_len")}
+    if not records:
+        raise FileNotFoundError(f"no pre-tokenized data in {work / 'data'}")
+    return records, sources
+
+
+def _train_for_time_left(args, t_start: float, dev, model, tok, records):
+    """A short trial run times a step, then the real run takes the steps that fit the time left; the head is
+    shipped to O/head. Returns (config, steps, trial seconds per step, training seconds, training summary)."""
+    from eagletree.train.evaluate import ship
+    from eagletree.train.loop import TrainConfig, train
+
+    dry = args.dry_run
+    work = args.work / "train"
+    base = ["report_to=none", "device=" + dev.type, "save_every=1000000", "keep_checkpoints=1"]
+    base += ["max_len=64", "grad_accum=1", "draft_vocab=256", "draft_vocab_sample=8", "warmup_steps=1"] if dry else []
+    eval_reserve = 12 if dry else 50  # seconds kept for the two heads' tokens/pass
+    trial_steps = 1 if dry else 20
+    cfg = TrainConfig.from_sources(TRAIN_CONFIG, base + [f"out_dir={work / 'trial'}", f"steps={trial_steps}"])
+    t0 = time.perf_counter()
+    train(cfg, model_and_tokenizer=(model, tok), conversations=records, progress=False)
+    per_step = (time.perf_counter() - t0) / trial_steps
+    left = args.limit - (time.perf_counter() - t_start) - eval_reserve
+    steps = max(1, int(left / per_step)) if not dry else 2
+    cfg = TrainConfig.from_sources(TRAIN_CONFIG, base + [f"out_dir={work / 'run'}", f"steps={steps}"])
+    t0 = time.perf_counter()
+    _, summary_ = train(cfg, model_and_tokenizer=(model, tok), conversations=records, progress=False)
+    train_s = time.perf_counter() - t0
+    ship(cfg.out_dir, args.out / "head")  # bf16, as the shipped head
+    (args.out / "history.jsonl").write_text((Path(cfg.out_dir) / "history.jsonl").read_text())
+    return cfg, steps, per_step, train_s, summary_
+
+
+def _compare_heads_on_mtbench(args, dev, model, tok):
+    """Tokens/pass of the new head and the shipped one on the same MT-bench prompts, prompt by prompt (paired).
+    Returns the results entry and its summary line."""
+    from eagletree.draft_heads import load_head
+    from eagletree.train.evaluate import tokens_per_pass
+
+    dry = args.dry_run
+    eval_n, eval_tokens = (1, 6) if dry else (8, 128)
     prompts = _mtbench(args.work, eval_n)
     options = dict(max_new_tokens=eval_tokens, tree="eagle2", budget=8 if dry else 60, depth=6, top_k_draft=10)
     heads = {
@@ -320,7 +347,7 @@ def stage_train(args) -> int:
         "shipped": load_head(SHIPPED_HEAD, target_config=model.config, device=dev, dtype=model.dtype),
     }
     per_prompt = {name: [tokens_per_pass(h, model, tok, [p], **options) for p in prompts] for name, h in heads.items()}
-    results["mtbench"] = {
+    m = {
         name: {
             "tokens_per_pass": sum(r["new_tokens"] for r in rows) / sum(r["passes"] for r in rows),
             "passes": [r["passes"] for r in rows],
@@ -328,15 +355,13 @@ def stage_train(args) -> int:
         }
         for name, rows in per_prompt.items()
     }
-    results["mtbench"].update(prompts=len(prompts), **options)
-    m = results["mtbench"]
-    summary.append(
+    m.update(prompts=len(prompts), **options)
+    line = (
         f"MT-bench ({len(prompts)} prompts x {eval_tokens} tokens, EAGLE-2 {options['budget']} nodes): "
         f"trained head {m['trained']['tokens_per_pass']:.2f} tokens/pass, shipped head "
         f"{m['shipped']['tokens_per_pass']:.2f}"
     )
-    write(args.out, results, summary)
-    return 0
+    return m, line
 
 
 STAGES = {
