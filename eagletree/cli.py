@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_commands(sub)
     _add_decoding_commands(sub)
     _add_training_commands(sub)
+    _add_distill_commands(sub)
     _add_head_commands(sub)
+    _add_copy_commands(sub)
     _add_measuring_commands(sub)
     return parser
 
@@ -175,7 +177,7 @@ def _add_decoding_commands(sub) -> None:
 
 
 def _add_training_commands(sub) -> None:
-    """The subparsers of features, distill."""
+    """The subparsers of features."""
     p = sub.add_parser("features", help="cache target features for offline training (resumable)")
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=at_least(1), default=64, help="conversations per shard")
@@ -183,6 +185,9 @@ def _add_training_commands(sub) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func="cmd_features")
 
+
+def _add_distill_commands(sub) -> None:
+    """The subparsers of distill."""
     p = sub.add_parser(
         "distill", help="the target's own answers to the training prompts (self-distillation data; resumable JSONL)"
     )
@@ -259,7 +264,7 @@ def _add_training_commands(sub) -> None:
 
 
 def _add_head_commands(sub) -> None:
-    """The subparsers of export, import, plan, calibrate-copy, datastore."""
+    """The subparsers of export, import and plan (a head for the engines)."""
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
     p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
@@ -319,6 +324,9 @@ def _add_head_commands(sub) -> None:
     p.add_argument("-o", "--out", default="plan.json", help="the plan as JSON")
     p.set_defaults(func="cmd_plan")
 
+
+def _add_copy_commands(sub) -> None:
+    """The subparsers of calibrate-copy and datastore."""
     p = sub.add_parser("calibrate-copy", help="measure how often copied spans are accepted; saved next to the head")
     _add_model_args(p, needs_head=True)
     p.add_argument(

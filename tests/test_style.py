@@ -18,3 +18,23 @@ def test_ruff_passes(command):
     )
     run = subprocess.run([RUFF, *command, "."], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, f"ruff {' '.join(command)} found:\n{run.stdout}{run.stderr}"
+
+
+def test_no_function_is_longer_than_80_lines():
+    import ast
+
+    too_long = []
+    for path in sorted(
+        [
+            *ROOT.glob("eagletree/**/*.py"),
+            *ROOT.glob("benchmarks/*.py"),
+            *ROOT.glob("scripts/**/*.py"),
+            ROOT / "train.py",
+        ]
+    ):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                too_long.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                )
+    assert not too_long, "split these (a function does one thing):\n" + "\n".join(too_long)
