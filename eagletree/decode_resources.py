@@ -28,6 +28,7 @@ STALE_PROFILE = 2.0
 # small trees' cost and `auto` would draft two- and three-node trees that lose to plain passes.
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION = "calibration.json"
+COMPANION_FILES = (CALIBRATION, *copy_calibration_names(False), DATASTORE)  # what decoding reads next to a head
 
 
 def latency_profile(target, path=None) -> LatencyProfile:

@@ -13,11 +13,18 @@ import numbers
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from .decode_config import DecodeConfig, TreeKind
-from .decode_resources import head_calibrator, head_copy_calibration, latency_profile, resolve_store
+from .decode_resources import (
+    COMPANION_FILES,
+    head_calibrator,
+    head_copy_calibration,
+    latency_profile,
+    resolve_store,
+)
 from .draft_heads import make_drafter
 from .target import new_cache
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_only, copy_trie
@@ -509,10 +516,15 @@ def generate(
     The defaults are chosen by device (DecodeConfig: the cost-aware `auto` tree, 60 nodes on a GPU, 8 on a CPU).
     A prompt is chat messages, a string or token ids (a list of ints, or an integer tensor of shape [n] or [1, n]).
     A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded one after another
-    by one Decoder. To decode many prompts in several calls, build a `Decoder` once. profile, calibrator: as
-    `Decoder` takes them; inspect_step: as `Decoder.steps` takes it.
+    by one Decoder, and a call like the last one (same models and options, not streamed) reuses its Decoder:
+    building one (the latency profile's probe, the datastore's index) costs a share of a short answer's time.
+    profile, calibrator: as `Decoder` takes them; inspect_step: as `Decoder.steps` takes it.
     """
-    decoder = Decoder(target, tokenizer, head, _config(config, options), profile=profile, calibrator=calibrator)
+    config = _config(config, options)
+    if stream or profile is not None or calibrator is not None:
+        decoder = Decoder(target, tokenizer, head, config, profile=profile, calibrator=calibrator)
+    else:
+        decoder = _LAST.decoder_for(target, tokenizer, head, config)
     if (
         isinstance(prompt_or_messages, list)
         and prompt_or_messages
@@ -523,6 +535,51 @@ def generate(
             raise ValueError("stream=True takes one prompt at a time")
         return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
     return decoder.generate(prompt_or_messages, stream=stream, inspect_step=inspect_step)
+
+
+class _LastDecoder:
+    """The Decoder of `generate`'s last call, for the next call with the same target (on the same device, in the
+    same dtype), tokenizer, head (its vocabulary and device too), config and files (the head's companion files and
+    a datastore file, as they are on disk now). One slot: it keeps at most one set of models alive. A streamed call
+    builds its own, so two interleaved streams never share a searcher."""
+
+    def __init__(self):
+        self.key, self.decoder = None, None
+
+    def decoder_for(self, target, tokenizer, head, config: DecodeConfig) -> Decoder:
+        weight = next(target.parameters())
+        head_state = None
+        if head is not None:
+            head_weight = next(head.parameters())
+            head_state = (id(head), head_weight.device, head_weight.dtype, head.drafted_vocab_size())
+        key = (id(target), weight.device, weight.dtype, id(tokenizer), head_state, config, _files_read(head, config))
+        try:
+            hash(key)
+        except TypeError:  # a config holding an unhashable value: not kept
+            return Decoder(target, tokenizer, head, config)
+        if key != self.key:
+            self.key, self.decoder = None, None  # (a failed build keeps nothing)
+            self.decoder = Decoder(target, tokenizer, head, config)
+            self.key = key
+        return self.decoder
+
+
+_LAST = _LastDecoder()
+
+
+def _files_read(head, config: DecodeConfig) -> tuple:
+    """The files a Decoder of `head` and `config` may read, each with its size and time of change (None: absent)."""
+    paths = [] if head is None or head.folder is None else [head.folder / name for name in COMPANION_FILES]
+    if isinstance(config.copy.datastore, (str, Path)) and config.copy.datastore != "auto":
+        paths.append(Path(config.copy.datastore))
+    stamps = []
+    for path in paths:
+        try:
+            stat = path.stat()
+            stamps.append((str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino))
+        except OSError:
+            stamps.append((str(path), None))
+    return tuple(stamps)
 
 
 def _config(config: DecodeConfig | None, options: dict) -> DecodeConfig:
