@@ -3,8 +3,9 @@
 For each prompt, alternating in one run: plain greedy HF `generate` (the target as `load_target` gives
 it), `eagletree.generate(...)` with no decoding options (the device's defaults; timed per call, so the
 Decoder it builds on its first call and reuses is timed too), one `Decoder` with the defaults reused for
-every prompt, and one with EAGLE-2's 60 nodes (the GPU setting). Prints each method's speed over plain decoding, per prompt and as the median,
-and checks that every greedy answer is plain decoding's token for token.
+every prompt, and one with EAGLE-2's 60 nodes (the GPU setting). Prints each method's speed over plain
+decoding (median and range over the runs) and checks that every greedy answer is plain decoding's token
+for token.
 
     python benchmarks/api_default.py --prompts mtbench:4 --max-new-tokens 64
 """
