@@ -19,7 +19,7 @@ new tokens over its total target passes. The difference to the first head is pai
 interval over prompts: 30 prompts of 64 tokens leave a few percent of noise, which this makes visible.
 The prompts are the first user turns of held-out ShareGPT conversations after the first --offset ones, less
 the first --skip-prompts of them: `python -m eagletree.train.evaluate` uses 20 conversations for agreement,
-then its --prompts (30 in the README), so the defaults measure on other prompts than the evaluation.
+then its --prompts (30 in docs/recipe.md's evaluation), so the defaults measure on other prompts than the evaluation.
 Each head drafts in the precision it was saved in (a shipped head: bf16).
 """
 

@@ -2,15 +2,15 @@
 
 On CPU, PyTorch's stock Linear (MKL) streams the weights slowly at one row and slows down sharply
 for the 4-32 rows of a tree pass; oneDNN with a weight packed once ahead of time is faster at every
-row count that decoding uses (measured on 2 cores with SmolLM2-135M's shapes, fp32: 51 -> 27 ms at
-1 row, 61 -> 31 ms at 8, 76 -> 36 ms at 16). The arithmetic stays fp32: results differ from MKL's only
+row count that decoding uses on the CPUs measured (docs/results.md, "Packed CPU kernels"). The
+arithmetic stays fp32: results differ from MKL's only
 in summation order (~1e-6 relative), as they already do between a 1-row and an N-row pass.
 
 Packing keeps the module's Parameters (ties, state_dict and `.weight` readers are unaffected) and adds
 the packed copy, so it costs one more copy of the weights in memory.
 
-Which kernels win depends on the CPU (on an Intel Xeon with AVX512-BF16 the packed one-token pass was
-31% slower), so `pack_target(model, "auto")` measures both on this machine, per row count, and keeps
+Which kernels win depends on the CPU (on some the packed one-token pass is slower: docs/results.md), so
+`pack_target(model, "auto")` measures both on this machine, per row count, and keeps
 packing only at the row counts where it is faster (`KernelChoice`, cached per CPU model (name, family and
 model number), threads, dtype and torch version).
 """

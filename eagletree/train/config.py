@@ -64,7 +64,8 @@ class TrainConfig:
     report_to: str = "wandb"  # or "none"
     device: str = ""  # "" = accelerate's choice
     # "auto" = bf16 on CUDA and on CPUs with native bf16 (target features in bf16, head under bf16 autocast with
-    # fp32 weights: about twice the tokens/s on 2 cores), else fp32. Only applies to a target this run loads.
+    # fp32 weights; faster where bf16 is native: docs/results.md, "Training speed"), else fp32. Only applies to a
+    # target this run loads.
     precision: str = "auto"
 
     @classmethod
