@@ -14,8 +14,7 @@ import torch
 from tqdm import tqdm
 
 from .. import target as targets
-from ..decode_config import DecodeConfig
-from ..decoding import Decoder, GenerationStats, encode_prompt
+from ..decoding import GenerationStats, decode_steps, encode_prompt
 from ..draft_heads import TreeDrafter, load_head
 from ..errors import EagletreeError
 from ..files import check_output_folder, write_json_atomic
@@ -109,14 +108,15 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
     receives (prompt ids, answer ids) per prompt: the target's own answer (decoding is lossless).
     """
     options = {"tree": "eagle2", "budget": 60, **options}  # the yardstick: EAGLE-2's tree of 60 nodes
-    resources = {k: options.pop(k) for k in ("profile", "calibrator", "copy_calibration") if k in options}
-    config = DecodeConfig.from_options(max_new_tokens=max_new_tokens, **options)
-    decoder = Decoder(target, tokenizer, head, config, **resources)  # built once: its datastore is read once
     new = passes = 0
     predicted = []
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
         stats = GenerationStats(steps=[] if steps is not None else None)
-        answer = [t for step in decoder.steps(prompt, stats) for t in step.tokens]
+        answer = []
+        for tokens in decode_steps(
+            target, tokenizer, head, prompt, max_new_tokens=max_new_tokens, stats=stats, **options
+        ):
+            answer += tokens
         if answers is not None:
             answers.append((encode_prompt(tokenizer, prompt).flatten().cpu(), torch.tensor(answer, dtype=torch.long)))
         new += stats.new_tokens
