@@ -14,10 +14,11 @@ from pathlib import Path
 from .draft_heads import target_identity
 from .packing import kernels_tag, machine_key
 from .target import GQA_SDPA, cache_dir
+from .target.attention import RAGGED
 from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import CopyCalibration, copy_calibration_names
 from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
-from .verify.profile import measure_verify
+from .verify.profile import measure_batch_verify, measure_verify
 
 # A cached profile whose one-token pass is this many times slower than a fresh probe was measured
 # while something else loaded the machine; it would keep `auto` from drafting where trees pay.
@@ -27,6 +28,7 @@ STALE_PROFILE = 2.0
 # every tree pays for a mask (and the packed kernels) from N = 2 on, so a line from t(1) to t(8) underestimates
 # small trees' cost and `auto` would draft two- and three-node trees that lose to plain passes.
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BATCH_ROWS = (256, 2048)  # the most rows a measured batch pass has (CPU, GPU)
 CALIBRATION = "calibration.json"
 COMPANION_FILES = (CALIBRATION, *copy_calibration_names(False), DATASTORE)  # what decoding reads next to a head
 
@@ -51,11 +53,46 @@ def latency_profile(target, path=None) -> LatencyProfile:
 
     if path is not None:  # a profile measured elsewhere (e.g. on a serving GPU) is taken as it is
         return LatencyProfile.load_or_measure(path, measure)
+    return _checked_profile(profile_path(target), measure)
+
+
+def profile_path(target) -> Path:
+    """Where the cached latency profile of this target, device and kernels lives."""
+    device = next(target.parameters()).device
     name = f"{target_identity(target.config)['fingerprint']}-{device.type}-{machine_key(target)}"
     name += kernels_tag(target)  # other kernels, other costs
-    if target.config._attn_implementation == GQA_SDPA:
+    if _reads_grouped_heads_in_place(target.config, device):
         name += "-gqa"
-    return _checked_profile(cache_dir() / "profiles" / f"{name}.json", measure)
+    return cache_dir() / "profiles" / f"{name}.json"
+
+
+def _reads_grouped_heads_in_place(config, device) -> bool:
+    """Whether tree passes read grouped key/value heads in place (GQA_SDPA; RAGGED on a CPU does too)."""
+    impl = config._attn_implementation
+    groups = config.num_attention_heads // max(getattr(config, "num_key_value_heads", None) or 1, 1)
+    return impl == GQA_SDPA or (impl == RAGGED and device.type == "cpu" and groups > 1)
+
+
+def batch_sizes_to_measure(batch: int) -> list[int]:
+    """The batch sizes a profile needs for decoding `batch` sequences at a time (their number shrinks as the
+    last ones finish): the powers of two up to it, and it."""
+    sizes = [b for b in (2, 4, 8, 16, 32, 64) if b < batch]
+    return sizes + [batch] if batch > 1 else []
+
+
+def add_batch_times(target, profile: LatencyProfile, batch: int, path=None) -> LatencyProfile:
+    """`profile` with passes of 2.. `batch` sequences measured where it has none (tree sizes up to BATCH_ROWS
+    rows a pass); saved to `path` (the cached profile's file) when given."""
+    missing = [b for b in batch_sizes_to_measure(batch) if not profile.has_batch(b)]
+    if not missing:
+        return profile
+    limit = BATCH_ROWS[next(target.parameters()).device.type == "cuda"]
+    for b in missing:
+        sizes = [n for n in profile.sizes if b * n <= limit] or profile.sizes[:1]
+        profile.batch_verify_s[str(b)] = measure_batch_verify(target, b, sizes)
+    if path is not None:
+        profile.save(path)
+    return profile
 
 
 def _checked_profile(path, measure) -> LatencyProfile:

@@ -9,6 +9,7 @@ time went). `generate` and `decode_steps` are the one-call forms.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import time
 from copy import deepcopy
@@ -20,17 +21,20 @@ import torch
 from .decode_config import DecodeConfig, TreeKind
 from .decode_resources import (
     COMPANION_FILES,
+    add_batch_times,
     head_calibrator,
     head_copy_calibration,
     latency_profile,
+    profile_path,
     resolve_store,
 )
-from .draft_heads import make_drafter
-from .target import new_cache
+from .draft_heads.batch_drafter import make_batch_drafter
+from .target.ragged import RaggedCache, use_ragged
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_only, copy_trie
-from .tree_search.searchers import make_searcher
+from .tree_search.searchers import AutoSearcher, Job, make_searcher
 from .tree_search.store import TokenStore
-from .verify import DraftTree, prefill, verify_step
+from .verify import DraftTree
+from .verify.batch import prefill_rows, verify_rows
 
 
 @dataclass
@@ -216,45 +220,22 @@ class Step:
 
 
 class _Sequence:
-    """One sequence being decoded: the target's KV cache, the drafter and what it has not read yet, the copy index.
+    """One sequence being decoded: its prompt, cache row, what the drafter has not read yet, and its copy index.
 
-    Committed (features, next tokens) wait in `pending` until the drafter drafts: it catches up in one
-    call right before, so steps that do not draft (tree="auto" pausing) cost it nothing.
+    Committed (features, next tokens) wait in `pending` until the drafter drafts: it catches up right before
+    (one call for every sequence that drafts), so steps that do not draft (tree="auto" pausing) cost it nothing.
     """
 
-    def __init__(
-        self, target, head, ids: torch.Tensor, copy_calibration: CopyCalibration | None, store: TokenStore | None = None
-    ):
-        self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
-        self.cache = new_cache(target)
-        out = prefill(target, self.cache, ids[:-1], layers=self.layers)
-        self.drafter = make_drafter(head, target) if head is not None else None
+    def __init__(self, key, ids: torch.Tensor, stats, generator, copy_calibration: CopyCalibration | None, store):
+        self.key, self.ids, self.stats, self.generator = key, ids, stats, generator
+        self.row = -1
+        self.root = int(ids[-1])
+        self.emitted = 0
         self.pending = []
-        if self.drafter is not None and out is not None:
-            layer_hidden = out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}
-            self.pending.append((_features(out.hidden[0], layer_hidden, self.layers), ids[1:]))
         self.calibration = copy_calibration
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
         self.store = store  # a corpus copied from too (retrieved spans), or None
-        self.draft_s = 0.0  # the drafter's seconds in the current step
-
-    def expand(self, root: int, inspect_step=None):
-        """The drafter caught up on the committed tokens, as the searches' timed `expand`."""
-        t = time.perf_counter()
-        self.drafter.extend(torch.cat([f for f, _ in self.pending]), torch.cat([n for _, n in self.pending]))
-        self.pending.clear()
-        self.draft_s += time.perf_counter() - t
-        if inspect_step is not None:
-            inspect_step(self.drafter, root)
-            self.drafter.begin_tree()
-
-        def expand(nodes, tokens, parents, level):
-            t = time.perf_counter()
-            probs = self.drafter(nodes, tokens, parents, level)
-            self.draft_s += time.perf_counter() - t
-            return probs
-
-        return expand
+        self.started = time.perf_counter()
 
     def learn(self, draft: DraftTree, accepted: list[int]) -> int:
         """Update the copy calibration with a verified tree; returns the accepted tokens only a copy proposed."""
@@ -263,15 +244,16 @@ class _Sequence:
         self.calibration.update(draft, accepted)
         return sum(copy_only(draft.copy_info[v]) for v in accepted[1:])
 
-    def commit(self, step) -> None:
+    def commit(self, step, layers, drafting: bool) -> None:
         """A verified pass's tokens reach the drafter (at its next catch-up) and the copy index."""
-        if self.drafter is not None:
+        if drafting:
             device = step.hidden.device
             self.pending.append(
-                (_features(step.hidden, step.layer_hidden, self.layers), torch.tensor(step.tokens, device=device))
+                (_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
             )
         if self.index is not None:
             self.index.extend(step.tokens)
+        self.root = step.tokens[-1]
 
 
 def _features(hidden, layer_hidden, layers):
@@ -321,8 +303,12 @@ class Decoder:
             config.copy.datastore, head, tokenizer, copies, target.get_input_embeddings().num_embeddings
         )
         self.searcher = None
+        self._profile_path = None  # the cached profile's file (batch sizes measured later are added to it)
         if head is not None or copies:
             if config.tree is TreeKind.AUTO:
+                if profile is None:
+                    use_ragged(target)  # (the cached profile's name says which attention it measured)
+                    self._profile_path = profile_path(target)
                 profile = deepcopy(profile) if profile is not None else latency_profile(target)
             self.searcher = make_searcher(
                 config.tree.value,
@@ -348,7 +334,7 @@ class Decoder:
         stats = stats if stats is not None else GenerationStats()
         if self.config.max_new_tokens == 0:
             return iter(())
-        return self._run(ids, stats, inspect_step)
+        return (step for _, step in self._run(iter([(0, ids, stats)]), 1, inspect_step) if step is not None)
 
     def generate(self, prompt, stream: bool = False, inspect_step=None):
         """A GenerationResult for `prompt`, or with stream=True an iterator of its text pieces."""
@@ -358,6 +344,37 @@ class Decoder:
             return stream_text(self.tokenizer, tokens)
         ids = [t for pass_tokens in tokens for t in pass_tokens]
         return GenerationResult(decode_text(self.tokenizer, ids), ids, stats)
+
+    def generate_batch(self, prompts, batch_size: int = 8) -> list[GenerationResult]:
+        """One GenerationResult per prompt (in order), decoded `batch_size` at a time in shared target passes."""
+        results: list = [None] * len(prompts)
+        for i, result in self.results(prompts, batch_size):
+            results[i] = result
+        return results
+
+    def results(self, prompts, batch_size: int = 8):
+        """Yield (index, GenerationResult) for each of `prompts` as it finishes, decoding up to `batch_size` of
+        them together: every pass verifies all live sequences' trees, and a finished sequence's place goes to
+        the next prompt (continuous batching). Every prompt is checked before decoding starts."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        checked = []
+        for i, prompt in enumerate(prompts):
+            try:
+                checked.append((i, self._prompt_ids(prompt), GenerationStats()))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        if self.config.max_new_tokens == 0:
+            for i, _, stats in checked:
+                yield i, GenerationResult("", [], stats)
+            return
+        tokens: dict[int, list[int]] = {i: [] for i, _, _ in checked}
+        for i, step in self._run(iter(checked), batch_size, None):
+            if step is not None:
+                tokens[i] += step.tokens
+                continue
+            stats = next(st for j, _, st in checked if j == i)
+            yield i, GenerationResult(decode_text(self.tokenizer, tokens[i]), tokens.pop(i), stats)
 
     def _prompt_ids(self, prompt) -> torch.Tensor:
         """The prompt's ids, checked against the vocabulary and the context (cut to its end with truncate_prompt)."""
@@ -374,40 +391,62 @@ class Decoder:
             ids = ids[-(limit - wanted) :]
         return ids.to(self.device)
 
-    def _run(self, ids: torch.Tensor, stats: GenerationStats, inspect_step):
-        """steps' generator: prefill, then one Step per pass, each recorded in `stats`."""
+    def _new_sequence(self, key, ids, stats) -> _Sequence:
         seed = self.config.sampling.seed
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        if self.searcher is not None:
-            self.searcher.start()
-        t0 = time.perf_counter()
+        generator = torch.Generator().manual_seed(seed + key) if seed is not None else None
         copy_calibration = self.copy_calibration
         if copy_calibration is not None and not self._shared_copy_calibration:
             copy_calibration = deepcopy(copy_calibration)  # each prompt starts from the head's table
-        seq = _Sequence(self.target, self.head, ids, copy_calibration, self.store)
-        stats.times["prefill"] += time.perf_counter() - t0
-        if self.searcher is not None and seq.drafter is not None:
-            self.searcher.token_map = seq.drafter.token_map  # the drafter's draft ids -> target ids
-        for step in self._passes(seq, int(ids[-1]), generator, inspect_step):
-            stats.record(step)
-            stats.seconds = time.perf_counter() - t0
-            yield step
-        stats.seconds = time.perf_counter() - t0
+        return _Sequence(key, ids, stats, generator, copy_calibration, self.store)
 
-    def _passes(self, seq: _Sequence, root: int, generator, inspect_step):
-        """The decoding step of docs/design.md, once per target pass: draft, search, verify, accept, commit."""
+    def _run(self, jobs, batch_size: int, inspect_step):
+        """The decoding loop over (key, ids, stats) jobs, `batch_size` sequences at a time: yields (key, Step) per
+        sequence and pass (recorded in its stats), and (key, None) when a sequence is done."""
+        if isinstance(self.searcher, AutoSearcher) and batch_size > 1:
+            add_batch_times(self.target, self.searcher.initial_profile, batch_size, self._profile_path)
+        if self.searcher is not None:
+            self.searcher.start()
+        batch = _Batch(self)
+        live: list[_Sequence] = []
+        while True:
+            admitted = [self._new_sequence(*job) for job in itertools.islice(jobs, batch_size - len(live))]
+            if admitted:
+                batch.admit(admitted, live)
+                live += admitted
+            if not live:
+                return
+            for seq, step in self._pass(batch, live, inspect_step):
+                seq.stats.record(step)
+                seq.stats.seconds = time.perf_counter() - seq.started
+                yield seq.key, step
+            done = [seq for seq in live if seq.done]
+            live = [seq for seq in live if not seq.done]
+            batch.release(done, live, more=True)
+            for seq in done:
+                seq.stats.seconds = time.perf_counter() - seq.started
+                yield seq.key, None
+
+    def _pass(self, batch: _Batch, live: list[_Sequence], inspect_step):
+        """The decoding step of docs/design.md for every live sequence, in one target pass: draft, search,
+        verify, accept, commit. Yields (sequence, Step)."""
         config, searcher = self.config, self.searcher
-        sampling = config.sampling
-        emitted = 0
-        while emitted < config.max_new_tokens:
-            left = config.max_new_tokens - emitted
-            t, seq.draft_s = time.perf_counter(), 0.0
-            # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted
-            step_depth = min(config.depth, left - 1, searcher.budget - 1 if searcher is not None else config.depth)
-            # 1. Draft: the head, when it drafts this step, and copied spans of earlier text, also looked up
-            #    after the head's best nodes' paths. A span longer than the budget could never be verified whole.
-            drafting = step_depth >= 1 and bool(seq.pending) and searcher.drafts()
-            expand = seq.expand(root, inspect_step) if drafting else None
+        t = time.perf_counter()
+        batch.draft_s = 0.0
+        lefts = [config.max_new_tokens - seq.emitted for seq in live]
+        # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted
+        top = min(config.depth, searcher.budget - 1) if searcher is not None else 0
+        depths = [min(top, left - 1) for left in lefts]
+        # 1. Draft: the head, when it drafts this step (one catch-up call for all that do), and copied spans of
+        #    earlier text, also looked up after the head's best nodes' paths.
+        could = [d >= 1 and bool(seq.pending) and batch.drafter is not None for seq, d in zip(live, depths)]
+        drafting = any(could) and searcher.drafts(len(live))
+        drafts = [c and drafting for c in could]
+        batch.catch_up([seq for seq, d in zip(live, drafts) if d])
+        if inspect_step is not None and drafts[0]:
+            inspect_step(batch.drafter.view(live[0].row), live[0].root)
+            batch.drafter.begin_tree(live[0].row)
+        jobs, searched = [], []
+        for i, (seq, left, d) in enumerate(zip(live, lefts, depths)):
             copies = None
             if seq.index is not None and left > 1 and searcher.takes_copies():
                 copies = copy_trie(
@@ -415,38 +454,110 @@ class Decoder:
                     seq.calibration,
                     config.copy.spans,
                     min(config.copy.length, searcher.budget - 1, left - 1),
-                    at_nodes=expand is not None,
+                    at_nodes=drafts[i],
                     store=seq.store,
                 )
-            # 2. Search: the nodes this pass verifies (the root alone when there is nothing to draft from).
-            if expand is None and copies is None:
-                draft = DraftTree([root], [-1], draft_probs=[1.0])
-            else:
-                draft = searcher.search(expand, root, max(step_depth, 1), copies)
-            times = {"draft": seq.draft_s, "search": time.perf_counter() - t - seq.draft_s}
-            # 3-5. Verify every node in one target pass, accept top-down, commit the accepted path's KV entries.
-            step = verify_step(
-                self.target,
-                seq.cache,
-                draft,
-                sampling.temperature,
-                sampling.top_k,
-                sampling.top_p,
-                generator,
-                self.stops,
-                layers=seq.layers,
-            )
-            times.update(step.times)
-            if searcher is not None:
-                searcher.observe(len(draft), sum(step.times.values()), len(step.accepted) - 1)
-            copied = seq.learn(draft, step.accepted)
-            tokens = step.tokens[:left]
-            emitted += len(tokens)
-            yield Step(tokens, draft, step.accepted, times, len(step.tokens), copied, step.stopped)
-            if step.stopped or emitted >= config.max_new_tokens:
-                return
-            seq.commit(step)
-            root = step.tokens[-1]
+            if drafts[i] or copies is not None:
+                jobs.append(Job(drafts[i], seq.root, max(d, 1), copies))
+                searched.append(i)
+        # 2. Search: the nodes this pass verifies (the root alone where there is nothing to draft from).
+        trees = [DraftTree([seq.root], [-1], draft_probs=[1.0]) for seq in live]
+        if jobs:
+            rows = [live[i].row for i in searched]
+            found = searcher.search_batch(batch.expand_for(rows), jobs)
+            for i, tree in zip(searched, found):
+                trees[i] = tree
+        times = {"draft": batch.draft_s, "search": time.perf_counter() - t - batch.draft_s}
+        # 3-5. Verify every tree in one target pass, accept each top-down, commit each accepted path's KV entries.
+        sampling = config.sampling
+        results = verify_rows(
+            self.target,
+            batch.cache,
+            [seq.row for seq in live],
+            trees,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            [seq.generator for seq in live],
+            self.stops,
+            layers=batch.layers,
+        )
+        if searcher is not None:
+            seconds = results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results)
+            accepted = sum(len(r.accepted) - 1 for r in results)
+            searcher.observe(sum(len(tree) for tree in trees), seconds, accepted, batch=len(live))
+        for seq, tree, result, left in zip(live, trees, results, lefts):
+            copied = seq.learn(tree, result.accepted)
+            tokens = result.tokens[:left]
+            seq.emitted += len(tokens)
+            seq.done = result.stopped or seq.emitted >= config.max_new_tokens
+            if not seq.done:
+                seq.commit(result, batch.layers, batch.drafter is not None)
+            step_times = dict(times, **result.times)
+            yield seq, Step(tokens, tree, result.accepted, step_times, len(result.tokens), copied, result.stopped)
+
+
+class _Batch:
+    """The live sequences' shared state: the target's ragged KV cache and the batch drafter, one row each."""
+
+    def __init__(self, decoder: Decoder):
+        self.target = decoder.target
+        head = decoder.head
+        self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
+        use_ragged(self.target)
+        self.cache = RaggedCache()
+        self.drafter = make_batch_drafter(head, self.target) if head is not None else None
+        self.draft_s = 0.0  # the drafter's seconds in the current step
+
+    def admit(self, new: list[_Sequence], live: list[_Sequence]) -> None:
+        """Give each new sequence a row and prefill its prompt (all of them in one pass)."""
+        for seq in new:
+            seq.row = self.cache.add_row()
+            seq.done = False
+            if self.drafter is not None:
+                self.drafter.add_row()
+        t = time.perf_counter()
+        features = prefill_rows(self.target, self.cache, [s.row for s in new], [s.ids for s in new], self.layers)
+        for seq, out in zip(new, features):
+            if self.drafter is not None and out is not None:
+                seq.pending.append((_features(out[0], out[1], self.layers), seq.ids[1:]))
+            seq.stats.times["prefill"] += time.perf_counter() - t
+
+    def release(self, done: list[_Sequence], live: list[_Sequence], more: bool) -> None:
+        """Drop finished sequences' rows (the live ones are renumbered)."""
+        if not done:
+            return
+        keep = [seq.row for seq in live]
+        self.cache.keep_rows(keep)
+        if self.drafter is not None:
+            self.drafter.keep_rows(keep)
+        for i, seq in enumerate(live):
+            seq.row = i
+
+    def catch_up(self, seqs: list[_Sequence]) -> None:
+        """The drafter reads the committed tokens of every sequence that drafts this step, in one call."""
+        if not seqs:
+            return
+        t = time.perf_counter()
+        self.drafter.extend(
+            [s.row for s in seqs],
+            [torch.cat([f for f, _ in s.pending]) for s in seqs],
+            [torch.cat([n for _, n in s.pending]) for s in seqs],
+        )
+        for s in seqs:
+            s.pending.clear()
+        self.draft_s += time.perf_counter() - t
+
+    def expand_for(self, rows: list[int]):
+        """The searches' expand_batch: job i drafts in row rows[i]; timed into draft_s."""
+
+        def expand(requests):
+            t = time.perf_counter()
+            probs = self.drafter.expand([(rows[i], *rest) for i, *rest in requests])
+            self.draft_s += time.perf_counter() - t
+            return probs
+
+        return expand
 
 
 def _check_head(head, target, config: DecodeConfig) -> None:
@@ -507,6 +618,7 @@ def generate(
     profile=None,
     calibrator=None,
     inspect_step=None,
+    batch_size: int = 8,
     **options,
 ):
     """Lossless speculative generation. Returns a GenerationResult, or with stream=True an iterator of text pieces.
@@ -515,8 +627,9 @@ def generate(
     truncate_prompt, ...) or the flat names temperature, top_k, top_p, seed, copy, copy_spans, copy_len, store.
     The defaults are chosen by device (DecodeConfig: the cost-aware `auto` tree, 60 nodes on a GPU, 8 on a CPU).
     A prompt is chat messages, a string or token ids (a list of ints, or an integer tensor of shape [n] or [1, n]).
-    A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded one after another
-    by one Decoder, and a call like the last one (same models and options, not streamed) reuses its Decoder:
+    A list of prompts (strings, message lists, token-id lists) returns a list of results, decoded `batch_size` at a
+    time in shared target passes (`Decoder.results`: one budget for the batch's trees, continuous batching), and a
+    call like the last one (same models and options, not streamed) reuses its Decoder:
     building one (the latency profile's probe, the datastore's index) costs a share of a short answer's time.
     profile, calibrator: as `Decoder` takes them; inspect_step: as `Decoder.steps` takes it.
     """
@@ -533,7 +646,9 @@ def generate(
     ):
         if stream:
             raise ValueError("stream=True takes one prompt at a time")
-        return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
+        if inspect_step is not None:  # (it inspects one sequence's drafter at a time)
+            return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
+        return decoder.generate_batch(prompt_or_messages, batch_size)
     return decoder.generate(prompt_or_messages, stream=stream, inspect_step=inspect_step)
 
 

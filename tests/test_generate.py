@@ -418,8 +418,10 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
 
     import eagletree.decode_resources as decoding
     from eagletree.decode_resources import PROFILE_SIZES
+    from eagletree.target.ragged import use_ragged
 
     model = tiny_model("llama")
+    use_ragged(model)  # as a Decoder runs it (its profile is cached under that attention's name)
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path))
     now = {"t1": 0.03}  # the one-token pass on this machine right now
     calls = []

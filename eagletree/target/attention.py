@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 GQA_SDPA = "eagletree_sdpa_gqa"
+RAGGED = "eagletree_ragged"  # ragged batches (target.ragged); the project's SDPA outside one
 
 
 def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import GQA_SDPA
+from .attention import GQA_SDPA, RAGGED
 from .loading import TargetError
 
 
@@ -62,7 +62,7 @@ def mask_for_config(config, allowed: torch.Tensor, dtype: torch.dtype) -> torch.
     """
     mask = allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
     impl = getattr(config, "_attn_implementation", "eager")
-    if impl in ("sdpa", GQA_SDPA):
+    if impl in ("sdpa", GQA_SDPA, RAGGED):
         return mask
     if impl != "eager":
         raise TargetError(f"attention implementation {impl!r} is not supported for tree masks; use 'sdpa' or 'eager'")

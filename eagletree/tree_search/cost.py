@@ -8,6 +8,7 @@ on a CPU); drafting costs per depth level. The profile is measured on the runnin
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -25,6 +26,9 @@ class LatencyProfile:
     device: str = "cpu"
     model: str = ""
     notes: dict = field(default_factory=dict)
+    # batch size (as a string: JSON keys) -> seconds of one ragged pass of that many sequences with `sizes[i]`
+    # nodes each (batch x sizes[i] rows), for the sizes measured (a prefix of `sizes`)
+    batch_verify_s: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if len(self.sizes) != len(self.verify_s) or not self.sizes:
@@ -42,6 +46,25 @@ class LatencyProfile:
         i = torch.searchsorted(xs, n.clamp(max=float(xs[-1]))).clamp(1, xs.numel() - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
+
+    def batch_time(self, batch: int, rows) -> torch.Tensor:
+        """Seconds of one pass verifying `rows` nodes of `batch` sequences: t(rows) for one sequence; else from
+        the measured batch size nearest to `batch` (by ratio), piecewise linear in rows (the last slope goes on)."""
+        if batch == 1 or not self.batch_verify_s:
+            return self.verify(rows)
+        measured = min(self.batch_verify_s, key=lambda b: abs(math.log(int(b) / batch)))
+        times = self.batch_verify_s[measured]
+        xs = torch.tensor([int(measured) * n for n in self.sizes[: len(times)]], dtype=torch.float64)
+        ys = torch.tensor(times, dtype=torch.float64)
+        rows = torch.as_tensor(rows, dtype=torch.float64)
+        if xs.numel() == 1:
+            return ys[0] * rows / xs[0]
+        i = torch.searchsorted(xs, rows.clamp(max=float(xs[-1]))).clamp(1, xs.numel() - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (rows - x0) * (y1 - y0) / (x1 - x0)
+
+    def has_batch(self, batch: int) -> bool:
+        return batch == 1 or str(batch) in self.batch_verify_s
 
     def step_time(self, n, depth) -> torch.Tensor:
         """Seconds of one decoding step: drafting and searching `depth` levels, then verifying n nodes."""
@@ -100,6 +123,31 @@ def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max
     rate = expected / profile.step_time(n, depth)
     best = int(rate.argmax())
     return best + 1, float(expected[best]), float(rate[best])
+
+
+def choose_batch(values: list[torch.Tensor], profile: LatencyProfile, levels: int, max_nodes: int | None = None):
+    """Nodes per sequence for one pass of a batch: the best nodes of all sequences together (each sequence's
+    root is always verified) under the rate rule of `choose_budget`, a pass of R rows costing
+    `profile.batch_time(batch, R)` and drafting `levels` batched levels.
+
+    values: each sequence's candidate node values, best first. Returns (nodes per sequence, roots included;
+    expected tokens of the pass; expected tokens per second).
+    """
+    batch = len(values)
+    flat = torch.cat([v.double().flatten() for v in values]) if batch else torch.zeros(0, dtype=torch.float64)
+    owner = torch.cat([torch.full((v.numel(),), i) for i, v in enumerate(values)]) if batch else torch.zeros(0)
+    keep = torch.isfinite(flat)
+    flat, owner = flat[keep], owner[keep]
+    order = torch.sort(flat, descending=True, stable=True).indices
+    if max_nodes is not None:
+        order = order[: max(max_nodes - batch, 0)]
+    expected = batch + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(flat[order], 0)])
+    rows = torch.arange(batch, batch + expected.numel())
+    cost = levels * (profile.draft_s_per_level + profile.search_s_per_level) + profile.batch_time(batch, rows)
+    rate = expected / cost
+    best = int(rate.argmax())
+    counts = 1 + torch.bincount(owner[order[:best]].long(), minlength=batch)
+    return counts.tolist(), float(expected[best]), float(rate[best])
 
 
 def choose_depth_and_budget(expected: dict[tuple[int, int], float], profile: LatencyProfile):

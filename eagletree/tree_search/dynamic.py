@@ -264,15 +264,19 @@ class _Table:
         self.tokens, self.parents, self.probs, self.values = [int(root_token)], [-1], [1.0], [1.0]
         self.copy_info: dict[int, tuple[int, int]] = {}
 
-    def grow(self, expand, frontier: list[int], top_k, level, token_map=None) -> list[int]:
-        """Draft top_k children for every frontier node; return their ids (value -inf: probability 0)."""
+    def request(self, frontier: list[int], level: int) -> tuple:
+        """What the drafter is asked for the frontier: (nodes, tokens, parents, level), as `Expand` takes them."""
         on = dict(device=self.device)
-        probs = expand(
+        return (
             torch.tensor(frontier, **on),
             torch.tensor([self.tokens[u] for u in frontier], **on),
             torch.tensor([self.parents[u] for u in frontier], **on),
             level,
         )
+
+    def grow(self, probs, frontier: list[int], top_k, level, token_map=None) -> list[int]:
+        """Add top_k children of every frontier node from its drafted distribution; return their ids (value -inf:
+        probability 0)."""
         check_distribution(probs, f"drafter output at level {level}")
         q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
         if token_map is not None:  # a draft vocabulary: its ids -> target ids
@@ -378,12 +382,71 @@ class _Level:
         self.child[(u, self.table.tokens[v])] = v
 
 
-def _search(
-    expand: Expand, root_token, budget, depth, top_k, width, device, token_map=None, min_gain=0.0, copies=None
-) -> DraftTree:
+class SharedFloor:
+    """The best `count` node values drafted so far by the searches of a batch that share one node budget.
+
+    Each search's node worth less than the last of them can never be among the batch's best `count` (nor
+    anything below it), so no search drafts, looks up or grafts under it."""
+
+    def __init__(self, count: int):
+        self.count, self.best = count, []
+
+    def add(self, values: list[float]) -> float:
+        """Add a finished level's values; returns the floor (-inf until `count` values are known)."""
+        self.best = heapq.nlargest(self.count, self.best + values)
+        return self.best[-1] if len(self.best) == self.count > 0 else -math.inf
+
+
+def drive(search, expand: Expand):
+    """Run a search generator (`search_steps`, `static_steps`) with a drafter; returns its tree."""
+    try:
+        request = next(search)
+        while True:
+            request = search.send(expand(*request))
+    except StopIteration as done:
+        return done.value
+
+
+def drive_batch(searches: list, expand_batch) -> list:
+    """Run several search generators level by level, each level's requests in one `expand_batch(requests)` call
+    ([(search index, nodes, tokens, parents, level)] -> one distribution per request); returns their trees."""
+    trees: list = [None] * len(searches)
+    waiting = {}
+
+    def advance(i, value):
+        try:
+            waiting[i] = searches[i].send(value)
+        except StopIteration as done:
+            trees[i] = done.value
+
+    for i in range(len(searches)):
+        advance(i, None)
+    while waiting:
+        asked = sorted(waiting.items())
+        waiting.clear()
+        for (i, _), probs in zip(asked, expand_batch([(i, *request) for i, request in asked])):
+            advance(i, probs)
+    return trees
+
+
+def search_steps(
+    drafts: bool,
+    root_token,
+    budget,
+    depth,
+    top_k,
+    width,
+    device,
+    token_map=None,
+    min_gain=0.0,
+    copies=None,
+    shared=None,
+):
+    """The batched searches as a generator: yields each level's drafter request (`_Table.request`), receives its
+    distributions, returns the DraftTree. drafts=False: copied spans alone. `shared`: the batch's SharedFloor."""
     check_search_args(budget, depth, top_k)
     table = _Table(root_token, device)
-    frontier = [0] if expand is not None else []  # None: copies only
+    frontier = [0] if drafts else []
     drafted = []
     # Copy tries being grafted: (trie, trie node -> table node, the level of its root). The root's
     # trie first; with `copies.lookup`, one more under each of a level's best nodes not on a copied path.
@@ -398,7 +461,10 @@ def _search(
     while True:
         level += 1
         # The head drafts to `depth` under the frontier; copied spans go on to their own depth.
-        nodes = _Level(table, table.grow(expand, frontier, top_k, level, token_map) if frontier else [])
+        grown = (
+            table.grow((yield table.request(frontier, level)), frontier, top_k, level, token_map) if frontier else []
+        )
+        nodes = _Level(table, grown)
         head_ids = list(nodes.ids)  # and the copied nodes the head can expand
         live = []
         for trie, placed, start in tries:
@@ -409,11 +475,12 @@ def _search(
             live.append((trie, placed, start))
         tries = live
         drafted += nodes.ids
-        best_kept = heapq.nlargest(
-            budget - 1, best_kept + [x for x in (table.values[v] for v in nodes.ids) if x > -math.inf]
-        )
+        found = [x for x in (table.values[v] for v in nodes.ids) if x > -math.inf]
+        best_kept = heapq.nlargest(budget - 1, best_kept + found)
         if len(best_kept) == budget - 1 > 0:
             floor = best_kept[-1]
+        if shared is not None:
+            floor = max(floor, shared.add(found))
         best = table.best(head_ids, width)  # values as the grafts left them
         worth = [v for v in best if table.values[v] >= floor]
         if lookup is not None:
@@ -454,9 +521,10 @@ def eagle2_search(
     `token_map` (draft id -> target id) is for drafters over a reduced draft vocabulary; `copies`
     (a `copy.CopyTrie`) adds copied continuations as candidates (see `optimal_search`).
     """
-    return _search(
-        expand, root_token, budget, depth, top_k, width=top_k, device=device, token_map=token_map, copies=copies
+    steps = search_steps(
+        expand is not None, root_token, budget, depth, top_k, top_k, device, token_map=token_map, copies=copies
     )
+    return drive(steps, expand)
 
 
 def optimal_search(
@@ -479,18 +547,10 @@ def optimal_search(
     `agreed`), and the head also drafts under copied nodes of the beam. The result is
     `optimal_tree(..., copies=)`'s: the best budget-node tree over head and copy candidates.
     """
-    return _search(
-        expand,
-        root_token,
-        budget,
-        depth,
-        top_k,
-        width=budget - 1,
-        device=device,
-        token_map=token_map,
-        min_gain=min_gain,
-        copies=copies,
+    steps = search_steps(
+        expand is not None, root_token, budget, depth, top_k, budget - 1, device, token_map, min_gain, copies
     )
+    return drive(steps, expand)
 
 
 def path_expand(child_probs: Callable) -> Expand:

@@ -1,7 +1,8 @@
 """Tree kinds as searchers: built once per Decoder, started per generation, asked once per step for the tree.
 
-`make_searcher(kind, ...)` returns one of these; the decoding loop calls only `start()`, `drafts()`,
-`takes_copies()`, `search(expand, root, depth, copies)` and `observe(...)`, so a new kind is a new class:
+`make_searcher(kind, ...)` returns one of these; the decoding loop calls only `start()`, `drafts(batch)`,
+`takes_copies()`, `search_batch(expand_batch, jobs)` (`search(expand, root, depth, copies)` for one sequence)
+and `observe(...)`, so a new kind is a new class:
 
 - `Eagle2Searcher`: EAGLE-2's dynamic tree (the `budget` nodes of highest path value found by a
   beam of `top_k` per level).
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import time
 from copy import deepcopy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..verify import DraftTree
 from .copy import copy_only
-from .cost import LatencyProfile, choose_budget
-from .dynamic import eagle2_search, optimal_search
-from .static import Shape, breadth_first, chain_shape, choices_shape, sequoia_tree, static_search
+from .cost import LatencyProfile, choose_batch
+from .dynamic import SharedFloor, drive_batch, search_steps
+from .static import Shape, breadth_first, chain_shape, choices_shape, sequoia_tree, static_steps
 
 # Per-rank acceptance for the Sequoia shape until a measured one is passed (the shape, not the output, depends on it).
 DEFAULT_ACCEPT_BY_RANK = (0.55, 0.12, 0.05, 0.03, 0.02, 0.01)
@@ -43,8 +44,9 @@ class Searcher:
     def start(self) -> None:
         """A new generation begins: forget what the last one taught (the searchers that learn as they go)."""
 
-    def drafts(self) -> bool:
-        """Whether the head drafts this step (asked once per step, only when it could)."""
+    def drafts(self, batch: int = 1) -> bool:
+        """Whether the head drafts this step for a batch of `batch` sequences (asked once per step, only when it
+        could)."""
         return True
 
     def takes_copies(self) -> bool:
@@ -52,24 +54,93 @@ class Searcher:
         return not self.static and self.budget > 1
 
     def search(self, expand, root: int, depth: int, copies=None) -> DraftTree:
+        """One sequence's tree: `search_batch` of one."""
+        return self.search_batch(_one(expand), [Job(expand is not None, root, depth, copies)])[0]
+
+    def search_batch(self, expand_batch, jobs: list[Job]) -> list[DraftTree]:
+        """One tree per job, the drafter asked once per level for every job's frontier: `expand_batch(requests)`
+        takes [(job index, nodes, tokens, parents, level)] and returns one distribution per request."""
         raise NotImplementedError
 
-    def observe(self, nodes: int, seconds: float, accepted: int | None = None) -> None:
-        """Told after each target pass: it verified `nodes` nodes (root included) in `seconds` (verify, accept,
-        commit), and `accepted` of its drafted nodes were accepted (None: not told)."""
+    def observe(self, nodes: int, seconds: float, accepted: int | None = None, batch: int = 1) -> None:
+        """Told after each target pass: it verified `nodes` nodes (roots included) of `batch` sequences in
+        `seconds` (verify, accept, commit), and `accepted` of its drafted nodes were accepted (None: not told)."""
 
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
 
 
-class Eagle2Searcher(Searcher):
-    def search(self, expand, root, depth, copies=None):
-        return eagle2_search(expand, root, self.budget, depth, self.top_k, **self._options(copies))
+@dataclass
+class Job:
+    """One sequence's search in a batch: whether the head drafts for it, its root token, depth and copied spans."""
+
+    drafts: bool
+    root: int
+    depth: int
+    copies: object = None
 
 
-class OptimalSearcher(Searcher):
-    def search(self, expand, root, depth, copies=None):
-        return optimal_search(expand, root, self.budget, depth, self.top_k, **self._options(copies))
+def _one(expand):
+    """A one-sequence drafter as `search_batch`'s expand_batch."""
+    return lambda requests: [expand(*request[1:]) for request in requests]
+
+
+class _BudgetSearcher(Searcher):
+    """EAGLE-2's and the optimal tree, for a batch under ONE budget of `budget` nodes per sequence: each
+    sequence's search may take up to all of it, and the batch verifies the best nodes of all sequences together
+    (EAGLE-2's global ranking, extended across sequences: a node is worth its path value wherever it is)."""
+
+    global_budget = True  # False: every sequence its own `budget` nodes (the equal split, for comparison)
+
+    def width(self, budget: int) -> int:
+        raise NotImplementedError
+
+    def search_batch(self, expand_batch, jobs):
+        batch = len(jobs)
+        total = self.budget * batch
+        # one sequence's most: everything but the other sequences' roots (the equal split: its own budget)
+        cap = total - (batch - 1) if self.global_budget else self.budget
+        shared = SharedFloor(total - batch) if batch > 1 and self.global_budget else None
+        searches = [
+            search_steps(
+                j.drafts,
+                j.root,
+                cap,
+                j.depth,
+                self.top_k,
+                self.width(cap),
+                self.device,
+                self.token_map,
+                0.0,
+                j.copies,
+                shared,
+            )
+            for j in jobs
+        ]
+        trees = drive_batch(searches, expand_batch)
+        if not self.global_budget:
+            return trees
+        return [t.prefix(n) for t, n in zip(trees, best_nodes([t.values[1:] for t in trees], total))]
+
+
+class Eagle2Searcher(_BudgetSearcher):
+    def width(self, budget):
+        return self.top_k
+
+
+class OptimalSearcher(_BudgetSearcher):
+    def width(self, budget):
+        return budget - 1
+
+
+def best_nodes(values: list[torch.Tensor], total: int) -> list[int]:
+    """Nodes per tree (roots included) when `total` nodes go to the best path values of all trees together
+    (each tree's values best first; ties to the earlier tree)."""
+    owner = torch.cat([torch.full((v.numel(),), i) for i, v in enumerate(values)])
+    flat = torch.cat([v.double() for v in values])
+    order = torch.sort(flat, descending=True, stable=True).indices[: max(total - len(values), 0)]
+    order = order[torch.isfinite(flat[order])]
+    return (1 + torch.bincount(owner[order].long(), minlength=len(values))).tolist()
 
 
 class StaticSearcher(Searcher):
@@ -81,11 +152,11 @@ class StaticSearcher(Searcher):
         super().__init__(len(shape.parents), 1, device, token_map)
         self.shape = breadth_first(shape)  # cut by depth as a prefix
 
-    def search(self, expand, root, depth, copies=None):
-        if copies is not None:
+    def search_batch(self, expand_batch, jobs):
+        if any(j.copies is not None for j in jobs):
             raise ValueError("a static shape takes no copied spans")
-        tree = static_search(expand, root, self.shape, device=self.device, token_map=self.token_map)
-        return tree.prefix(int((tree.depths <= depth).sum())) if tree.depth > depth else tree
+        trees = drive_batch([static_steps(j.root, self.shape, self.device, self.token_map) for j in jobs], expand_batch)
+        return [t.prefix(int((t.depths <= j.depth).sum())) if t.depth > j.depth else t for t, j in zip(trees, jobs)]
 
 
 class AutoSearcher(Searcher):
@@ -132,6 +203,7 @@ class AutoSearcher(Searcher):
         super().__init__(budget, top_k, device, token_map)
         self.initial_profile, self.calibrator, self.max_wait, self.clock = profile, calibrator, max_wait, clock
         self.never = not trees_can_pay(profile, budget)
+        self._pays = {}  # batch size -> whether trees can pay at it
         self.t_one = float(profile.verify(1))  # a plain one-token pass
         self.start()
 
@@ -150,7 +222,12 @@ class AutoSearcher(Searcher):
     @property
     def measured(self) -> LatencyProfile:
         """The profile with its verify times scaled by `load` (and the drafting cost measured so far)."""
-        return replace(self.profile, verify_s=[t * (self.load or 1.0) for t in self.profile.verify_s])
+        load = self.load or 1.0
+        return replace(
+            self.profile,
+            verify_s=[t * load for t in self.profile.verify_s],
+            batch_verify_s={b: [t * load for t in ts] for b, ts in self.profile.batch_verify_s.items()},
+        )
 
     @property
     def value_scale(self) -> float:
@@ -162,59 +239,72 @@ class AutoSearcher(Searcher):
     def _scaled(self, values: torch.Tensor) -> torch.Tensor:
         return (values * self.value_scale).clamp(max=1.0)
 
-    def observe(self, nodes, seconds, accepted=None):
+    def observe(self, nodes, seconds, accepted=None, batch=1):
         if self._pending is not None and accepted is not None:
             self.predicted += self._pending
             self.accepted += accepted
         self._pending = None
-        expected = float(self.profile.verify(nodes))
+        expected = float(self.profile.batch_time(batch, nodes))
         if not (seconds > 0 and expected > 0):
             return
         ratio = min(max(seconds / expected, 0.25), 4.0)  # one pass (a GC pause, a page fault) moves it little
         self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
 
-    def drafts(self) -> bool:
-        if self.never:
+    def drafts(self, batch: int = 1) -> bool:
+        if self.never or not self._can_pay(batch):
             return False
         if self.skip > 0:
             self.skip -= 1
             return False
         return True
 
+    def _can_pay(self, batch: int) -> bool:
+        if batch not in self._pays:
+            self._pays[batch] = trees_can_pay(self.initial_profile, self.budget, batch)
+        return self._pays[batch]
+
     def takes_copies(self) -> bool:
         return super().takes_copies() and not self.never  # where no tree can pay, none is built
 
-    def search(self, expand, root, depth, copies=None):
-        """expand=None (the head is paused or absent): the copied spans alone, pruned by the same rule;
-        such a step does not change the head's pause."""
-        spent = [0.0, 0]  # this tree's drafter seconds and calls
+    def search_batch(self, expand_batch, jobs):
+        """A job without drafting (the head paused or absent) takes its copied spans alone, pruned by the same
+        rule; a step where no job drafts does not change the head's pause. A batch's nodes go where they are
+        worth most (`choose_batch`: one pass of that many rows against a plain pass of one row per sequence)."""
+        spent = [0.0, 0]  # this step's drafter seconds and (batched) calls
 
-        def timed(nodes, tokens, parents, level):
+        def timed(requests):
             t = self.clock()
-            probs = expand(nodes, tokens, parents, level)
+            probs = expand_batch(requests)
             spent[0] += self.clock() - t
             spent[1] += 1
             return probs
 
-        t_one = self.t_one * (self.load or 1.0)
-        # tokens a drafting level must add to pay for itself
-        min_gain = (self.profile.draft_s_per_level + self.profile.search_s_per_level) / t_one
+        batch = len(jobs)
+        t_plain = float(self.measured.batch_time(batch, batch))  # a plain pass: one token per sequence
+        # tokens a drafting level must add per sequence to pay for itself
+        min_gain = (self.profile.draft_s_per_level + self.profile.search_s_per_level) / t_plain
         start = self.clock()
-        full = optimal_search(
-            timed if expand is not None else None,
-            root,
-            self.search_budget,
-            depth,
-            self.top_k,
-            min_gain=min_gain,
-            **self._options(copies),
-        )
-        searched = self.clock() - start  # the drafter's calls and the search's own work between them
-        values = full.values[1:] if self.calibrator is None else calibrated_values(full, self.calibrator)
-        if expand is None:
-            return self._chosen(
-                full, values, choose_budget(self._scaled(values), self.measured, 0, max_budget=self.search_budget)[0]
+        searches = [
+            search_steps(
+                j.drafts,
+                j.root,
+                self.search_budget,
+                j.depth,
+                self.top_k,
+                self.search_budget - 1,
+                self.device,
+                self.token_map,
+                min_gain,
+                j.copies,
             )
+            for j in jobs
+        ]
+        fulls = drive_batch(searches, timed)
+        searched = self.clock() - start  # the drafter's calls and the search's own work between them
+        values = [f.values[1:] if self.calibrator is None else calibrated_values(f, self.calibrator) for f in fulls]
+        scaled = [self._scaled(v) for v in values]
+        if not any(j.drafts for j in jobs):
+            return self._chosen(fulls, values, choose_batch(scaled, self.measured, 0)[0])
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         # The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
@@ -224,36 +314,41 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
-        n, expected, rate = choose_budget(
-            self._scaled(values), self.measured, spent[1] + 1, max_budget=self.search_budget
-        )
-        # One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
-        # tree of a generation decides nothing: its first token, the answer's first, is the least predictable
-        # (it was the answer's lowest estimate on every prompt measured: docs/results.md), and its drafting cost is
-        # the first measured.
+        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1)
+        self._update_gain(rate * t_plain / batch)
+        self.search_budget = min(self.budget, max(8, 2 * max(counts)))
+        return self._chosen(fulls, values, counts)
+
+    def _update_gain(self, gain: float) -> None:
+        """One step's estimated speed-up over plain passes moves the running gain; pause drafting if it is < 1.
+
+        One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
+        tree of a generation decides nothing: its first token, the answer's first, is the least predictable (it
+        was the answer's lowest estimate on every prompt measured: docs/results.md), and its drafting cost is the
+        first measured."""
         if self.wait:  # the first tree after a pause
             self.gain = 1.0 - (1.0 - self.gain) * self.PAUSE_MEMORY
-        self.gain += self.GAIN_SMOOTHING * (rate * t_one - self.gain)
+        self.gain += self.GAIN_SMOOTHING * (gain - self.gain)
         self.searched += 1
         if self.searched > 1 and self.gain < 1.0:
             self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
             self.skip = self.wait
         else:
             self.wait = 0
-        self.search_budget = min(self.budget, max(8, 2 * n))
-        return self._chosen(full, values, n)
 
-    def _chosen(self, full: DraftTree, values: torch.Tensor, n: int) -> DraftTree:
-        """The tree's n-node prefix; the drafted tokens its (unscaled) values predict are kept for `observe`."""
-        self._pending = float(values[: n - 1].double().sum())
-        return full.prefix(n)
+    def _chosen(self, fulls: list[DraftTree], values: list[torch.Tensor], counts: list[int]) -> list[DraftTree]:
+        """Each tree's prefix of the chosen size; the drafted tokens their (unscaled) values predict are kept for
+        `observe`."""
+        self._pending = sum(float(v[: n - 1].double().sum()) for v, n in zip(values, counts))
+        return [f.prefix(n) for f, n in zip(fulls, counts)]
 
 
-def trees_can_pay(profile: LatencyProfile, budget: int) -> bool:
-    """Whether some tree of 2..budget nodes could beat a one-token pass on this profile at all: at best
-    every drafted token is accepted (N tokens for N nodes), so trees cannot pay where t(N) >= N t(1)."""
+def trees_can_pay(profile: LatencyProfile, budget: int, batch: int = 1) -> bool:
+    """Whether some tree of 2..budget nodes per sequence could beat a plain pass (one token per sequence) on
+    this profile at all: at best every drafted token is accepted (N tokens for N nodes), so trees cannot pay
+    where t(B N) >= N t(B)."""
     n = torch.arange(2, max(budget, 2) + 1, dtype=torch.float64)
-    return bool((n * profile.verify(1) > profile.verify(n) * (1 + 1e-9)).any())
+    return bool((n * profile.batch_time(batch, batch) > profile.batch_time(batch, batch * n) * (1 + 1e-9)).any())
 
 
 def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:

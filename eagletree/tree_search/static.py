@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..verify import DraftTree
-from .dynamic import Expand, check_distribution, check_search_args
+from .dynamic import Expand, check_distribution, check_search_args, drive
 
 
 @dataclass
@@ -168,6 +168,11 @@ def static_tree(child_probs: Callable, root_token: int, shape: Shape) -> DraftTr
 
 def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu", token_map=None) -> DraftTree:
     """Batched form of `static_tree`: one drafter call per depth level."""
+    return drive(static_steps(root_token, shape, device, token_map), expand)
+
+
+def static_steps(root_token: int, shape: Shape, device="cpu", token_map=None):
+    """`static_search` as a generator (as `dynamic.search_steps`): yields each level's request, returns the tree."""
     parents = torch.tensor(shape.parents, device=device)
     ranks = torch.tensor(shape.ranks, device=device)
     n = len(shape.parents)
@@ -179,7 +184,7 @@ def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu", t
     for level in range(1, int(depth.max()) + 1 if n > 1 else 1):
         children = (depth == level).nonzero().flatten()
         frontier = torch.unique(parents[children])  # sorted node ids
-        q = expand(frontier, tokens[frontier], parents[frontier], level).double()
+        q = (yield (frontier, tokens[frontier], parents[frontier], level)).double()
         check_distribution(q, f"drafter output at level {level}")
         top_q, top_t = torch.topk(q, int(ranks[children].max()) + 1, dim=-1)
         row = torch.searchsorted(frontier, parents[children])

@@ -91,3 +91,33 @@ def measure_verify(
                             times[(v, n)][c].append(b - a)
     medians = {v: {n: {c: statistics.median(x) for c, x in times[(v, n)].items()} for n in sizes} for v in names}
     return medians if variants else medians[None]
+
+
+def measure_batch_verify(model, batch: int, sizes, prefix: int = 128, depth: int = 6, reps: int = 3, seed: int = 0):
+    """Median seconds of one ragged verify pass (`verify.batch.verify_rows`: forward, greedy acceptance, commit)
+    of `batch` sequences with n nodes each, for each n of `sizes`; measured round-robin after a warm-up round.
+    Each sequence has `prefix` cached tokens."""
+    from ..target.ragged import RaggedCache, use_ragged
+    from .batch import prefill_rows, verify_rows
+
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    use_ragged(model)
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    cache = RaggedCache()
+    rows = [cache.add_row() for _ in range(batch)]
+    prefill_rows(model, cache, rows, [torch.randint(vocab, (prefix + 1,), generator=g).to(device) for _ in rows])
+    trees = {n: [synthetic_tree(n, min(depth, n - 1), vocab, g).to(device) for _ in rows] for n in sizes}
+    times = {n: [] for n in sizes}
+    for rep in range(reps + 1):
+        for n in sizes:
+            _sync(device)
+            t = time.perf_counter()
+            verify_rows(model, cache, rows, trees[n])
+            _sync(device)
+            if rep:  # round 0 warms up
+                times[n].append(time.perf_counter() - t)
+            cache.lengths = [prefix] * batch
+    return [statistics.median(times[n]) for n in sizes]

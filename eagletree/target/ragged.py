@@ -1,0 +1,306 @@
+"""Ragged batches: several sequences' new tokens in one forward pass, each attending to its own KV cache row.
+
+A batch of sequences runs through the unmodified HF model as ONE row of R = sum n_b packed tokens, so the
+linear layers (most of a pass's work) see only real tokens however unevenly the sequences' trees are sized.
+Attention runs per sequence through `RAGGED`, a registered attention implementation: it scatters the packed
+queries into an [S, heads, n_max, dim] block (S sequences, n_max = the largest n_b), attends to each
+sequence's own cache row under its mask in one SDPA call, and gathers the outputs back. Which packed token
+belongs where travels in a `Layout`, set for the duration of one forward (`ragged_forward`); without one the
+implementation is the project's SDPA (`attention.sdpa_gqa_attention`), so a switched model runs as before
+everywhere else.
+
+`RaggedCache` holds every sequence's keys and values in preallocated rows [B, kv_heads, capacity, dim],
+written by position: row b's committed entries are [0, length_b) and entries past it are never attended
+(the masks end there), so dropping a rejected tree costs nothing and committing an accepted path moves only
+that path's entries.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from .attention import GQA_SDPA, RAGGED, sdpa_gqa_attention
+from .forward import cache_kwarg
+
+_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("eagletree_ragged_layout", default=None)
+
+
+@dataclass
+class Layout:
+    """Where each packed token of one ragged forward sits.
+
+    rows: [S] cache rows taking part (ascending); counts: new tokens per row; starts: each row's cache length
+    before the pass. q_row / q_slot: [R] each packed token's index into `rows` and among its row's new tokens.
+    mask: [S, 1, n_max, kv] bool, row s's tokens over its cache entries [0, kv) (padding slots see entry 0).
+    """
+
+    rows: list[int]
+    counts: list[int]
+    starts: list[int]
+    q_row: torch.Tensor
+    q_slot: torch.Tensor
+    write_row: torch.Tensor  # [R] the cache row each new key is written to
+    write_pos: torch.Tensor  # [R] and its position there
+    mask: torch.Tensor
+
+    @property
+    def kv(self) -> int:
+        return self.mask.shape[-1]
+
+    @property
+    def packed_is_block(self) -> bool:
+        """One sequence: the packed row is already the [1, heads, n, dim] block."""
+        return len(self.rows) == 1
+
+
+def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device) -> Layout:
+    """The layout of a pass adding n_i new tokens to row rows[i] after its `lengths[row]` cached entries.
+
+    blocks[i]: [n_i, n_i] bool, which new tokens each new token sees (itself included), every cached entry
+    visible; or [n_i, length + n_i], which of all entries each sees."""
+    if len(rows) != len(blocks) or not rows:
+        raise ValueError(f"a ragged pass needs one block per row, got {len(rows)} rows and {len(blocks)} blocks")
+    counts = [int(b.shape[0]) for b in blocks]
+    if min(counts) < 1:
+        raise ValueError(f"every row of a ragged pass adds at least one token, got counts {counts}")
+    starts = [lengths[r] for r in rows]
+    n_max, kv = max(counts), max(s + n for s, n in zip(starts, counts))
+    mask = torch.zeros(len(rows), 1, n_max, kv, dtype=torch.bool)
+    mask[:, 0, :, 0] = True  # padding slots attend to something (their outputs are dropped)
+    for s, (start, n, block) in enumerate(zip(starts, counts, blocks)):
+        if block.shape[1] == start + n:
+            mask[s, 0, :n, : start + n] = block.cpu()
+        elif block.shape[1] == n:
+            mask[s, 0, :n, :start] = True
+            mask[s, 0, :n, start : start + n] = block.cpu()
+        else:
+            raise ValueError(
+                f"row {rows[s]}: a block of {n} new tokens is [{n}, {n}] or [{n}, {start + n}], got {list(block.shape)}"
+            )
+    q_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
+    q_slot = torch.cat([torch.arange(n) for n in counts])
+    write_row = torch.tensor(rows)[q_row]
+    write_pos = torch.tensor(starts)[q_row] + q_slot
+    on = dict(device=device)
+    return Layout(
+        rows, counts, starts, q_row.to(**on), q_slot.to(**on), write_row.to(**on), write_pos.to(**on), mask.to(**on)
+    )
+
+
+class RaggedCache:
+    """KV cache rows of a ragged batch (one per sequence), preallocated and written by position.
+
+    The HF model calls `update` once per layer during a `ragged_forward`; the buffers of a layer are made at its
+    first update, in the key's dtype and device. `lengths[b]` is row b's count of valid entries.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.lengths: list[int] = []
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, kv_heads, capacity, dim]
+        self.values: dict[int, torch.Tensor] = {}
+        self.layout: Layout | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @torch.inference_mode()
+    def add_row(self) -> int:
+        """A new empty row (appended); returns its index."""
+        self.lengths.append(0)
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        return self.batch - 1
+
+    @torch.inference_mode()
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (in that order): row keep[i] becomes row i."""
+        self.lengths = [self.lengths[r] for r in keep]
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = t[torch.tensor(keep, dtype=torch.long, device=t.device)]
+
+    @torch.inference_mode()
+    def reserve(self, length: int) -> None:
+        """Room for `length` entries in every row (the buffers grow, doubling, when needed)."""
+        if length <= self.capacity:
+            return
+        new = max(length, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                grown[:, :, : self.capacity] = t
+                store[layer] = grown
+        self.capacity = new
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write a pass's packed new keys and values [1, kv_heads, R, dim] at their rows' positions; return the
+        taking-part rows' entries [S, kv_heads, kv, dim] (what the layout's mask covers)."""
+        lay = self.layout
+        if lay is None:
+            raise RuntimeError("a RaggedCache is written only inside ragged_forward (it needs the batch's layout)")
+        out = []
+        for store, new in ((self.keys, key), (self.values, value)):
+            buf = store.get(layer_idx)
+            if buf is None:
+                buf = store[layer_idx] = new.new_zeros(self.batch, new.shape[1], self.capacity, new.shape[3])
+            buf[lay.write_row, :, lay.write_pos] = new[0].transpose(0, 1)
+            out.append(_rows(buf, lay.rows)[:, :, : lay.kv])
+        return out[0], out[1]
+
+    @torch.inference_mode()
+    def commit(self, rows: list[int], starts: list[int], accepted: list[list[int]]) -> None:
+        """After a pass wrote row r's tree at [start, start + n): keep its accepted nodes' entries (node indices,
+        ascending, the root first) at [start, start + len(accepted)); the rest is dropped."""
+        src_row, src, dst = [], [], []
+        for r, start, nodes in zip(rows, starts, accepted):
+            self.lengths[r] = start + len(nodes)
+            moved = [(start + v, start + i) for i, v in enumerate(nodes) if v != i]
+            src_row += [r] * len(moved)
+            src += [s for s, _ in moved]
+            dst += [d for _, d in moved]
+        if not src:
+            return
+        for store in (self.keys, self.values):
+            for buf in store.values():
+                on = dict(dtype=torch.long, device=buf.device)
+                r, s, d = (torch.tensor(x, **on) for x in (src_row, src, dst))
+                buf[r, :, d] = buf[r, :, s]  # gathered first (a copy), so overlapping ranges are safe
+
+
+def _rows(buf: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """buf's rows `rows`: a view when they are a contiguous run, else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return buf[rows[0] : rows[0] + len(rows)]
+    return buf[torch.tensor(rows, device=buf.device)]
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Attention of a ragged forward (query [1, heads, R, dim] packed; key/value [S, kv_heads, kv, dim] per row),
+    or, outside one, the project's SDPA."""
+    lay = _LAYOUT.get()
+    if lay is None:
+        return sdpa_gqa_attention(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    heads, dim = query.shape[1], query.shape[3]
+    n_max = lay.mask.shape[2]
+    if lay.packed_is_block:
+        q = query
+    else:
+        q = query.new_zeros(len(lay.rows), heads, n_max, dim)
+        q[lay.q_row, :, lay.q_slot] = query[0].transpose(0, 1)
+    groups = heads // key.shape[1]
+    on_cpu = query.device.type == "cpu"
+    if groups > 1 and not on_cpu:  # (CUDA with a mask and enable_gqa falls back to the math kernel)
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=lay.mask, scale=scaling, enable_gqa=groups > 1 and on_cpu
+    )  # [S, heads, n_max, dim]
+    if lay.packed_is_block:
+        return out.transpose(1, 2).contiguous(), None
+    return out[lay.q_row, :, lay.q_slot][None].contiguous(), None  # [1, R, heads, dim]
+
+
+def register() -> None:
+    """Make `RAGGED` a known attention implementation (with SDPA's mask when no layout is set), once per process."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(RAGGED, ragged_attention)
+    AttentionMaskInterface.register(RAGGED, sdpa_mask)
+
+
+_SWITCHABLE = ("sdpa", GQA_SDPA, RAGGED, "eager")
+
+
+def use_ragged(model) -> None:
+    """Switch a model to `RAGGED` (outside a ragged forward it runs the project's SDPA, as before)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == RAGGED:
+        return
+    if impl not in _SWITCHABLE:
+        from .loading import TargetError
+
+        raise TargetError(
+            f"attention implementation {impl!r} cannot decode ragged batches; load the model with "
+            "attn_implementation='sdpa'"
+        )
+    register()
+    model.set_attn_implementation(RAGGED)
+
+
+def use_ragged_layer(layer, *configs) -> None:
+    """The same for one decoder layer built outside a model (a draft head's) and the configs its masks read."""
+    register()
+    for config in (layer.self_attn.config, *configs):
+        config._attn_implementation = RAGGED
+
+
+class ragged_pass:
+    """Context manager: `layout` is the current ragged forward's (for `ragged_attention` and the cache)."""
+
+    def __init__(self, cache: RaggedCache, layout: Layout):
+        self.cache, self.layout = cache, layout
+
+    def __enter__(self):
+        self.cache.layout = self.layout
+        self.token = _LAYOUT.set(self.layout)
+        return self.layout
+
+    def __exit__(self, exc_type, *exc):
+        _LAYOUT.reset(self.token)
+        self.cache.layout = None
+        if exc_type is None:  # the new entries are now in the rows (the caller commits or drops them)
+            for r, n in zip(self.layout.rows, self.layout.counts):
+                self.cache.lengths[r] += n
+        return False
+
+
+@dataclass
+class RaggedOutput:
+    logits: torch.Tensor | None  # [R, vocab] float32 (None when not asked for)
+    hidden: torch.Tensor  # [R, H] last-layer (post-norm) hidden states: the draft head's features
+    layer_hidden: dict[int, torch.Tensor] | None  # layer index -> [R, H]
+    layout: Layout
+
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """A packed [R, ...] tensor -> one [n_b, ...] piece per row of the pass."""
+        return list(tensor.split(self.layout.counts))
+
+
+@torch.inference_mode()
+def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, layers=None, logits=True):
+    """One forward of the model over each row's new tokens (tokens[i] [n_i] ids, blocks[i] [n_i, n_i] bool,
+    positions[i] [n_i] rotary positions) on top of cache rows `rows`; each row's cache grows by n_i entries.
+    `layers` also returns those decoder layers' outputs (EAGLE-3); logits=False skips the lm_head."""
+    device = next(model.parameters()).device
+    layout = plan(cache.lengths, list(rows), list(blocks), device)
+    cache.reserve(max(layout.kv, 1))
+    input_ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)[None]
+    position_ids = torch.cat([p.reshape(-1) for p in positions]).to(device)[None]
+    with ragged_pass(cache, layout):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=layout.mask,
+            position_ids=position_ids,
+            use_cache=True,
+            output_hidden_states=True,
+            **{cache_kwarg(model): cache},
+        )
+    states = out.hidden_states
+    layer_hidden = {i: states[i + 1][0] for i in layers} if layers else None
+    return RaggedOutput(out.logits[0].float() if logits else None, states[-1][0], layer_hidden, layout)
+
+
+def causal_block(n: int) -> torch.Tensor:
+    """[n, n] bool: plain left-to-right attention among n new tokens."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
