@@ -369,7 +369,7 @@ class Decoder:
                 yield i, GenerationResult("", [], stats)
             return
         tokens: dict[int, list[int]] = {i: [] for i, _, _ in checked}
-        for i, step in self._run(iter(checked), batch_size, None):
+        for i, step in self._run(iter(checked), min(batch_size, max(len(checked), 1)), None):
             if step is not None:
                 tokens[i] += step.tokens
                 continue
@@ -393,7 +393,7 @@ class Decoder:
 
     def _new_sequence(self, key, ids, stats) -> _Sequence:
         seed = self.config.sampling.seed
-        generator = torch.Generator().manual_seed(seed + key) if seed is not None else None
+        generator = torch.Generator().manual_seed((seed + key) % 2**64) if seed is not None else None
         copy_calibration = self.copy_calibration
         if copy_calibration is not None and not self._shared_copy_calibration:
             copy_calibration = deepcopy(copy_calibration)  # each prompt starts from the head's table

@@ -45,15 +45,11 @@ class Layout:
     write_row: torch.Tensor  # [R] the cache row each new key is written to
     write_pos: torch.Tensor  # [R] and its position there
     mask: torch.Tensor
+    padded: torch.Tensor | None = None  # [R] each packed token's index in the [S * n_max] block; None: no padding
 
     @property
     def kv(self) -> int:
         return self.mask.shape[-1]
-
-    @property
-    def packed_is_block(self) -> bool:
-        """One sequence: the packed row is already the [1, heads, n, dim] block."""
-        return len(self.rows) == 1
 
 
 def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device) -> Layout:
@@ -85,9 +81,12 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     write_row = torch.tensor(rows)[q_row]
     write_pos = torch.tensor(starts)[q_row] + q_slot
     on = dict(device=device)
-    return Layout(
+    layout = Layout(
         rows, counts, starts, q_row.to(**on), q_slot.to(**on), write_row.to(**on), write_pos.to(**on), mask.to(**on)
     )
+    if min(counts) != n_max:
+        layout.padded = (q_row * n_max + q_slot).to(**on)
+    return layout
 
 
 class RaggedCache:
@@ -192,12 +191,12 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     heads, dim = query.shape[1], query.shape[3]
-    n_max = lay.mask.shape[2]
-    if lay.packed_is_block:
-        q = query
+    s, n_max = len(lay.rows), lay.mask.shape[2]
+    if lay.padded is None:  # every row adds n_max tokens: the packed row is the block, reshaped
+        q = query.view(heads, s, n_max, dim).transpose(0, 1)
     else:
-        q = query.new_zeros(len(lay.rows), heads, n_max, dim)
-        q[lay.q_row, :, lay.q_slot] = query[0].transpose(0, 1)
+        flat = query.new_zeros(s * n_max, heads, dim).index_copy_(0, lay.padded, query[0].transpose(0, 1))
+        q = flat.view(s, n_max, heads, dim).transpose(1, 2)
     groups = heads // key.shape[1]
     on_cpu = query.device.type == "cpu"
     if groups > 1 and not on_cpu:  # (CUDA with a mask and enable_gqa falls back to the math kernel)
@@ -205,9 +204,10 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     out = torch.nn.functional.scaled_dot_product_attention(
         q, key, value, attn_mask=lay.mask, scale=scaling, enable_gqa=groups > 1 and on_cpu
     )  # [S, heads, n_max, dim]
-    if lay.packed_is_block:
-        return out.transpose(1, 2).contiguous(), None
-    return out[lay.q_row, :, lay.q_slot][None].contiguous(), None  # [1, R, heads, dim]
+    out = out.transpose(1, 2).reshape(s * n_max, heads, dim)  # [S n_max, heads, dim]
+    if lay.padded is not None:
+        out = out.index_select(0, lay.padded)
+    return out[None], None  # [1, R, heads, dim]
 
 
 def register() -> None:
@@ -243,6 +243,20 @@ def use_ragged_layer(layer, *configs) -> None:
     register()
     for config in (layer.self_attn.config, *configs):
         config._attn_implementation = RAGGED
+
+
+def sliding_window(model) -> int | None:
+    """The smallest sliding window of the model's attention layers (as its own KV cache sets them up), or None."""
+    key = id(model.config)
+    if key not in _WINDOWS:
+        from transformers import DynamicCache
+
+        windows = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=model.config).layers]
+        _WINDOWS[key] = min((w for w in windows if w), default=None)
+    return _WINDOWS[key]
+
+
+_WINDOWS: dict[int, int | None] = {}
 
 
 class ragged_pass:
@@ -284,6 +298,14 @@ def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, l
     `layers` also returns those decoder layers' outputs (EAGLE-3); logits=False skips the lm_head."""
     device = next(model.parameters()).device
     layout = plan(cache.lengths, list(rows), list(blocks), device)
+    window = sliding_window(model)
+    if window is not None and layout.kv > window:
+        from .loading import TargetError
+
+        raise TargetError(
+            f"context of {layout.kv} tokens reached the sliding window ({window}): "
+            "tree verification over a rolling cache is not supported"
+        )
     cache.reserve(max(layout.kv, 1))
     input_ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)[None]
     position_ids = torch.cat([p.reshape(-1) for p in positions]).to(device)[None]

@@ -1,0 +1,651 @@
+"""Batched decoding: several sequences' trees verified in one ragged target pass, drafted by one head call per
+level, under one node budget for the batch, with sequences finishing and joining as they go.
+
+Checked here: the ragged pass and its cache against one pass per sequence; the batch drafter against the reference
+drafter; greedy outputs of `Decoder.generate_batch` against decoding each prompt alone and against HF `generate`
+(every tree kind, copies on and off, stop tokens at the first token and inside an accepted path); sampled
+outputs against the target's exact distribution (chi-square); the global budget's split of nodes across trees;
+and the cost rule of a batch on synthetic latency profiles.
+
+Most decoding tests use a one-layer target and a "mimic" EAGLE head that is that layer (rescaled to read token
+embeddings), so drafts are accepted several tokens at a time and the accepted paths, commits and stops inside
+paths are exercised (a random head's drafts are almost never accepted).
+"""
+
+import math
+
+import pytest
+import torch
+
+from eagletree.decode_config import CopyOptions, DecodeConfig, Sampling
+from eagletree.decoding import Decoder, GenerationStats, hf_generation_config
+from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
+from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
+from eagletree.target import new_cache
+from eagletree.target.ragged import RaggedCache, plan, ragged_forward, use_ragged
+from eagletree.tree_search import LatencyProfile
+from eagletree.tree_search.cost import choose_batch, choose_budget
+from eagletree.tree_search.searchers import AutoSearcher, Job, best_nodes, make_searcher, trees_can_pay
+from eagletree.verify import DraftTree, prefill, target_probs
+from eagletree.verify.batch import prefill_rows
+from eagletree.verify.engine import verify_tree
+
+from helpers import chi_square_p, random_tree, tiny_config, tiny_model, tiny_tokenizer
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def one_layer_model(seed: int = 0, **overrides):
+    """A random one-layer LLaMA (tiny_config's, with `overrides`)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 1
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@torch.no_grad()
+def mimic_head(model) -> EagleHead:
+    """An EAGLE head that approximates a one-layer target: fc passes the next token's embedding, scaled to the
+    RMS the target's input norm gives it, and the head's layer is the target's (its residual writes scaled
+    alike). The target's norms are scale-free, so the head's lm_head logits rank tokens about as the target's."""
+    head = EagleHead.for_target(model.config).eval()
+    c = float(1 / model.get_input_embeddings().weight.pow(2).mean(-1).sqrt().mean())
+    mine = head.layer.state_dict()
+    head.layer.load_state_dict({k: v for k, v in model.model.layers[0].state_dict().items() if k in mine})
+    head.layer.self_attn.o_proj.weight.mul_(c)
+    head.layer.mlp.down_proj.weight.mul_(c)
+    h = model.config.hidden_size
+    head.fc.weight.zero_()
+    head.fc.weight[:, :h] = c * torch.eye(h)
+    return head
+
+
+def hf_greedy(model, ids, n: int, eos) -> list[int]:
+    """HF's greedy decoding of n tokens, ending after a token of `eos` (explicit mask: token 0 is the pad id)."""
+    ids = torch.as_tensor(ids)
+    with torch.no_grad():
+        out = model.generate(
+            ids[None],
+            attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+            generation_config=hf_generation_config(n, 0.0, list(eos)),
+        )
+    return out[0, ids.numel() :].tolist()
+
+
+class Setup:
+    """The one-layer target (switched to ragged attention by the decoders), its mimic head, the tokenizer, ragged
+    prompts, and HF's greedy answers from a second, untouched copy of the target."""
+
+    def __init__(self):
+        self.model, self.tok = one_layer_model(), tiny_tokenizer()
+        self.head = mimic_head(self.model)
+        self.reference = one_layer_model()
+        g = torch.Generator().manual_seed(1)
+        self.prompts = [torch.randint(97, (n,), generator=g).tolist() for n in (1, 3, 7, 20, 2, 11)]
+        self._hf = {}
+
+    def hf(self, prompt, n: int, eos) -> list[int]:
+        key = (tuple(prompt), n, tuple(sorted(eos)))
+        if key not in self._hf:
+            self._hf[key] = hf_greedy(self.reference, prompt, n, eos)
+        return self._hf[key]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Setup()
+
+
+def flat_profile(batches=(2, 4)) -> LatencyProfile:
+    """A machine where a pass costs about the same whatever its rows (a GPU's regime), with batch times: trees pay
+    and nothing is measured."""
+    return LatencyProfile([1, 64], [1.0, 1.0001], batch_verify_s={str(b): [1.0, 1.0 + 1e-4 * b] for b in batches})
+
+
+def config(tree, n=40, copy=False, **options) -> DecodeConfig:
+    options = dict(dict(budget=10, depth=4, top_k_draft=3), **options)
+    return DecodeConfig(tree=tree, max_new_tokens=n, copy=CopyOptions(enabled=copy), **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The ragged pass and its cache
+# ---------------------------------------------------------------------------------------------
+
+
+def one_sequence(model, context: torch.Tensor, tree: DraftTree, layers=None):
+    """Logits, features and `layers`' outputs of `tree` (root = the token after `context`) in a pass of its own."""
+    cache = new_cache(model)
+    if context.numel():
+        prefill(model, cache, context)
+    out = verify_tree(model, cache, tree, layers)
+    return out.logits[0], out.hidden[0], None if not layers else {k: h[0] for k, h in out.layer_hidden.items()}
+
+
+def ragged_pass(model, cache, rows, trees, layers=None):
+    return ragged_forward(
+        model,
+        cache,
+        rows,
+        [t.tokens for t in trees],
+        [t.ancestors() for t in trees],
+        [t.position_ids(cache.lengths[r]) for r, t in zip(rows, trees)],
+        layers,
+    )
+
+
+def assert_rows_equal(model, out, contexts, trees, layers=None):
+    for i, (logits, hidden) in enumerate(zip(out.split(out.logits), out.split(out.hidden))):
+        want_logits, want_hidden, want_layers = one_sequence(model, contexts[i], trees[i], layers)
+        assert torch.allclose(logits, want_logits, atol=1e-5), i
+        assert torch.allclose(hidden, want_hidden, atol=1e-5), i
+        for k in layers or ():
+            assert torch.allclose(out.split(out.layer_hidden[k])[i], want_layers[k], atol=1e-5), (i, k)
+
+
+def test_ragged_forward_equals_a_pass_per_sequence_and_commit_keeps_the_accepted_entries():
+    model = tiny_model("llama")  # two layers, grouped key/value heads
+    use_ragged(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(97, (n,), generator=g) for n in (1, 4, 9, 17)]
+    trees = [random_tree(n, 3, 97, g, root_token=int(p[-1])) for p, n in zip(prompts, (5, 1, 8, 3))]
+    cache = RaggedCache(capacity=8)  # the 17-token prompt makes it grow
+    rows = [cache.add_row() for _ in prompts]
+    features = prefill_rows(model, cache, rows, prompts, layers=[0])
+    assert features[0] is None and [f[0].shape[0] for f in features[1:]] == [3, 8, 16]
+    assert cache.lengths == [0, 3, 8, 16] and cache.capacity >= 16
+    starts = list(cache.lengths)
+    out = ragged_pass(model, cache, rows, trees, layers=[0])
+    assert cache.lengths == [s + len(t) for s, t in zip(starts, trees)]
+    assert_rows_equal(model, out, [p[:-1] for p in prompts], trees, layers=[0])
+    # Accept a root path in each tree (one that skips nodes where the tree has them), then commit.
+    accepted = [max(t.paths(), key=lambda p: (len(p), p[-1])) for t in trees]
+    assert any(p != list(range(len(p))) for p in accepted)
+    cache.commit(rows, starts, accepted)
+    assert cache.lengths == [s + len(p) for s, p in zip(starts, accepted)]
+    contexts = [torch.cat([p[:-1], t.tokens[a]]) for p, t, a in zip(prompts, trees, accepted)]
+    # A sequence joins (a row added once the buffers exist, prefilled alone), then a pass over some rows only
+    # (not a contiguous run): each equals a pass over a fresh cache of its prompt and accepted tokens.
+    prompts.append(torch.randint(97, (6,), generator=g))
+    rows.append(cache.add_row())
+    prefill_rows(model, cache, [rows[-1]], [prompts[-1]])
+    contexts.append(prompts[-1][:-1])
+    some = [0, 2, 4]
+    new_trees = [random_tree(n, 3, 97, g, root_token=int(r)) for n, r in zip((4, 6, 7), (5, 50, prompts[-1][-1]))]
+    starts = list(cache.lengths)
+    out = ragged_pass(model, cache, some, new_trees)
+    assert_rows_equal(model, out, [contexts[r] for r in some], new_trees)
+    assert [cache.lengths[r] for r in (1, 3)] == [starts[1], starts[3]]  # rows not in the pass are untouched
+    accepted = [t.paths()[-1] for t in new_trees]
+    cache.commit(some, [starts[r] for r in some], accepted)
+    for r, t, a in zip(some, new_trees, accepted):
+        contexts[r] = torch.cat([contexts[r], t.tokens[a]])
+    # Dropping rows renumbers the rest, which keep their entries.
+    cache.keep_rows([2, 4])
+    trees = [random_tree(4, 2, 97, g, root_token=9), random_tree(4, 3, 97, g, root_token=11)]  # (no padding)
+    out = ragged_pass(model, cache, [0, 1], trees)
+    assert_rows_equal(model, out, [contexts[2], contexts[4]], trees)
+    with pytest.raises(ValueError, match="one block per row"):
+        plan(cache.lengths, [0, 1], [torch.ones(1, 1, dtype=torch.bool)], "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The batch drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def drafting_head(kind: str, model):
+    """A random head whose Linears are halved: at the target's init scale a random head's features grow to
+    hundreds, its distributions saturate, and float32 rounding alone moves them by more than 1e-5."""
+    torch.manual_seed(0)
+    if kind == "medusa":
+        return MedusaHead.for_target(model.config, num_heads=3).eval()
+    if kind == "eagle3":
+        head = Eagle3Head.for_target(model).eval()
+    else:  # "eagle-vocab": a draft vocabulary of the first 50 tokens (a sliced lm_head, draft ids mapped back)
+        head = EagleHead.for_target(model.config, torch.arange(50) if kind == "eagle-vocab" else None).eval()
+    for module in head.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.mul_(0.5)
+    return head
+
+
+def draft_step(batch, refs, rows, depths, searcher):
+    """One search per row through the batch drafter (its requests recorded); each request replayed on that row's
+    reference drafter gives the same distributions."""
+    asked = []
+
+    def expand(requests):
+        probs = batch.expand([(rows[i], *rest) for i, *rest in requests])
+        asked.extend(zip(requests, probs))
+        return probs
+
+    jobs = [Job(True, 3 + r, d) for r, d in zip(rows, depths)]
+    trees = searcher.search_batch(expand, jobs)
+    levels = {request[-1] for request, _ in asked}
+    assert max(levels) == max(depths) and len(asked) > len(levels)  # several rows per level
+    for (i, nodes, tokens, parents, level), probs in asked:
+        want = refs[rows[i]](nodes, tokens, parents, level)
+        assert probs.shape == want.shape and torch.allclose(probs, want, atol=1e-5), (rows[i], level)
+    return trees
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle-vocab", "eagle3"])
+def test_the_batch_drafter_drafts_each_row_as_the_reference_drafter(kind):
+    model = tiny_model("llama")
+    head = drafting_head(kind, model)
+    batch = make_batch_drafter(head, model)
+    assert isinstance(batch, RaggedTreeDrafter)
+    refs = [make_drafter(head, model) for _ in range(3)]
+    assert [batch.add_row() for _ in refs] == [0, 1, 2]
+    width = 3 * model.config.hidden_size if kind == "eagle3" else model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    searcher = make_searcher("eagle2", budget=40, top_k=3)  # (no pruning: every row drafts to its depth)
+
+    def extend(rows, lengths):
+        feats = [torch.randn(m, width, generator=g) for m in lengths]
+        nexts = [torch.randint(97, (m,), generator=g) for m in lengths]
+        batch.extend(rows, feats, nexts)
+        for r, f, t in zip(rows, feats, nexts):
+            want = refs[r].extend(f, t)
+            assert torch.allclose(batch.rows[r].root_probs, want, atol=1e-5), r
+
+    extend([0, 1, 2], [5, 1, 12])  # different committed lengths
+    draft_step(batch, refs, [0, 1, 2], [3, 1, 4], searcher)  # different depths: rows leave the levels early
+    extend([0, 2], [2, 3])  # row 1 keeps its tree; the others' trees are dropped
+    draft_step(batch, refs, [0, 2], [2, 3], searcher)
+    draft_step(batch, refs, [1, 2], [4, 2], searcher)  # a new search on a row restarts its tree
+    # A sequence leaves: the rows are renumbered and keep their state.
+    batch.keep_rows([0, 2])
+    refs = [refs[0], refs[2]]
+    extend([1], [4])
+    draft_step(batch, refs, [0, 1], [3, 3], searcher)
+    view = batch.view(1)  # one row as a Drafter (inspect_step)
+    assert torch.allclose(view.extend(torch.randn(2, width), torch.tensor([4, 5])), batch.rows[1].root_probs)
+    assert make_batch_drafter(drafting_head("medusa", model), model).__class__ is PerRowDrafter
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Greedy batches are lossless per sequence
+# ---------------------------------------------------------------------------------------------
+
+KINDS = [
+    ("eagle2", False),
+    ("optimal", False),
+    ("chain", False),
+    ("sequoia", False),
+    ("auto", False),
+    ("eagle2", True),
+    ("optimal", True),
+    ("auto", True),
+]
+
+
+@pytest.mark.parametrize("tree, copy", KINDS, ids=[f"{t}{'-copy' if c else ''}" for t, c in KINDS])
+def test_greedy_batches_equal_each_sequence_alone_and_hf_generate(lm, tree, copy):
+    """Six ragged prompts (1 to 20 tokens), four at a time: sequences finish and the next ones join."""
+    decoder = Decoder(lm.model, lm.tok, lm.head, config(tree, copy=copy), profile=flat_profile())
+    passes = []  # each pass's searched trees' sizes
+    search = decoder.searcher.search_batch
+    decoder.searcher.search_batch = lambda expand, jobs: passes.append(search(expand, jobs)) or passes[-1]
+    batch = decoder.generate_batch(lm.prompts, batch_size=4)
+    decoder.searcher.search_batch = search
+    assert max(len(trees) for trees in passes) == 4
+    assert all(sum(len(t) for t in trees) <= 10 * len(trees) for trees in passes)  # one budget of 10 a sequence
+    if tree in ("eagle2", "optimal"):
+        assert any(len(t) > 10 for trees in passes for t in trees)  # a sequence took more than its share
+    for i, (prompt, result) in enumerate(zip(lm.prompts, batch)):
+        alone = decoder.generate(prompt)
+        want = lm.hf(prompt, 40, decoder.stops)
+        assert result.token_ids == alone.token_ids == want, (i, tree, copy)
+        assert result.text == alone.text and result.stats.new_tokens == len(want)
+        assert result.stats.passes == len(result.stats.accepted_lengths) >= 1
+    assert len({len(r.token_ids) for r in batch}) > 1  # a stop ended some sequences early
+    assert max(r.stats.tokens_per_pass for r in batch) > 1.5  # drafts were accepted
+    if copy:
+        assert sum(r.stats.copied_tokens for r in batch) > 0
+
+
+def test_results_yield_every_prompt_once_and_a_batch_of_one_is_decoding_alone(lm):
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", n=24, copy=True))
+    done = list(decoder.results(lm.prompts, batch_size=2))
+    assert sorted(i for i, _ in done) == list(range(len(lm.prompts)))
+    for i, result in done:
+        assert result.token_ids == lm.hf(lm.prompts[i], 24, decoder.stops)
+    for prompt in lm.prompts[:3]:
+        alone = decoder.generate(prompt).token_ids
+        assert [r.token_ids for r in decoder.generate_batch([prompt], batch_size=1)] == [alone]
+        assert [r.token_ids for r in decoder.generate_batch([prompt], batch_size=8)] == [alone]
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        decoder.generate_batch(lm.prompts, batch_size=0)
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        decoder.generate_batch([[3, 4], torch.tensor([], dtype=torch.long)])
+
+
+@pytest.mark.parametrize("kind", ["eagle-vocab", "eagle3", "medusa"])
+def test_other_heads_batches_are_lossless(kind):
+    """A head with a draft vocabulary and the EAGLE-3 head draft through the ragged batch drafter (EAGLE-3 on the
+    fused layers' features), Medusa through one reference drafter per row."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = drafting_head(kind, model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(97, (n,), generator=g).tolist() for n in (1, 5, 12, 3)]
+    decoder = Decoder(model, tok, head, config("eagle2", n=24, copy=True, depth=3))  # (Medusa: 3 heads, 3 levels)
+    batch = decoder.generate_batch(prompts, batch_size=3)
+    reference = tiny_model("llama")
+    for prompt, result in zip(prompts, batch):
+        want = hf_greedy(reference, prompt, 24, decoder.stops)
+        assert result.token_ids == decoder.generate(prompt).token_ids == want
+
+
+def batch_steps(decoder, prompts, batch_size):
+    """Each prompt's Steps, decoding them `batch_size` at a time (the loop `Decoder.results` runs)."""
+    jobs = [(i, decoder._prompt_ids(p), GenerationStats()) for i, p in enumerate(prompts)]
+    steps = {i: [] for i in range(len(prompts))}
+    for i, step in decoder._run(iter(jobs), batch_size, None):
+        if step is not None:
+            steps[i].append(step)
+    return steps
+
+
+def test_a_sequence_stopping_at_its_first_token_leaves_the_others_decoding(lm):
+    firsts = [lm.hf(p, 40, [1])[0] for p in lm.prompts]
+    k, stop = next(
+        (k, t)
+        for k, t in enumerate(firsts)
+        if t != 1 and any(len(lm.hf(p, 40, [1, t])) == 40 for j, p in enumerate(lm.prompts) if j != k)
+    )
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", copy=True, stop=(stop,)))
+    assert decoder.stops == sorted({1, stop})
+    batch = decoder.generate_batch(lm.prompts, batch_size=3)
+    assert batch[k].token_ids == [stop] and batch[k].stats.passes == 1
+    for prompt, result in zip(lm.prompts, batch):
+        assert result.token_ids == lm.hf(prompt, 40, decoder.stops)
+    assert any(len(r.token_ids) == 40 for r in batch)
+    assert [r.token_ids for r in decoder.generate_batch([lm.prompts[k]], batch_size=1)] == [[stop]]
+
+
+def test_a_stop_token_inside_an_accepted_path_ends_the_sequence_right_after_it(lm):
+    first = batch_steps(Decoder(lm.model, lm.tok, lm.head, config("eagle2")), lm.prompts, 4)
+    outputs = {k: [t for s in steps for t in s.tokens] for k, steps in first.items()}
+    candidates = []  # (sequence, stop token, its index in the output): accepted with more accepted after it
+    for k, steps in first.items():
+        emitted = 0
+        for step in steps:
+            for j in range(len(step.accepted) - 2):
+                t = step.tokens[j]
+                others = [t in out for o, out in outputs.items() if o != k]
+                if t != 1 and t not in outputs[k][: emitted + j] and not any(others):
+                    candidates.append((k, t, emitted + j))
+            emitted += len(step.tokens)
+    assert candidates, "no accepted path held a token found nowhere else"
+    k, stop, at = candidates[0]
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", stop=(stop,)))
+    steps = batch_steps(decoder, lm.prompts, 4)
+    last = steps[k][-1]
+    assert last.stopped and len(last.accepted) - 1 > len(last.tokens)  # accepted drafts after the stop were cut
+    got = {i: [t for s in st for t in s.tokens] for i, st in steps.items()}
+    assert got[k] == outputs[k][: at + 1] == lm.hf(lm.prompts[k], 40, decoder.stops)
+    assert all(got[i] == outputs[i] for i in got if i != k)
+    assert [r.token_ids for r in decoder.generate_batch(lm.prompts, 4)] == [got[i] for i in range(len(got))]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Sampled batches keep the target's distribution
+# ---------------------------------------------------------------------------------------------
+
+SMALL_VOCAB = dict(
+    vocab_size=8,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    initializer_range=0.5,
+)
+# Token 1 (the tokenizer's end token) stops a sequence: the first token is it with p = 0.40 after [2] and 0.30
+# after the third prompt, so short-lived sequences leave the batch while others draft a second token and new ones
+# join. The third prompt repeats itself: with copies on, its first trees also hold the copied token.
+CHI_PROMPTS = [[2], [5, 2, 7, 4], [1, 6, 3, 1, 6, 3, 1, 6]]
+DRAWS = 2000  # per prompt
+
+
+def exact_two_tokens(model, prompt, stops, sampling: Sampling) -> torch.Tensor:
+    """[V, V + 1]: P(first token a, second b), column V: a stopped the sequence."""
+    warp = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1:].float(), **warp)[0].double()
+        contexts = torch.tensor([prompt + [a] for a in range(vocab)])
+        p2 = target_probs(model(contexts).logits[:, -1].float(), **warp).double()
+    joint = torch.zeros(vocab, vocab + 1, dtype=torch.float64)
+    for a in range(vocab):
+        if a in stops:
+            joint[a, vocab] = p1[a]
+        else:
+            joint[a, :vocab] = p1[a] * p2[a]
+    return joint
+
+
+def pooled_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """chi_square_p with the cells expected fewer than 5 draws pooled into one (cells of probability 0 kept apart:
+    a draw there fails outright)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    small = (probs > 0) & (probs / probs.sum() * counts.sum() < 5)
+    keep = ~small
+    pooled_counts = torch.cat([counts[keep], counts[small].sum()[None]])
+    pooled_probs = torch.cat([probs[keep], probs[small].sum()[None]])
+    return chi_square_p(pooled_counts, pooled_probs)
+
+
+@pytest.mark.parametrize(
+    "tree, copy, sampling",
+    [("eagle2", False, Sampling(temperature=1.0, seed=0)), ("optimal", True, Sampling(1.0, 5, 0.9, seed=0))],
+    ids=["t1", "topk-topp-copy"],
+)
+def test_sampled_batches_draw_each_sequence_from_the_target(tree, copy, sampling):
+    """The first two tokens of 3 x DRAWS sequences (each prompt DRAWS times, interleaved), 24 at a time: every
+    sequence has its own generator (the seed plus its index), so the draws are independent."""
+    model, tok = one_layer_model(**SMALL_VOCAB), tiny_tokenizer()
+    head = mimic_head(model)
+    reference = one_layer_model(**SMALL_VOCAB)
+    decoder = Decoder(
+        model, tok, head, config(tree, n=2, copy=copy, budget=6, depth=2, top_k_draft=2, sampling=sampling)
+    )
+    assert decoder.stops == [1]
+    results = decoder.generate_batch([p for _ in range(DRAWS) for p in CHI_PROMPTS], batch_size=24)
+    vocab = model.config.vocab_size
+    for i, prompt in enumerate(CHI_PROMPTS):
+        counts = torch.zeros(vocab, vocab + 1)
+        for result in results[i :: len(CHI_PROMPTS)]:
+            tokens = result.token_ids
+            counts[tokens[0], tokens[1] if len(tokens) == 2 else vocab] += 1
+        joint = exact_two_tokens(reference, prompt, decoder.stops, sampling)
+        assert joint[1, vocab] > 0.2 or i == 1  # short-lived sequences (see CHI_PROMPTS)
+        p_first, p_pair = pooled_p(counts.sum(1), joint.sum(1)), pooled_p(counts, joint)
+        assert p_first > 1e-3 and p_pair > 1e-3, (prompt, p_first, p_pair)
+    passes = sum(r.stats.passes for r in results)
+    tokens = sum(r.stats.new_tokens for r in results)
+    assert tokens > passes * 1.1  # drafts were accepted (two tokens in one pass)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. One node budget for the batch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_best_nodes_takes_the_best_values_of_all_trees_together():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        trees = int(torch.randint(1, 5, (1,), generator=g))
+        values = []
+        for _ in range(trees):
+            v = torch.rand(int(torch.randint(0, 7, (1,), generator=g)), generator=g, dtype=torch.float64)
+            v = (v * 4).round() / 4  # ties, within and across trees
+            if v.numel() and float(torch.rand((), generator=g)) < 0.3:
+                v[-1] = -math.inf  # a probability-0 candidate
+            values.append(torch.sort(v, descending=True).values)
+        total = int(torch.randint(0, sum(v.numel() for v in values) + trees + 3, (1,), generator=g))
+        ranked = sorted(
+            ((float(x), i, j) for i, v in enumerate(values) for j, x in enumerate(v.tolist()) if x > -math.inf),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )
+        want = [1] * trees
+        for _, i, _ in ranked[: max(total - trees, 0)]:
+            want[i] += 1
+        assert best_nodes(values, total) == want, (values, total)
+        assert sum(want) <= max(total, trees)
+
+
+def synthetic_expand(confident: set[int], vocab: int = 16, top: float = 0.9):
+    """An expand_batch whose distributions are flat, except the jobs in `confident`: `top` on token 0."""
+    flat = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
+    sure = torch.full((vocab,), (1 - top) / (vocab - 1), dtype=torch.float64)
+    sure[0] = top
+
+    def expand(requests):
+        return [(sure if i in confident else flat).expand(len(nodes), vocab).clone() for i, nodes, *_ in requests]
+
+    return expand
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "optimal"])
+def test_a_batch_shares_one_budget_and_a_confident_sequence_takes_more_than_its_share(kind):
+    budget, depth, top_k = 6, 4, 4
+    searcher = make_searcher(kind, budget=budget, depth=depth, top_k=top_k)
+    jobs = [Job(True, 7, depth), Job(True, 8, depth), Job(True, 9, depth)]
+    trees = searcher.search_batch(synthetic_expand({0}), jobs)
+    sizes = [len(t) for t in trees]
+    assert sum(sizes) <= len(jobs) * budget
+    # The batch's best 15 drafted nodes: the confident chain 0.9 ... 0.9^4, the flat jobs' 4 + 4 children (1/16),
+    # and the confident job's next-best three children (0.1/15).
+    assert sizes == [1 + 4 + 3, 5, 5]
+    # Brute force: each sequence's best nodes searched alone (as many as the batch could give it), then the batch's
+    # best 15 of them all.
+    cap = len(jobs) * budget - (len(jobs) - 1)
+    alone = [make_searcher(kind, budget=cap, depth=depth, top_k=top_k) for _ in jobs]
+    full = [
+        s.search_batch(synthetic_expand({0} if i == 0 else set()), [j])[0] for i, (s, j) in enumerate(zip(alone, jobs))
+    ]
+    kept = sorted((float(v) for t in trees for v in t.values[1:]), reverse=True)
+    best = sorted((float(v) for t in full for v in t.values[1:]), reverse=True)[: len(jobs) * (budget - 1)]
+    assert kept == pytest.approx(best)
+    # Evenly confident sequences split the budget evenly (5 nodes: each chain of 4; at 6, the three nodes after the
+    # chains tie, and ties go to the earlier tree); one sequence alone keeps its own budget.
+    even = make_searcher(kind, budget=5, depth=depth, top_k=top_k).search_batch(synthetic_expand({0, 1, 2}), jobs)
+    assert [len(t) for t in even] == [5, 5, 5]
+    assert [len(t) for t in searcher.search_batch(synthetic_expand({0, 1, 2}), jobs)] == [8, 5, 5]
+    assert len(searcher.search_batch(synthetic_expand({0}), jobs[:1])[0]) == budget
+    # A sequence that does not draft (its root alone) leaves the others its share.
+    mixed = searcher.search_batch(synthetic_expand(set()), [Job(False, 7, depth), *jobs[1:]])
+    assert len(mixed[0]) == 1 and sum(len(t) for t in mixed) <= len(jobs) * budget
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The cost rule of a batch
+# ---------------------------------------------------------------------------------------------
+
+# A CPU-like machine: one sequence's pass over N nodes costs 1 + N/16 one-token passes (trees of one sequence can
+# pay), but a pass of 4 sequences is saturated: its time grows with its rows, t(4 N) = N t(4).
+SATURATED = LatencyProfile([1, 16, 64], [0.03, 0.06, 0.15], batch_verify_s={"4": [0.12, 1.92, 7.68]})
+
+
+def test_choose_batch_takes_many_nodes_where_rows_are_nearly_free_and_none_where_passes_are_saturated():
+    g = torch.Generator().manual_seed(0)
+    values = [torch.sort(torch.rand(20, generator=g, dtype=torch.float64) ** 3, descending=True).values for _ in "abcd"]
+    gpu = flat_profile(batches=(4,))
+    gpu.draft_s_per_level = 1e-3
+    counts, expected, rate = choose_batch(values, gpu, levels=4)
+    assert sum(counts) > 0.9 * (4 + 80) and expected == pytest.approx(
+        4 + sum(float(v[: n - 1].sum()) for v, n in zip(values, counts))
+    )
+    assert rate == pytest.approx(expected / float(4e-3 + gpu.batch_time(4, sum(counts))))
+    capped, _, _ = choose_batch(values, gpu, levels=4, max_nodes=24)
+    assert sum(capped) == 24  # the best 20 drafted nodes of all sequences
+    assert trees_can_pay(gpu, 16, 4) and trees_can_pay(SATURATED, 16, 1) and not trees_can_pay(SATURATED, 16, 4)
+    assert choose_batch(values, SATURATED, levels=0)[0] == [1, 1, 1, 1]  # no node is worth a saturated row
+    # batch_time: one sequence's rows from verify_s; a batch's from the nearest measured batch size (by ratio)
+    assert float(SATURATED.batch_time(1, 16)) == pytest.approx(0.06)
+    assert float(SATURATED.batch_time(4, 64)) == pytest.approx(1.92)
+    assert float(SATURATED.batch_time(3, 48)) == pytest.approx(1.92 * 48 / 64)  # batch 4's line at 48 rows
+
+
+def test_auto_drafts_for_one_sequence_but_never_for_a_saturated_batch():
+    searcher = AutoSearcher(SATURATED, None, budget=16, top_k=4)
+    assert searcher.drafts(1)
+    assert not any(searcher.drafts(4) for _ in range(20))
+    assert AutoSearcher(flat_profile(batches=(4,)), None, budget=16, top_k=4).drafts(4)
+    # Where rows are nearly free, auto keeps every sequence's whole tree (a stand-in clock: drafting costs nothing).
+    gpu = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4, clock=lambda: 0.0)
+    jobs = [Job(True, 7 + i, 4) for i in range(4)]
+    assert [len(t) for t in gpu.search_batch(synthetic_expand({0, 1}), jobs)] == [8, 8, 8, 8]
+
+
+def test_choose_batch_for_one_sequence_is_choose_budget():
+    g = torch.Generator().manual_seed(1)
+    profiles = [
+        LatencyProfile([1, 8, 64], [0.03, 0.05, 0.2], draft_s_per_level=0.002, search_s_per_level=5e-4),
+        LatencyProfile([1, 64], [0.01, 0.0101], draft_s_per_level=1e-4),
+        SATURATED,
+    ]
+    for profile in profiles:
+        for _ in range(20):
+            values = torch.rand(int(torch.randint(0, 30, (1,), generator=g)), generator=g, dtype=torch.float64) ** 2
+            if values.numel() > 2:
+                values[1] = -math.inf
+            levels = int(torch.randint(0, 7, (1,), generator=g))
+            for cap in (None, 1, 5):
+                want = choose_budget(values, profile, levels, cap)
+                counts, expected, rate = choose_batch([values.sort(descending=True).values], profile, levels, cap)
+                assert (counts[0], expected, rate) == pytest.approx(want), (values, levels, cap)
+
+
+def test_auto_decodes_a_saturated_batch_plainly_and_drafts_once_a_sequence_is_alone(lm):
+    saturated = LatencyProfile([1, 16, 64], [0.03, 0.06, 0.15], batch_verify_s={"2": [0.06, 0.96, 3.84]})
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=saturated)
+    # Two at a time: the second answer stops after 8 tokens, the third joins, and the first's 40 tokens end while
+    # the third still has tokens to go, alone.
+    prompts = [lm.prompts[i] for i in (0, 1, 4)]
+    assert [len(lm.hf(p, 40, decoder.stops)) for p in prompts] == [40, 8, 40]
+    steps = batch_steps(decoder, prompts, 2)
+    assert decoder.searcher.initial_profile.batch_verify_s.keys() == {"2"}  # nothing was measured
+    for i, prompt in enumerate(prompts):
+        assert [t for s in steps[i] for t in s.tokens] == lm.hf(prompt, 40, decoder.stops)
+    assert not any(len(s.draft) > 1 for i in (0, 1) for s in steps[i])
+    drafted = [len(s.draft) > 1 for s in steps[2]]
+    assert not any(drafted[: 40 - 8]) and any(drafted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_sliding_window_target_past_its_window_is_refused_or_decoded_losslessly():
+    from eagletree.target import TargetError
+
+    def windowed():
+        model = tiny_model("mistral")
+        model.config.sliding_window = 8
+        return model
+
+    model, reference = windowed(), windowed()
+    prompts = [torch.randint(97, (12,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=12))
+    try:
+        got = [r.token_ids for r in decoder.generate_batch(prompts, batch_size=2)]
+    except TargetError:
+        return
+    assert got == [hf_greedy(reference, p, 12, decoder.stops) for p in prompts]
+
+
+def test_the_largest_seed_decodes_a_batch():
+    model = tiny_model("llama")
+    decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=3, sampling=Sampling(1.0, seed=2**64 - 1)))
+    assert [len(r.token_ids) for r in decoder.generate_batch([[3, 4], [5, 6]])] == [3, 3]
