@@ -155,10 +155,34 @@ def _add_data_commands(sub) -> None:
 
 def _add_decoding_commands(sub) -> None:
     """The subparsers of generate, chat, viz."""
-    p = sub.add_parser("generate", help="answer a chat prompt with speculative decoding")
+    p = sub.add_parser("generate", help="answer a chat prompt (or a file of them) with speculative decoding")
     _add_decoding_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="one prompt, answered as the user's turn")
+    prompt.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="many prompts: a text file of one prompt per line, or a .json list / .jsonl lines of prompts (a "
+        'string, {"prompt": str} or {"messages": [...]}), decoded --batch-size at a time',
+    )
+    p.add_argument(
+        "--batch-size",
+        type=at_least(1),
+        default=None,
+        help="with --prompts: sequences decoded together in each target pass (default 8; continuous batching)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE.jsonl",
+        help="with --prompts: append one JSON line per finished prompt (index, prompt, text, new_tokens, "
+        "tokens_per_pass); a rerun skips the indices already there",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of streaming (with --prompts and no --out: each prompt's JSON line)",
+    )
     p.add_argument("--compare-plain", action="store_true", help="also time plain decoding of the same prompt")
     p.set_defaults(func="cmd_generate")
 
@@ -247,7 +271,31 @@ def _add_distill_commands(sub) -> None:
         help="which user turns to answer: the first, the later ones (after the conversation so far, "
         "earlier answers as the dataset has them; record ids end in @turn<k>), or all",
     )
-    p.add_argument("--batch-size", type=at_least(1), default=16)
+    _add_distill_decoding_args(p)
+    p.set_defaults(func="cmd_distill")
+
+
+def _add_distill_decoding_args(p) -> None:
+    """distill's flags of how the answers are decoded: batching, the decoder, sampling, device and precision."""
+    p.add_argument(
+        "--batch-size",
+        type=at_least(1),
+        default=16,
+        help="prompts answered together (hf: a left-padded batch; eagletree: sequences per target pass)",
+    )
+    p.add_argument(
+        "--decoder",
+        default="hf",
+        choices=["hf", "eagletree"],
+        help="hf: HF generate on batches of similar length; eagletree: eagletree's own batched speculative "
+        "decoding with --head (greedy only; the same answers and records, written as each finishes)",
+    )
+    p.add_argument(
+        "--head",
+        default=None,
+        help="with --decoder eagletree: the draft head folder (default: the head shipped for the target, if any; "
+        "'none' = plain batched decoding)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what T=0 decoding meets)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--device", default=None)
@@ -260,7 +308,6 @@ def _add_distill_commands(sub) -> None:
         "but a few tokens",
     )
     p.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="packed CPU kernels (as in generate)")
-    p.set_defaults(func="cmd_distill")
 
 
 def _add_head_commands(sub) -> None:
@@ -375,6 +422,12 @@ def _add_copy_commands(sub) -> None:
 
 def _add_measuring_commands(sub) -> None:
     """The subparsers of bench, profile."""
+    _add_bench_command(sub)
+    _add_profile_command(sub)
+
+
+def _add_bench_command(sub) -> None:
+    """The subparser of bench."""
     p = sub.add_parser("bench", help="speculative vs plain and prompt-lookup decoding on the same prompts; plots")
     _add_model_args(p)
     p.add_argument(
@@ -390,11 +443,20 @@ def _add_measuring_commands(sub) -> None:
     p.add_argument("--max-new-tokens", type=at_least(1), default=None, help="default 64 (--quick 24)")
     p.add_argument(
         "--methods",
-        default="chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup",
-        help="plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
+        default=None,
+        help="default chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup (without lookup at "
+        "--batch-size > 1); plain decoding (stock kernels) always runs, and with a packed target also 'packed' (plain "
         "decoding with the packed kernels); NAME+copy = the head's tree with copied spans of earlier "
         "text (and retrieved spans from the head's datastore.npz, see --datastore); copy = copied "
         "spans alone in eagletree's tree (no head); lookup = HF prompt-lookup decoding",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=at_least(1),
+        default=1,
+        help="prompts decoded together by every method (default 1: one at a time, as tokens/pass is measured); "
+        "more: plain and packed run HF generate on left-padded batches, the tree methods eagletree's batched "
+        "decoding, and tokens/s and speedups are each batch's throughput",
     )
     p.add_argument(
         "--datastore",
@@ -416,6 +478,9 @@ def _add_measuring_commands(sub) -> None:
     p.add_argument("-o", "--out", default="out/bench", help="folder for results.json, results.md and the plots")
     p.set_defaults(func="cmd_bench")
 
+
+def _add_profile_command(sub) -> None:
+    """The subparser of profile."""
     p = sub.add_parser(
         "profile",
         help="a device's acceptance-independent costs on random weights: verify latency per "

@@ -20,7 +20,7 @@ from . import target
 from .bench import Run, load_prompts, measure_drafting, run_hf
 from .bench import main as bench_main
 from .bench.command import typed_command
-from .bench.inputs import humaneval_range
+from .bench.inputs import humaneval_range, read_prompt_file
 from .bench.profile import main_profile
 from .decode_config import DecodeConfig, check_options
 from .decode_resources import latency_profile
@@ -31,6 +31,7 @@ from .files import check_output_dir, check_output_file, check_output_folder, wri
 from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
 from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
+from .prompt_batch import answered, decode_prompts, run_summary
 from .prompts import humaneval_prompts
 from .train.data import Conversation, load_dataset, split, stats
 from .train.distill import check_match, distill, ids_in
@@ -225,7 +226,13 @@ def check_utf8(text: str, what: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it)."""
+    """Answer one chat prompt with speculative decoding (and, if asked, plain decoding next to it), or with
+    --prompts a file of them, decoded together."""
+    if args.prompts is not None:
+        return _generate_prompts(args)
+    for flag, value in (("--batch-size", args.batch_size), ("--out", args.out)):
+        if value is not None:
+            raise ValueError(f"{flag} goes with --prompts FILE (many prompts); --prompt answers one")
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give the text to answer")
@@ -267,6 +274,27 @@ def cmd_generate(args) -> int:
         if "identical_to_plain" in result:
             line += f" | identical to plain: {result['identical_to_plain']}"
     print(line + "]")
+    return 0
+
+
+def _generate_prompts(args) -> int:
+    """`generate --prompts FILE`: every prompt of the file, --batch-size at a time, appended to --out as each
+    finishes (resumable) or printed; then one summary line."""
+    if args.compare_plain:
+        raise ValueError("--compare-plain times one prompt against plain decoding; it does not go with --prompts")
+    prompts = read_prompt_file(args.prompts, "--prompts")
+    out = None if args.out is None else Path(args.out)
+    config, done = DecodeConfig.from_args(args), None  # (bad flags are refused before anything is read or loaded)
+    if out is not None:
+        check_output_file(out, "--out")
+        done = answered(out, prompts)  # a wrong --out file is refused before loading (and a cut-off line removed)
+    if done is not None and len(done) == len(prompts):
+        totals = {"prompts": len(prompts), "already": len(done), "answered": 0, "new_tokens": 0, "seconds": 0.0}
+        print(run_summary(totals))  # nothing left to decode: nothing is loaded
+        return 0
+    *_, decoder = _load(args, config)
+    totals = decode_prompts(decoder, prompts, args.batch_size or 8, out, args.json, args.prompts, done)
+    print(run_summary(totals), file=sys.stderr if args.json and out is None else sys.stdout)
     return 0
 
 
@@ -573,8 +601,21 @@ def cmd_distill(args) -> int:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     if args.match is not None:
         check_match(args.match)  # so does a bad --match
+    head_path = None
+    if args.decoder == "eagletree":
+        if args.temperature:
+            raise ValueError(
+                f"--decoder eagletree answers greedily; --temperature {args.temperature:g} samples: use --decoder hf"
+            )
+        head_path = head_to_load(args.target, args.head, required=False)
+        if head_path is None:
+            print("distill: --decoder eagletree without a head: plain batched decoding", file=sys.stderr)
+    elif args.head is not None:
+        raise ValueError("--head goes with --decoder eagletree (HF generate decodes without a head)")
     train_convs = distill_prompts(args.dataset, args.heldout_fraction)
-    model, tok, _, _ = load_models(args.target, device=args.device, dtype=args.dtype, pack=args.pack)
+    model, tok, head, _ = load_models(
+        args.target, head_path, device=args.device, dtype=args.dtype, pack=args.pack, draft_vocab="auto"
+    )
     counts = distill(
         model,
         tok,
@@ -590,6 +631,8 @@ def cmd_distill(args) -> int:
         turns=args.turns,
         min_prompt_tokens=args.min_prompt_tokens,
         match=args.match,
+        decoder=args.decoder,
+        head=head,
     )
     print(json.dumps(counts))
     return 0

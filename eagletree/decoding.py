@@ -407,6 +407,8 @@ class Decoder:
         if self.searcher is not None:
             self.searcher.start()
         batch = _Batch(self)
+        if self.searcher is not None and batch.drafter is not None:
+            self.searcher.token_map = batch.drafter.token_map  # the drafter's draft ids -> target ids
         live: list[_Sequence] = []
         while True:
             admitted = [self._new_sequence(*job) for job in itertools.islice(jobs, batch_size - len(live))]

@@ -344,6 +344,18 @@ def test_other_heads_batches_are_lossless(kind):
         assert result.token_ids == decoder.generate(prompt).token_ids == want
 
 
+def test_drafted_tokens_are_target_ids_of_the_draft_vocabulary():
+    """The searches map a draft vocabulary's ids to target ids (the batch drafter's token_map)."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    vocab = torch.arange(47, 97)  # draft id i is target id 47 + i: unmapped ids would fall below 47
+    head = EagleHead.for_target(model.config, vocab).eval()
+    decoder = Decoder(model, tok, head, config("eagle2", n=12))
+    steps = batch_steps(decoder, [[3, 4, 5], [6, 7]], 2)
+    drafted = [int(t) for s in steps.values() for step in s for t in step.draft.tokens[1:]]
+    assert drafted and min(drafted) >= 47
+
+
 def batch_steps(decoder, prompts, batch_size):
     """Each prompt's Steps, decoding them `batch_size` at a time (the loop `Decoder.results` runs)."""
     jobs = [(i, decoder._prompt_ids(p), GenerationStats()) for i, p in enumerate(prompts)]

@@ -134,6 +134,70 @@ def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):
     assert "NO (1)" in bench.markdown_table(report, 0.0)
 
 
+def test_batched_bench_decodes_the_prompts_in_groups(tiny_setup, tmp_path):
+    model, tok, head = tiny_setup
+    prompts = PROMPTS + [[{"role": "user", "content": "tell me a joke"}]]
+    methods = bench.method_grid(["chain", "sequoia", "eagle2", "auto+copy", "copy", "packed"], [4], depth=3, top_k=3)
+    report = bench.run_bench(
+        model, tok, head, prompts, methods, (0.0, 1.0), max_new_tokens=8, progress=False, batch_size=2
+    )
+    assert report["batch_size"] == 2 and report["prompts"] == 3
+    greedy = [r for r in report["results"] if r["temperature"] == 0]
+    assert [r["label"] for r in greedy] == [
+        "plain",
+        "chain 4",
+        "sequoia 4",
+        "eagle2 4",
+        "auto+copy 4",
+        "copy 4",
+        "packed",
+    ]
+    for r in report["results"]:
+        assert len(r["speedup"]["per_prompt"]) == 2, r["label"]  # one throughput ratio per group of 2 prompts
+        assert r["tokens_per_pass"] >= 1.0 and sum(r["accepted_histogram"].values()) == r["passes"]
+        assert r["identical"] is (True if r["temperature"] == 0 else None), (r["label"], r["mismatches"])
+    # lossless: every greedy row emits plain decoding's tokens, so the same count
+    assert len({r["new_tokens"] for r in greedy}) == 1
+    report.update(
+        command="eagletree bench (test)",
+        machine=bench.machine_info(model),
+        settings={"target": "tiny", "head": "tiny", "prompts": "test", "depth": 3, "top_k_draft": 3},
+    )
+    md = (bench.write_outputs(report, tmp_path / "out") / "results.md").read_text()
+    assert "Batches of 2 prompts: every row decodes the prompts 2 at a time" in md
+    with pytest.raises(ValueError, match="method 'lookup' .* decodes one sequence at a time"):
+        bench.run_bench(model, tok, head, prompts, bench.method_grid(["lookup"], [4]), (0.0,), 4, batch_size=2)
+
+
+def test_batched_bench_from_the_command_line(tiny_setup, tmp_path, monkeypatch, capsys):
+    model, tok, head = tiny_setup
+    head.save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n"why is the sky blue"\n')
+    argv = ["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl")]
+    argv += ["--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6", "--pack", "off", "--batch-size", "2"]
+    assert cli_main([*argv, "--methods", "eagle2,copy", "-o", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["batch_size"] == data["settings"]["batch_size"] == 2
+    assert [r["label"] for r in data["results"]] == ["plain", "eagle2 4", "copy 4"] and all(
+        r["identical"] for r in data["results"]
+    )
+    assert "Batches of 2 prompts" in capsys.readouterr().out
+    monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded"))
+    assert cli_main([*argv, "--methods", "eagle2,lookup", "-o", str(tmp_path / "x")]) == 2
+    assert "--methods lookup: HF prompt lookup decodes one sequence at a time" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main([*argv[:-1], "0"])
+    assert "--batch-size: must be an integer >= 1, got '0'" in capsys.readouterr().err
+    # the default methods: HF prompt lookup only where prompts are decoded one at a time
+    from eagletree.bench.command import _methods
+    from eagletree.cli import build_parser
+
+    for size, lookup in (("1", True), ("2", False)):
+        args = build_parser().parse_args(["bench", "--batch-size", size])
+        assert any(m.name == "lookup" for m in _methods(args, [8])) is lookup
+
+
 def test_first_difference_counts_length():
     assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_difference([1, 5, 3], [1, 2, 3]) == 1

@@ -408,3 +408,122 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, m
     (head_dir / COPY_CALIBRATION).write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"copy_calibration.json: copy calibration draft_vocab_size must be .*'8192'"):
         head_copy_calibration(narrow)
+
+
+PROMPT_LINES = ["hello how are you", "tell me a joke", "what is two plus four", "why is the sky blue"]
+FAST = ["--max-new-tokens", "8", "--tree", "eagle2", "--budget", "6", "--pack", "off"]
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_generate_prompts_writes_one_line_per_prompt_with_the_single_prompt_answers(tiny_cli, tmp_path, capsys):
+    _, _, args = tiny_cli
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPT_LINES[0] + "\n\n" + "\n".join(PROMPT_LINES[1:]) + "\n")  # a blank line is skipped
+    out = tmp_path / "answers" / "out.jsonl"
+    argv = ["generate", *args, *FAST, "--prompts", str(prompts), "--batch-size", "3"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[4 of 4 prompts answered: \d+ new tokens in [\d.]+s = [\d.]+ tokens/s\]", summary)
+    records = sorted(_records(out), key=lambda r: r["index"])
+    assert [r["index"] for r in records] == [0, 1, 2, 3] and [r["prompt"] for r in records] == PROMPT_LINES
+    for r in records:
+        assert set(r) == {"index", "prompt", "text", "new_tokens", "tokens_per_pass"} and r["new_tokens"] >= 1
+        # lossless: the batched answer is the one `generate --prompt` gives alone
+        assert cli_main(["generate", *args, *FAST, "--prompt", r["prompt"], "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (r["text"], r["new_tokens"]) == (alone["text"], alone["new_tokens"]), r["index"]
+    # Without --out: each text (with its index) as it finishes, or each record's JSON line with --json.
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert sorted(printed[:-1]) == sorted(f"[{r['index']}] {r['text']}" for r in records)
+    assert printed[-1].startswith("[4 of 4 prompts answered")
+    assert cli_main([*argv, "--json"]) == 0
+    assert sorted(map(json.loads, capsys.readouterr().out.strip().splitlines()), key=lambda r: r["index"]) == records
+    # .jsonl prompts (strings or chat messages): a lone user turn is recorded as its text, others as messages
+    chat = [{"role": "system", "content": "fine thanks"}, {"role": "user", "content": "tell me a joke"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps(PROMPT_LINES[0]) + "\n" + json.dumps({"messages": chat}) + "\n")
+    assert cli_main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "j.jsonl")]) == 0
+    got = sorted(_records(tmp_path / "j.jsonl"), key=lambda r: r["index"])
+    assert [r["prompt"] for r in got] == [PROMPT_LINES[0], chat] and got[0]["text"] == records[0]["text"]
+
+
+def test_generate_prompts_resumes_an_interrupted_run_without_duplicates(tiny_cli, tmp_path, monkeypatch, capsys):
+    from eagletree.decoding import Decoder
+
+    _, _, args = tiny_cli
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPT_LINES) + "\n")
+    argv = ["generate", *args, *FAST, "--prompts", str(prompts), "--batch-size", "2"]
+    straight, out = tmp_path / "straight.jsonl", tmp_path / "out.jsonl"
+    assert cli_main([*argv, "--out", str(straight)]) == 0
+    real = Decoder.results
+
+    def interrupted(self, prompts, batch_size=8):
+        for n, item in enumerate(real(self, prompts, batch_size)):
+            if n == 2:
+                raise KeyboardInterrupt  # Ctrl-C after two answers were written
+            yield item
+
+    monkeypatch.setattr(Decoder, "results", interrupted)
+    assert cli_main([*argv, "--out", str(out)]) == 130
+    assert len(_records(out)) == 2
+    monkeypatch.setattr(Decoder, "results", real)
+    missing = sorted({0, 1, 2, 3} - {r["index"] for r in _records(out)})
+    with open(out, "a") as f:  # a kill in the middle of a write: a torn last line
+        f.write(json.dumps({"index": missing[0], "prompt": PROMPT_LINES[missing[0]], "text": "cut"})[:30])
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="removed a cut-off last line"):
+        assert cli_main([*argv, "--out", str(out)]) == 0
+    assert "[2 of 4 prompts answered (2 already answered in --out): " in capsys.readouterr().out
+    assert sorted(out.read_text().splitlines()) == sorted(straight.read_text().splitlines())  # no duplicates
+    # Done: nothing is loaded or decoded; a whole last record without its newline counts.
+    out.write_text(out.read_text().rstrip("\n"))
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "[0 of 4 prompts answered (4 already answered in --out)" in captured.out and "loaded" not in captured.err
+    assert out.read_text().endswith("\n") and len(_records(out)) == 4
+
+
+def test_generate_prompts_errors_name_the_flag_or_file(tiny_cli, tmp_path, capsys):
+    model, _, args = tiny_cli
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('"hello"\n{"prompt": \n')
+    (tmp_path / "p.txt").write_text("hello\nsky blue\n")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"index": 0, "prompt": "bye", "text": "x"}) + "\n")
+    p = ["--prompts", str(tmp_path / "p.txt")]
+    for argv, message in (
+        (["--prompts", str(tmp_path / "missing.txt")], r"--prompts '.*missing.txt': no such file"),
+        (["--prompts", str(tmp_path / "blank.txt")], r"--prompts '.*blank.txt' holds no prompts"),
+        (["--prompts", str(tmp_path / "bad.jsonl")], r"bad.jsonl line 2 is not JSON"),
+        ([*p, "--out", str(other)], r"other.jsonl line 1: prompt 0 there is not prompt 0 of these prompts"),
+        ([*p, "--out", str(tmp_path)], r"--out '.*' is a folder; expected a file path"),
+        ([*p, "--compare-plain"], "--compare-plain times one prompt"),
+        (["--prompt", "hi", "--out", str(tmp_path / "o.jsonl")], "--out goes with --prompts FILE"),
+        (["--prompt", "hi", "--batch-size", "2"], "--batch-size goes with --prompts FILE"),
+    ):
+        assert cli_main(["generate", *args, *FAST, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(message, err), (argv, err)
+        assert "loaded" not in err  # refused before the target was loaded
+    for argv, message in (
+        ([*p, "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
+        ([*p, "--prompt", "hi"], "argument --prompt: not allowed with argument --prompts"),
+        ([], "one of the arguments --prompt --prompts is required"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["generate", *args, *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    # A prompt that does not fit the context is named by its index in the file, also when resuming.
+    long = "hello " * model.config.max_position_embeddings
+    (tmp_path / "long.txt").write_text(f"hello\nsky blue\n{long}\n")
+    out = tmp_path / "long.jsonl"
+    out.write_text(json.dumps({"index": 0, "prompt": "hello", "text": "x"}) + "\n")
+    assert cli_main(["generate", *args, *FAST, "--prompts", str(tmp_path / "long.txt"), "--out", str(out)]) == 2
+    assert re.search(
+        r"--prompts .*long.txt: prompt 2: prompt \(\d+ tokens\) \+ max_new_tokens", capsys.readouterr().err
+    )
+    assert len(_records(out)) == 1  # every prompt is checked before decoding: nothing was written

@@ -301,6 +301,64 @@ def test_sampled_answers_follow_the_seed(tmp_path):
     assert texts[0] == texts[1] != texts[2]
 
 
+def test_the_eagletree_decoder_writes_the_records_hf_writes(tmp_path, monkeypatch):
+    from eagletree.draft_heads import EagleHead
+
+    monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))  # auto's latency profile lands here
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    convs = mixed_length_conversations()
+    options = dict(max_new_tokens=8, batch_size=3, progress=False)
+    distill(model, tok, convs, tmp_path / "free.jsonl", **options)
+    # a word the model writes mid-answer becomes a stop token, so some answers end with "eos", others at the length
+    longest = max(
+        (json.loads(line)["messages"][-1]["content"].split() for line in open(tmp_path / "free.jsonl")), key=len
+    )
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(longest[len(longest) // 2])]
+    hf = distill(model, tok, convs, tmp_path / "hf.jsonl", **options)
+    assert hf["eos"] >= 1 and hf["length"] >= 1
+    for name, drafter in (("eagletree", head), ("plain", None)):  # with the head, and batched plain decoding
+        out = tmp_path / f"{name}.jsonl"
+        counts = distill(model, tok, convs, out, decoder="eagletree", head=drafter, **options)
+        assert {k: v for k, v in counts.items() if k not in ("out", "seconds")} == {
+            k: v for k, v in hf.items() if k not in ("out", "seconds")
+        }
+        assert sorted(out.read_text().splitlines()) == sorted((tmp_path / "hf.jsonl").read_text().splitlines())
+    # The same records: a file begun with one decoder is continued with the other.
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join((tmp_path / "hf.jsonl").read_text().splitlines(keepends=True)[:3]))
+    counts = distill(model, tok, convs, mixed, decoder="eagletree", head=head, **options)
+    assert (counts["already"], counts["answered"]) == (3, 5)
+    assert sorted(mixed.read_text().splitlines()) == sorted((tmp_path / "hf.jsonl").read_text().splitlines())
+    for kw, message in (
+        (dict(decoder="eagletree", temperature=1.0), "decoder='eagletree' answers greedily"),
+        (dict(decoder="vllm"), "decoder must be one of hf, eagletree, got 'vllm'"),
+        (
+            dict(decoder="eagletree", max_new_tokens=600),
+            r"t\d: its prompt \(\d+ tokens\) \+ max_new_tokens \(600\) exceeds",
+        ),
+    ):
+        with pytest.raises(DistillError, match=message):
+            distill(model, tok, convs, tmp_path / "e.jsonl", progress=False, head=head, **kw)
+
+
+def test_distill_decoder_flags_are_checked_before_loading(tmp_path, capsys, monkeypatch):
+    from eagletree.cli import main
+
+    monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded"))
+    out = ["distill", "--out", str(tmp_path / "d.jsonl")]
+    for argv, message in (
+        (["--decoder", "eagletree", "--temperature", "1"], "--decoder eagletree answers greedily; --temperature 1"),
+        (["--head", str(tmp_path)], "--head goes with --decoder eagletree"),
+    ):
+        assert main([*out, *argv]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*out, "--decoder", "vllm"])
+    assert "argument --decoder: invalid choice: 'vllm'" in capsys.readouterr().err
+
+
 def _cfg(tmp_path, **kw):
     base = dict(
         out_dir=str(tmp_path),
@@ -432,6 +490,39 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     saved = json.loads((tmp_path / "run" / "head" / "copy_calibration.json").read_text())
     assert CopyCalibration.load(tmp_path / "run" / "head" / "copy_calibration.json").max_len == 16
     assert sum(map(sum, saved["tried"])) >= sum(map(sum, saved["accepted"]))
+
+
+def test_evaluation_decodes_prompt_lists_in_batches():
+    from eagletree.draft_heads import EagleHead
+    from eagletree.train.evaluate import (
+        heldout_prompts,
+        main,
+        measure_copy_calibration,
+        mtbench_tokens_per_pass,
+        tokens_per_pass,
+    )
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    prompts = heldout_prompts(tiny_conversations(5), 5)
+    options = dict(max_new_tokens=10, budget=8, depth=3, top_k_draft=2)
+    one, three = [], []
+    alone = tokens_per_pass(head, model, tok, prompts, answers=one, **options)
+    batched = tokens_per_pass(head, model, tok, prompts, answers=three, batch_size=3, **options)
+    # the same lossless answers, in the prompts' order; tokens/pass now measures batched decoding
+    assert [a.tolist() for _, a in three] == [a.tolist() for _, a in one] and len(three) == 5
+    assert [p.tolist() for p, _ in three] == [p.tolist() for p, _ in one]
+    assert batched["new_tokens"] == alone["new_tokens"] and batched["prompts"] == 5
+    assert batched["tokens_per_pass"] >= 1.0 and batched["predicted"] >= 1.0
+    with pytest.raises(ValueError, match="steps are recorded one prompt at a time"):
+        tokens_per_pass(head, model, tok, prompts, steps=[], batch_size=2, **options)
+    calibration, result = measure_copy_calibration(head, model, tok, prompts, 10, budget=8, batch_size=3)
+    assert result["new_tokens"] == alone["new_tokens"] and calibration.tried.sum() >= calibration.accepted.sum()
+    table = mtbench_tokens_per_pass(head, model, tok, 2, max_new_tokens=6, depth=3, batch_size=2)
+    assert table["batch_size"] == 2 and list(table["tokens_per_pass"]) == ["writing", "coding", "mean"]
+    assert "batch_size" not in mtbench_tokens_per_pass(head, model, tok, 2, max_new_tokens=6, depth=3)
+    assert main(["--config", "none.yaml", "--batch-size", "0"]) == 2
 
 
 @pytest.mark.real

@@ -22,6 +22,7 @@ from .inputs import (
     load_prompts,
     method_grid,
     parse_list,
+    read_prompt_file,
     sharegpt_heldout,
     spec_count,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "random_target",
     "rank_acceptance",
     "ratio_interval",
+    "read_prompt_file",
     "run_bench",
     "run_hf",
     "run_method",

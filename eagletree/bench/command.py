@@ -11,7 +11,7 @@ from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
 from ..tree_search.store import DATASTORE
-from .inputs import FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
+from .inputs import DEFAULT_METHODS, FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .report import machine_info, write_outputs
 from .runners import run_bench
 
@@ -21,6 +21,29 @@ def typed_command(name: str) -> str:
     return "eagletree " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == [name] else f"eagletree {name}"
 
 
+def _temperatures(text: str) -> list[float]:
+    """--temperatures as a list; ValueError for a value decoding refuses or one listed twice."""
+    temperatures = parse_list(text, float, "temperatures")
+    if any(not t >= 0 or t == float("inf") or 0 < t < MIN_TEMPERATURE for t in temperatures):  # (NaN fails all)
+        raise ValueError(f"--temperatures must be finite numbers, 0 or >= {MIN_TEMPERATURE:g}, got {temperatures}")
+    if len(set(temperatures)) < len(temperatures):
+        raise ValueError(f"--temperatures lists a temperature twice: {temperatures}")
+    return temperatures
+
+
+def _methods(args, budgets: list[int]) -> list[Method]:
+    """The method grid --methods (default: every method, HF prompt lookup only at --batch-size 1) asks for."""
+    names = args.methods
+    if names is None:  # HF prompt lookup decodes one sequence at a time: not in a batched run's default
+        names = DEFAULT_METHODS if args.batch_size == 1 else DEFAULT_METHODS.removesuffix(",lookup")
+    methods = method_grid(parse_list(names, str, "methods"), budgets, args.depth, args.top_k_draft)
+    if args.batch_size > 1 and any(m.name == "lookup" for m in methods):
+        raise ValueError(
+            "--methods lookup: HF prompt lookup decodes one sequence at a time; drop it for --batch-size > 1"
+        )
+    return methods
+
+
 def main(args) -> int:
     """`eagletree bench` (arguments from the CLI parser)."""
     command = typed_command("bench")
@@ -28,12 +51,8 @@ def main(args) -> int:
     preset = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     budgets = parse_list(pick("budgets"), int, "budgets")
-    temperatures = parse_list(pick("temperatures"), float, "temperatures")
-    if any(not t >= 0 or t == float("inf") or 0 < t < MIN_TEMPERATURE for t in temperatures):  # (NaN fails all)
-        raise ValueError(f"--temperatures must be finite numbers, 0 or >= {MIN_TEMPERATURE:g}, got {temperatures}")
-    if len(set(temperatures)) < len(temperatures):
-        raise ValueError(f"--temperatures lists a temperature twice: {temperatures}")
-    methods = method_grid(parse_list(args.methods, str, "methods"), budgets, args.depth, args.top_k_draft)
+    temperatures = _temperatures(pick("temperatures"))
+    methods = _methods(args, budgets)
     max_new_tokens = pick("max_new_tokens")
     prompts = load_prompts(pick("prompts"))
 
@@ -68,32 +87,46 @@ def main(args) -> int:
         else resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
     )
     report = run_bench(
-        model, tok, head, prompts, methods, temperatures, max_new_tokens, args.seed, args.lookup_tokens, store=used
+        model,
+        tok,
+        head,
+        prompts,
+        methods,
+        temperatures,
+        max_new_tokens,
+        args.seed,
+        args.lookup_tokens,
+        store=used,
+        batch_size=args.batch_size,
     )
     report.update(
         command=command,
         machine=machine_info(model),
-        settings={
-            "target": args.target,
-            "head": str(args.head if head_dir is None else head_dir),
-            "prompts": pick("prompts"),
-            "packed": is_packed(model),
-            "kernels": kernels_used(model),
-            "kernels_measured": None
-            if getattr(model, "kernel_choice", None) is None
-            else model.kernel_choice.summary(),
-            "draft_kernels": None if head is None else kernels_used(head),
-            "datastore": None if used is None else str(head.companion_file(DATASTORE)),
-            "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
-            "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
-            "budgets": budgets,
-            "depth": args.depth,
-            "top_k_draft": args.top_k_draft,
-            "methods": [m.label for m in methods],
-            "quick": args.quick,
-        },
+        settings=_settings(args, model, head, head_dir, used, budgets, methods, pick("prompts")),
     )
     out = write_outputs(report, args.out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out}/results.json, results.md, {', '.join(report['plots'])}", file=sys.stderr)
     return 0
+
+
+def _settings(args, model, head, head_dir, used, budgets, methods, prompts) -> dict:
+    """The report's settings: what ran, and how."""
+    return {
+        "target": args.target,
+        "head": str(args.head if head_dir is None else head_dir),
+        "prompts": prompts,
+        "packed": is_packed(model),
+        "kernels": kernels_used(model),
+        "kernels_measured": None if getattr(model, "kernel_choice", None) is None else model.kernel_choice.summary(),
+        "draft_kernels": None if head is None else kernels_used(head),
+        "datastore": None if used is None else str(head.companion_file(DATASTORE)),
+        "head_dtype": None if head is None else str(next(head.parameters()).dtype)[6:],
+        "draft_vocab": None if head is None else head.config.draft_vocab_size or "full",
+        "budgets": budgets,
+        "depth": args.depth,
+        "top_k_draft": args.top_k_draft,
+        "methods": [m.label for m in methods],
+        "batch_size": args.batch_size,
+        "quick": args.quick,
+    }

@@ -4,6 +4,7 @@ ShareGPT or a JSONL file)."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from ..train.evaluate import heldout_prompts
 TREE_METHODS = ("chain", "sequoia", "eagle2", "optimal", "auto", "eagle2+copy", "optimal+copy", "auto+copy", "copy")
 METHODS = TREE_METHODS + ("lookup", "packed")
 BASELINE_LABELS = {"lookup": "HF prompt lookup", "packed": "plain, packed kernels"}
+DEFAULT_METHODS = "chain,sequoia,eagle2,eagle2+copy,optimal,auto,auto+copy,copy,lookup"  # bench --methods
 HEADLESS = ("copy",)  # tree methods that need no head
 FULL = dict(prompts="heldout:8", max_new_tokens=64, budgets="8,16,32,60", temperatures="0,1")
 QUICK = dict(prompts="heldout:2", max_new_tokens=24, budgets="8,32", temperatures="0,1")
@@ -138,38 +140,64 @@ def load_prompts(spec: str) -> list[list[dict]]:
             c for c in heldout[100:] if next((m["role"] for m in c.messages if m["role"] != "system"), None) == "user"
         ]
         return heldout_prompts(opening, int(n))
-    path = Path(spec)
     if not spec.endswith(".jsonl"):
         raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], humaneval[:N], heldout:N or a .jsonl file")
+    return read_prompt_file(spec)
+
+
+def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
+    """The prompts of a file, each as chat messages: a .jsonl file holds one per line, a .json file a list of
+    them (each a string, {"prompt": "..."} or {"messages": [...]}, ending with the user's turn); any other file
+    is text, one prompt per line. Blank lines are skipped; errors name `flag` or the file and line."""
+    name, path = os.fspath(path), Path(path)
     if not path.is_file():
-        raise ValueError(f"--prompts {spec!r}: no such file")
-    prompts = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+        raise ValueError(f"{flag} {name!r}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {name!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if path.suffix == ".json":
         try:
-            item = json.loads(line)
+            items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{spec} line {i} is not JSON: {e}") from None
-        if isinstance(item, dict):
-            item = item.get("messages", item.get("prompt"))
-        if isinstance(item, str) and item.strip():
-            prompts.append([{"role": "user", "content": item}])
-        elif isinstance(item, list) and item:
-            for m in item:
-                if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
-                    raise ValueError(
-                        f'{spec} line {i}: each message must be {{"role": {"|".join(CHAT_ROLES)}, '
-                        f'"content": str}}, got {json.dumps(m)[:80]}'
-                    )
-            if item[-1]["role"] != "user":
-                raise ValueError(
-                    f"{spec} line {i}: the messages must end with the user's turn to answer, "
-                    f"not the {item[-1]['role']}'s"
-                )
-            prompts.append(item)
-        else:
-            raise ValueError(f'{spec} line {i}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')
+            raise ValueError(f"{name} is not JSON: {e}") from None
+        if not isinstance(items, list):
+            raise ValueError(f"{name}: expected a JSON list of prompts, got {type(items).__name__}")
+        prompts = [_prompt_item(item, f"{name} item {i}") for i, item in enumerate(items)]
+    else:
+        prompts = []
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            if path.suffix != ".jsonl":
+                prompts.append([{"role": "user", "content": line}])
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name} line {i} is not JSON: {e}") from None
+            prompts.append(_prompt_item(item, f"{name} line {i}"))
     if not prompts:
-        raise ValueError(f"{spec} holds no prompts")
+        raise ValueError(f"{flag} {name!r} holds no prompts")
     return prompts
+
+
+def _prompt_item(item, where: str) -> list[dict]:
+    """One prompt of a JSON or JSONL file as chat messages; ValueError naming `where` when it is not one."""
+    if isinstance(item, dict):
+        item = item.get("messages", item.get("prompt"))
+    if isinstance(item, str) and item.strip():
+        return [{"role": "user", "content": item}]
+    if isinstance(item, list) and item:
+        for m in item:
+            if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
+                raise ValueError(
+                    f'{where}: each message must be {{"role": {"|".join(CHAT_ROLES)}, '
+                    f'"content": str}}, got {json.dumps(m)[:80]}'
+                )
+        if item[-1]["role"] != "user":
+            raise ValueError(
+                f"{where}: the messages must end with the user's turn to answer, not the {item[-1]['role']}'s"
+            )
+        return item
+    raise ValueError(f'{where}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')

@@ -106,8 +106,15 @@ def markdown_report(report: dict) -> str:
             f"{_x(plain['tokens_per_s'], '{:.1f}')} tokens/s (median over prompts)\n\n"
             f"{markdown_table(report, t)}\n"
         )
+    batch = report.get("batch_size", 1)
     out.append(
-        "tokens/s and speedups are decoding rates after each run's first target pass (the prompt's prefill), "
+        f"Batches of {batch} prompts: every row decodes the prompts {batch} at a time (plain and packed: HF "
+        "`generate` on left-padded batches; tree methods: eagletree's batched decoding, one node budget per "
+        "sequence shared by the batch), each batch right after plain's. tokens/s and speedups are each batch's "
+        "throughput (all its tokens over its seconds, prefill included); the speedup's range is over batches, "
+        "tokens/pass counts every sequence's passes, and 'first pass s' is the batch's prefill.\n"
+        if batch > 1
+        else "tokens/s and speedups are decoding rates after each run's first target pass (the prompt's prefill), "
         "per prompt; the speedup's range is over prompts. Sampled outputs differ in length, so end-to-end "
         "rates would mix in the prefill's varying share (they are in results.json).\n"
     )

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..decoding import GenerationStats, decode_steps, encode_prompt, hf_generation_config, stop_token_ids
+from ..decode_config import DecodeConfig
+from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt, hf_generation_config, stop_token_ids
 from ..packing import stock_kernels
 from ..tree_search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
@@ -28,6 +29,7 @@ class Run:
     accepted_lengths: list[int]  # tokens emitted per target pass, the first included
     predicted: list[float] = field(default_factory=list)
     steps: list | None = None  # (DraftTree, accepted) per pass, when recorded
+    batch: bool = False  # a batch of prompts decoded together: tokens and passes of all its sequences
 
     @property
     def passes(self) -> int:
@@ -35,7 +37,10 @@ class Run:
 
     @property
     def decode_rate(self) -> float:
-        """Tokens per second after the first pass (sampled outputs differ in length, so the prefill's share does)."""
+        """Tokens per second after the first pass (sampled outputs differ in length, so the prefill's share does);
+        a batch's: its throughput, every sequence's tokens over the batch's seconds, prefill included."""
+        if self.batch:
+            return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
         rest = len(self.token_ids) - (self.accepted_lengths[0] if self.accepted_lengths else 0)
         return rest / (self.seconds - self.first_seconds) if rest > 0 else float("nan")
 
@@ -83,6 +88,91 @@ def run_hf(model, tok, messages, max_new_tokens, temperature, seed, lookup_token
         seconds,
         steps[0][0] - t0 if steps else seconds,
         [n for _, n in steps],
+    )
+
+
+def run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed, top_k=None, top_p=None):
+    """HF `model.generate` on `prompts` together (left padding, the same stop tokens as eagletree): a batch Run
+    and each prompt's tokens (through its first stop token)."""
+    rows = [encode_prompt(tok, p).tolist() for p in prompts]
+    stops = stop_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+    config = hf_generation_config(max_new_tokens, temperature, stops, top_k, top_p, pad_token_id=pad)
+    clock = _StepClock()
+    if seed is not None:
+        torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, streamer=clock)
+    seconds = time.perf_counter() - t0
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))
+        answers.append(row[:cut])
+    first = clock.steps[1][0] - t0 if len(clock.steps) > 1 else seconds
+    tokens = [t for a in answers for t in a]
+    return Run(tokens, seconds, first, [1] * len(tokens), batch=True), answers
+
+
+def run_tree_batch(
+    model,
+    tok,
+    head,
+    prompts,
+    method: Method,
+    max_new_tokens,
+    temperature,
+    seed,
+    batch_size,
+    accept_by_rank=None,
+    store="auto",
+):
+    """eagletree's batched decoding of `prompts` with one tree method (`Decoder.results`, `batch_size` sequences
+    per target pass; prompt k samples with seed + k): a batch Run and each prompt's tokens."""
+    config = DecodeConfig.from_options(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        tree=method.tree,
+        budget=method.budget,
+        depth=method.depth,
+        top_k_draft=method.top_k,
+        seed=seed,
+        accept_by_rank=accept_by_rank,
+        copy=method.copy,
+        store=store if method.copy and method.name not in HEADLESS else None,
+    )
+    decoder = Decoder(model, tok, None if method.name in HEADLESS else head, config)
+    t0 = time.perf_counter()
+    results = decoder.generate_batch(prompts, batch_size)
+    seconds = time.perf_counter() - t0
+    answers = [r.token_ids for r in results]
+    run = Run(
+        [t for a in answers for t in a],
+        seconds,
+        results[0].stats.times["prefill"],  # (all admitted at once: the batch's prefill)
+        [n for r in results for n in r.stats.accepted_lengths],
+        [p for r in results for p in r.stats.predicted],
+        batch=True,
+    )
+    return run, answers
+
+
+def run_group(
+    model, tok, head, prompts, method: Method, max_new_tokens, temperature, seed, batch_size, accept_by_rank, store
+):
+    """One batched run of `method` (plain, packed or a tree method) on `prompts` together: (Run, tokens each)."""
+    if method.name == "lookup":
+        raise ValueError("HF prompt lookup decodes one sequence at a time; it has no batched run")
+    if method.name == "plain":
+        with stock_kernels(model):
+            return run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed)
+    if method.name == "packed":
+        return run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed)
+    return run_tree_batch(
+        model, tok, head, prompts, method, max_new_tokens, temperature, seed, batch_size, accept_by_rank, store
     )
 
 
@@ -199,6 +289,17 @@ def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) 
     return rank_acceptance(run.steps, probe.top_k) if sequoia else None
 
 
+def warm_up_batch(model, tok, head, prompts, methods, max_new_tokens, batch_size, store) -> None:
+    """Untimed first batched runs: HF's padded batches, and `auto`'s latency profile for passes of up to
+    `batch_size` sequences (measured once and cached, the first time a batch that large is decoded)."""
+    short = min(8, max_new_tokens)
+    with stock_kernels(model):
+        run_hf_batch(model, tok, prompts, short, 0.0, 0)
+    auto = next((m for m in methods if m.name in TREE_METHODS and m.tree == "auto"), None)
+    if auto is not None and (head is not None or auto.name in HEADLESS):
+        run_tree_batch(model, tok, head, prompts, auto, short, 0.0, 0, batch_size, store=store)
+
+
 def first_difference(got: list[int], want: list[int]) -> int | None:
     """Index of the first token where two outputs differ (a length difference counts), or None if equal."""
     for i, (a, b) in enumerate(zip(got, want)):
@@ -281,53 +382,45 @@ def run_bench(
     progress=True,
     log=None,
     store="auto",
+    batch_size=1,
 ) -> dict:
     """Every method on every prompt and temperature, each right after plain decoding; returns the results dict.
-    `store`: what copying methods also copy from ("auto": the head folder's datastore.npz; None: nothing)."""
+    `store`: what copying methods also copy from ("auto": the head folder's datastore.npz; None: nothing).
+    `batch_size` > 1: every method decodes the prompts in groups of that many together (plain and packed: HF
+    `generate` on left-padded batches; tree methods: eagletree's batched decoding), each group right after plain's,
+    and a row's rates are the groups' throughputs (`Run.batch`); HF prompt lookup has no batched run."""
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
     if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
     if not prompts:
         raise ValueError("no prompts to benchmark")
+    if batch_size > 1 and any(m.name == "lookup" for m in methods):
+        raise ValueError(
+            "method 'lookup' (HF prompt lookup) decodes one sequence at a time; drop it for --batch-size > 1"
+        )
     t_start = time.perf_counter()
     accept_by_rank = warm_up(model, tok, head, prompts[0], methods, max_new_tokens, lookup_tokens)
+    if batch_size > 1:
+        warm_up_batch(model, tok, head, prompts[:batch_size], methods, max_new_tokens, batch_size, store)
     if any(m.name == "sequoia" for m in methods):
         log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
     plain = Method("plain")
     everything = [plain] + list(methods)
     rows = {(m, t): _empty_row() for m in everything for t in temperatures}
     pairs = ([], [])  # (draft probability, accepted?) of every tried node, greedy tree runs
-    bar = tqdm(total=len(prompts) * len(temperatures) * len(everything), desc="bench", disable=not progress)
-    for i, messages in enumerate(prompts):
+    groups = [(i, prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    bar = tqdm(total=len(groups) * len(temperatures) * len(everything), desc="bench", disable=not progress)
+    settings = dict(
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        lookup_tokens=lookup_tokens,
+        accept_by_rank=accept_by_rank,
+        store=store,
+        batch_size=batch_size,
+    )
+    for i, group in groups:
         for temperature in temperatures:
-            ref = same = None  # plain decoding with stock kernels; with the target's own (the 'packed' row)
-            for m in everything:
-                bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
-                run = run_method(
-                    model,
-                    tok,
-                    head,
-                    messages,
-                    m,
-                    max_new_tokens,
-                    temperature,
-                    seed + i,
-                    lookup_tokens,
-                    accept_by_rank,
-                    record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
-                    store=store,
-                )
-                ref = run if ref is None else ref
-                same = run if m.name == "packed" else same
-                row = rows[(m, temperature)]
-                _add_run(row, m, run, ref, same)
-                if not temperature:
-                    _check_same_tokens(row, model, tok, messages, i, m, run, ref, log)
-                for tree, accepted in run.steps or ():
-                    q, y = acceptance_pairs(tree, accepted)
-                    pairs[0].extend(q)
-                    pairs[1].extend(y)
-                bar.update()
+            _run_group_methods(model, tok, head, i, group, temperature, everything, rows, pairs, bar, log, settings)
     bar.close()
     results = [summarize(m, t, rows[(m, t)], len(prompts)) for t in temperatures for m in everything]
     return {
@@ -336,9 +429,59 @@ def run_bench(
         "temperatures": list(temperatures),
         "seed": seed,
         "lookup_tokens": lookup_tokens,
+        **({"batch_size": batch_size} if batch_size > 1 else {}),
         "accept_by_rank": accept_by_rank,
         "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
         "results": results,
         "calibration": calibration_bins(*pairs, head),
         "seconds": time.perf_counter() - t_start,
     }
+
+
+def _run_group_methods(model, tok, head, i, group, temperature, everything, rows, pairs, bar, log, s) -> None:
+    """Plain decoding and then every method on the prompts `group` (prompt i and the next ones: one prompt, or a
+    batch decoded together), at one temperature; each run is added to its row (`s`: run_bench's settings)."""
+    ref = same = None  # plain decoding with stock kernels; with the target's own (the 'packed' row)
+    for m in everything:
+        bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
+        common = (model, tok, head)
+        if s["batch_size"] == 1:
+            run = run_method(
+                *common,
+                group[0],
+                m,
+                s["max_new_tokens"],
+                temperature,
+                s["seed"] + i,
+                s["lookup_tokens"],
+                s["accept_by_rank"],
+                record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
+                store=s["store"],
+            )
+            answers = [run]
+        else:
+            run, tokens = run_group(
+                *common,
+                group,
+                m,
+                s["max_new_tokens"],
+                temperature,
+                s["seed"] + i,
+                s["batch_size"],
+                s["accept_by_rank"],
+                s["store"],
+            )
+            answers = [Run(t, run.seconds, run.first_seconds, []) for t in tokens]
+        if ref is None:
+            ref, ref_answers = run, answers
+        same = run if m.name == "packed" else same
+        row = rows[(m, temperature)]
+        _add_run(row, m, run, ref, same)
+        if not temperature:  # each prompt's tokens against plain decoding's
+            for k, (messages, got, want) in enumerate(zip(group, answers, ref_answers)):
+                _check_same_tokens(row, model, tok, messages, i + k, m, got, want, log)
+        for tree, accepted in run.steps or ():
+            q, y = acceptance_pairs(tree, accepted)
+            pairs[0].extend(q)
+            pairs[1].extend(y)
+        bar.update()

@@ -9,6 +9,9 @@ record per answer; train on the file with `dataset=PATH`.
 Only the training side of the held-out split is read, so evaluation prompts stay unseen. The file
 is append-only and resumable: a rerun skips the ids already answered, and a line cut off by an
 interruption is removed before anything is appended.
+
+The answers come from HF `generate` on left-padded batches (decoder "hf"), or, greedy, from eagletree's own
+batched speculative decoding with a head (decoder "eagletree"): lossless, so the same records either way.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decoding import encode_prompt, hf_generation_config, stop_token_ids
+from ..decode_config import DecodeConfig
+from ..decoding import Decoder, encode_prompt, hf_generation_config, stop_token_ids
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
 from .data import TURNS
@@ -165,12 +169,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     generation_config (repetition penalty and the like) is not applied.
     """
     device = next(model.parameters()).device
-    stops = stop_token_ids(model, tok)
-    if not stops:
-        raise DistillError(
-            f"{getattr(tok, 'name_or_path', 'the tokenizer')}: no EOS token and no eos_token_id in the "
-            "model's generation_config: answers would never end"
-        )
+    stops = _stops(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     width = max(len(r[2]) for r in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -182,14 +181,7 @@ def _answer_batch(model, tok, batch, max_new_tokens: int, temperature: float, se
     config = hf_generation_config(max_new_tokens, temperature, stops, pad_token_id=pad)
     torch.manual_seed(seed)
     out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config)
-    results = []
-    for row in out[:, width:].cpu().tolist():
-        n, finish = len(row), "length"
-        ends = [i for i, t in enumerate(row) if t in stops]
-        if ends:
-            n, finish = ends[0], "eos"
-        results.append((tok.decode(row[:n], skip_special_tokens=True), n, finish))
-    return results
+    return [_answer_of(tok, row, stops) for row in out[:, width:].cpu().tolist()]
 
 
 def check_match(match: str) -> re.Pattern:
@@ -216,6 +208,8 @@ def distill(
     turns: str = "first",
     min_prompt_tokens: int = 0,
     match: str | None = None,
+    decoder: str = "hf",
+    head=None,
 ) -> dict:
     """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
     `user_turns`) with the target; append JSONL records to `out`.
@@ -228,9 +222,13 @@ def distill(
     in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts
     outside min_prompt_tokens..max_prompt_tokens are skipped (counted). `match`, a regular expression: only the
     prompts whose user turn it finds something in (`re.search`; e.g. "(?i)python|```" for a datastore of code
-    answers) are answered, the others counted; `limit` then takes the first N of those. Returns counts.
+    answers) are answered, the others counted; `limit` then takes the first N of those. `decoder`: "hf" (HF
+    `generate` on left-padded batches of similar length) or "eagletree" (greedy only: eagletree's own lossless
+    batched decoding with `head`, None for plain, `batch_size` sequences per target pass, each record written as
+    its answer finishes; the same answers and records). Returns counts.
     """
     _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens)
+    _check_decoder(decoder, temperature)
     settings = {
         "target": target_identity(model.config)["fingerprint"],
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -240,22 +238,10 @@ def distill(
         **({"turns": turns} if turns != "first" else {}),
     }
     path = Path(out)
-    if isinstance(skip_answered, (str, os.PathLike)):
-        skip_answered = (skip_answered,)
-    for other in skip_answered:
-        if Path(other).resolve() == path.resolve():
-            raise DistillError(f"skip_answered: {other} is the output file itself; a rerun already continues it")
-    elsewhere = set().union(*(ids_in(p) for p in skip_answered))
+    elsewhere = _answered_elsewhere(skip_answered, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(path, settings)
-    pattern = None if match is None else check_match(match)
-    items = user_turns(conversations, turns)
-    no_match = 0
-    if pattern is not None:
-        kept = [item for item in items if pattern.search(item[1][-1]["content"])]
-        no_match, items = len(items) - len(kept), kept
-    if limit:
-        items = items[:limit]
+    items, no_match = _prompts_to_answer(conversations, turns, match, limit)
     # Batches from all prompts, skipped ones included: the grouping does not depend on the other files.
     batches, long, short = _batches(items, tok, batch_size, max_prompt_tokens, min_prompt_tokens)
     left_out = done | elsewhere
@@ -275,8 +261,33 @@ def distill(
     bar = tqdm(
         total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer", disable=not progress
     )
-    _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
+    if decoder == "eagletree":
+        _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size)
+    else:
+        _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
     return counts
+
+
+def _answered_elsewhere(skip_answered, path: Path) -> set[str]:
+    """The ids the `skip_answered` files (a path, or several) answer; never the output file itself."""
+    if isinstance(skip_answered, (str, os.PathLike)):
+        skip_answered = (skip_answered,)
+    for other in skip_answered:
+        if Path(other).resolve() == path.resolve():
+            raise DistillError(f"skip_answered: {other} is the output file itself; a rerun already continues it")
+    return set().union(*(ids_in(p) for p in skip_answered))
+
+
+def _prompts_to_answer(conversations, turns: str, match: str | None, limit: int) -> tuple[list, int]:
+    """(id, messages) of the user turns `turns` picks whose text `match` finds something in, the first `limit`
+    of them (0: all), and how many `match` left out."""
+    pattern = None if match is None else check_match(match)
+    items = user_turns(conversations, turns)
+    no_match = 0
+    if pattern is not None:
+        kept = [item for item in items if pattern.search(item[1][-1]["content"])]
+        no_match, items = len(items) - len(kept), kept
+    return (items[:limit] if limit else items), no_match
 
 
 def _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens):
@@ -316,24 +327,92 @@ def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max
             pending = [r for r in batch if r[0] not in left_out]
             seed_b = seed * 1_000_003 + zlib.crc32(batch[0][0].encode("utf-8"))  # fixed per batch, resumed or not
             answers = _answer_batch(model, tok, pending, max_new_tokens, temperature, seed_b)
-            lines = []
-            for (conv_id, msgs, _), (text, n, finish) in zip(pending, answers):
-                context = [dict(m, weight=0) if m["role"] == "assistant" else m for m in msgs]  # the dataset's answers
-                record = {
-                    "id": conv_id,
-                    "messages": context + [{"role": "assistant", "content": text}],
-                    "finish": finish,
-                    "new_tokens": n,
-                    "settings": settings,
-                }
-                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-                counts["new_tokens"] += n
-                counts[finish] += 1
+            lines = [
+                _record_line(conv_id, msgs, answer, settings, counts)
+                for (conv_id, msgs, _), answer in zip(pending, answers)
+            ]
             f.write("".join(lines))  # whole records only; flushed per batch so an interruption loses one batch
             f.flush()
             os.fsync(f.fileno())
             counts["answered"] += len(lines)
             bar.update(len(pending))
+            bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+    bar.close()
+    counts["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _record_line(conv_id: str, msgs: list[dict], answer: tuple, settings: dict, counts: dict) -> str:
+    """One record's JSONL line for the answer (text, new token count, finish) to `msgs`; counted in `counts`."""
+    text, n, finish = answer
+    context = [dict(m, weight=0) if m["role"] == "assistant" else m for m in msgs]  # the dataset's answers
+    record = {
+        "id": conv_id,
+        "messages": context + [{"role": "assistant", "content": text}],
+        "finish": finish,
+        "new_tokens": n,
+        "settings": settings,
+    }
+    counts["new_tokens"] += n
+    counts[finish] += 1
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+DECODERS = ("hf", "eagletree")
+
+
+def _check_decoder(decoder: str, temperature: float) -> None:
+    """DistillError unless `decoder` is one of DECODERS, answering as asked."""
+    if decoder not in DECODERS:
+        raise DistillError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
+    if decoder == "eagletree" and temperature > 0:
+        raise DistillError(
+            f"decoder='eagletree' answers greedily (temperature 0), got temperature {temperature:g}: its sampled "
+            "answers would be other draws than HF's for the same seed; use decoder='hf' to sample"
+        )
+
+
+def _stops(model, tok) -> list[int]:
+    """The answers' stop tokens; DistillError when there are none (answers would never end)."""
+    stops = stop_token_ids(model, tok)
+    if not stops:
+        raise DistillError(
+            f"{getattr(tok, 'name_or_path', 'the tokenizer')}: no EOS token and no eos_token_id in the "
+            "model's generation_config: answers would never end"
+        )
+    return stops
+
+
+def _answer_of(tok, token_ids: list[int], stops) -> tuple[str, int, str]:
+    """(text, new token count, finish) of generated tokens: cut before the first stop token ("eos"), else "length"."""
+    n = next((i for i, t in enumerate(token_ids) if t in stops), None)
+    if n is None:
+        return tok.decode(token_ids, skip_special_tokens=True), len(token_ids), "length"
+    return tok.decode(token_ids[:n], skip_special_tokens=True), n, "eos"
+
+
+def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size):
+    """decoder="eagletree": the batches' prompts not in `left_out`, in their order, answered greedily by eagletree's
+    batched decoding (`Decoder.results`: `batch_size` sequences per target pass, a finished one's place taken by
+    the next prompt); each record is appended, flushed and synced as its answer finishes."""
+    pending = [r for batch in todo for r in batch if r[0] not in left_out]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for conv_id, _, ids in pending:
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            raise DistillError(
+                f"{conv_id}: its prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"target's context of {limit} tokens; lower max_prompt_tokens or max_new_tokens"
+            )
+    stops = _stops(model, tok)
+    decoding = Decoder(model, tok, head, DecodeConfig(max_new_tokens=max_new_tokens))
+    t0 = time.perf_counter()
+    with open(path, "a", encoding="utf-8") as f:
+        for i, result in decoding.results([ids for _, _, ids in pending], batch_size):
+            conv_id, msgs, _ = pending[i]
+            f.write(_record_line(conv_id, msgs, _answer_of(tok, result.token_ids, stops), settings, counts))
+            f.flush()  # one whole record at a time: an interruption loses the answers still being decoded
+            os.fsync(f.fileno())
+            counts["answered"] += 1
+            bar.update(1)
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)

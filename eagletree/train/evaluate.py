@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from .. import target as targets
-from ..decoding import GenerationStats, decode_steps, encode_prompt
+from ..decode_config import DecodeConfig
+from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt
 from ..draft_heads import TreeDrafter, load_head
 from ..errors import EagletreeError
 from ..files import check_output_folder, write_json_atomic
@@ -100,14 +101,30 @@ def agreement(
     }
 
 
-def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=None, answers=None, **options) -> dict:
+def tokens_per_pass(
+    head, target, tokenizer, prompts, max_new_tokens=64, steps=None, answers=None, batch_size=1, **options
+) -> dict:
     """Real tree decoding on chat prompts (by default EAGLE-2, 60 nodes): mean tokens per target pass, predicted vs
     measured.
 
     `steps`, a list, receives (tree, accepted nodes) of every pass (for calibration); `answers`, a list,
     receives (prompt ids, answer ids) per prompt: the target's own answer (decoding is lossless).
+    `batch_size` > 1 decodes that many prompts together (`Decoder.results`: one budget for the batch's trees,
+    so tokens/pass measures batched decoding); it records no `steps`.
     """
     options = {"tree": "eagle2", "budget": 60, **options}  # the yardstick: EAGLE-2's tree of 60 nodes
+    if batch_size != 1:
+        if steps is not None:
+            raise ValueError("steps are recorded one prompt at a time: batch_size must be 1 to record them")
+        results = decoded_batch(head, target, tokenizer, prompts, max_new_tokens, batch_size, **options)
+        if answers is not None:
+            answers += [
+                (encode_prompt(tokenizer, p).flatten().cpu(), torch.tensor(r.token_ids, dtype=torch.long))
+                for p, r in zip(prompts, results)
+            ]
+        stats = [r.stats for r in results]
+        new, passes = sum(st.new_tokens for st in stats), sum(st.passes for st in stats)
+        return _pass_counts(len(prompts), new, passes, [p for st in stats for p in st.predicted])
     new = passes = 0
     predicted = []
     for prompt in tqdm(prompts, desc="tokens/pass", leave=False):
@@ -124,13 +141,30 @@ def tokens_per_pass(head, target, tokenizer, prompts, max_new_tokens=64, steps=N
         predicted += stats.predicted
         if steps is not None:
             steps += stats.steps
+    return _pass_counts(len(prompts), new, passes, predicted)
+
+
+def _pass_counts(prompts: int, new: int, passes: int, predicted: list) -> dict:
+    """`tokens_per_pass`'s result: the prompts' new tokens and passes, and every pass's predicted tokens/pass."""
     return {
         "tokens_per_pass": new / max(passes, 1),
         "predicted": sum(predicted) / max(len(predicted), 1),
-        "prompts": len(prompts),
+        "prompts": prompts,
         "new_tokens": new,
         "passes": passes,
     }
+
+
+def decoded_batch(head, target, tokenizer, prompts, max_new_tokens, batch_size, **options) -> list:
+    """GenerationResults of `prompts` (in order), decoded `batch_size` at a time by one Decoder; `options` are
+    `decode_steps`' (DecodeConfig's fields or flat names, and profile, calibrator, copy_calibration)."""
+    made = {k: options.pop(k) for k in ("profile", "calibrator", "copy_calibration") if k in options}
+    config = DecodeConfig.from_options(max_new_tokens=max_new_tokens, **options)
+    decoder = Decoder(target, tokenizer, head, config, **made)
+    results = [None] * len(prompts)
+    for i, result in tqdm(decoder.results(prompts, batch_size), total=len(prompts), desc="tokens/pass", leave=False):
+        results[i] = result
+    return results
 
 
 def measure_copy_calibration(
@@ -216,39 +250,58 @@ def mtbench_tokens_per_pass(
     max_new_tokens: int = 128,
     depth: int = 6,
     copy_calibration: CopyCalibration | None = None,
+    batch_size: int = 1,
 ) -> dict:
     """Tokens/pass on `questions` MT-bench first turns (spread over the 8 categories), per category and mean:
     EAGLE-2, 60 nodes, top-k 10, T = 0, the head alone, or with copied spans valued by `copy_calibration`
-    (a copy of it starts every question, so each question's number does not depend on the ones before)."""
+    (a copy of it starts every question, so each question's number does not depend on the ones before).
+    `batch_size` > 1 decodes that many questions together (one budget for the batch's trees; with copies,
+    the questions of the run share one copy of `copy_calibration`)."""
     chosen = mtbench_subset(questions)
+
+    def copying():
+        if copy_calibration is None:
+            return dict(copy=False)
+        return dict(copy=True, copy_calibration=deepcopy(copy_calibration))
+
     new, passes = [], []
-    for q in tqdm(chosen, desc="MT-bench", leave=False):
-        copying = (
-            dict(copy=False)
-            if copy_calibration is None
-            else dict(copy=True, copy_calibration=deepcopy(copy_calibration))
-        )
-        r = tokens_per_pass(
-            head, target, tokenizer, [q.messages()], max_new_tokens, budget=60, depth=depth, top_k_draft=10, **copying
-        )
-        new.append(r["new_tokens"])
-        passes.append(r["passes"])
+    options = dict(tree="eagle2", budget=60, depth=depth, top_k_draft=10)
+    if batch_size == 1:
+        for q in tqdm(chosen, desc="MT-bench", leave=False):
+            r = tokens_per_pass(head, target, tokenizer, [q.messages()], max_new_tokens, **options, **copying())
+            new.append(r["new_tokens"])
+            passes.append(r["passes"])
+    else:
+        prompts = [q.messages() for q in chosen]
+        for r in decoded_batch(head, target, tokenizer, prompts, max_new_tokens, batch_size, **options, **copying()):
+            new.append(r.stats.new_tokens)
+            passes.append(r.stats.passes)
     return {
         "questions": len(chosen),
         "max_new_tokens": max_new_tokens,
         "depth": depth,
+        **({"batch_size": batch_size} if batch_size != 1 else {}),
         "tokens_per_pass": by_category([q.category for q in chosen], new, passes),
     }
 
 
 def evaluate_run(
-    cfg, head, n_prompts: int = 10, max_new_tokens: int = 64, depth: int = 6, heldout=None, mtbench: int = 0
+    cfg,
+    head,
+    n_prompts: int = 10,
+    max_new_tokens: int = 64,
+    depth: int = 6,
+    heldout=None,
+    mtbench: int = 0,
+    batch_size: int = 1,
 ) -> dict:
     """Agreement (on held-out ShareGPT answers and on the target's own answers to the held-out prompts) and
     tokens/pass on held-out ShareGPT prompts, and with `mtbench` > 0 on that many MT-bench first turns (128
     new tokens, per category, head alone and with copied spans); written to <out_dir>/metrics.json.
 
-    `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it.
+    `heldout`: what `evaluation_conversations(cfg)` returned, when the caller already has it. `batch_size` > 1
+    decodes the copy and MT-bench runs that many prompts at a time (batched decoding's tokens/pass, labelled with
+    it); the held-out run of the head alone stays at one prompt at a time: its passes' trees fit the calibration.
     """
     heldout = evaluation_conversations(cfg) if heldout is None else heldout
     # on the run's device, at generate's default precision there (fp32 on CPU, bf16 on CUDA), as users decode;
@@ -275,17 +328,19 @@ def evaluate_run(
     )  # the head alone
     metrics["eagle2_60"]["depth"] = depth
     copy_calibration, metrics["eagle2_60_copy"] = measure_copy_calibration(
-        head, target, tok, prompts, max_new_tokens, budget=60, depth=depth, top_k_draft=10
+        head, target, tok, prompts, max_new_tokens, budget=60, depth=depth, top_k_draft=10, batch_size=batch_size
     )
+    if batch_size != 1:
+        metrics["eagle2_60_copy"]["batch_size"] = batch_size
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
     if mtbench:
         # copies valued by the calibration just measured on the held-out prompts (what is saved with the head)
         metrics["mtbench"] = {
-            "eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth),
+            "eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth, batch_size=batch_size),
             "eagle2_60_copy": mtbench_tokens_per_pass(
-                head, target, tok, mtbench, depth=depth, copy_calibration=copy_calibration
+                head, target, tok, mtbench, depth=depth, copy_calibration=copy_calibration, batch_size=batch_size
             ),
         }
     head_dir = Path(cfg.out_dir, "head")
@@ -322,6 +377,13 @@ def main(argv=None) -> int:
         default=0,
         help="also tokens/pass on this many MT-bench first turns (per category, 128 new tokens)",
     )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="prompts decoded together in the copy and MT-bench tokens/pass runs (default 1: one at a time; more "
+        "measures batched decoding, one budget per batch); the head-alone run, which calibrates, stays at 1",
+    )
     ap.add_argument("--ship", default=None, help="then copy the head (bf16) with its metrics to this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -332,6 +394,7 @@ def main(argv=None) -> int:
             ("--prompts", args.prompts, 1),
             ("--max-new-tokens", args.max_new_tokens, 2),
             ("--depth", args.depth, 1),
+            ("--batch-size", args.batch_size, 1),
         ):
             if value < least:
                 raise TrainingError(f"{flag} must be >= {least}, got {value}")
@@ -346,6 +409,7 @@ def main(argv=None) -> int:
             max_new_tokens=args.max_new_tokens,
             depth=args.depth,
             mtbench=args.mtbench,
+            batch_size=args.batch_size,
         )
         print(json.dumps(metrics, indent=2))
         if args.ship:
