@@ -459,6 +459,13 @@ def _add_bench_command(sub) -> None:
         "decoding, and tokens/s and speedups are each batch's throughput",
     )
     p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="instead of the method grid, the batched throughput table and plot (throughput.md, .json, .png): "
+        "tokens/s of HF batched generate, eagletree plain and eagletree with trees (the default tree) at each "
+        "of these batch sizes, e.g. 1,2,4,8,16",
+    )
+    p.add_argument(
         "--datastore",
         default="auto",
         choices=["auto", "none"],

@@ -448,6 +448,7 @@ class Decoder:
             inspect_step(batch.drafter.view(live[0].row), live[0].root)
             batch.drafter.begin_tree(live[0].row)
         jobs, searched = [], []
+        copy_t = time.perf_counter()
         for i, (seq, left, d) in enumerate(zip(live, lefts, depths)):
             copies = None
             if seq.index is not None and left > 1 and searcher.takes_copies():
@@ -462,6 +463,7 @@ class Decoder:
             if drafts[i] or copies is not None:
                 jobs.append(Job(drafts[i], seq.root, max(d, 1), copies))
                 searched.append(i)
+        copy_s = time.perf_counter() - copy_t
         # 2. Search: the nodes this pass verifies (the root alone where there is nothing to draft from).
         trees = [DraftTree([seq.root], [-1], draft_probs=[1.0]) for seq in live]
         if jobs:
@@ -487,7 +489,7 @@ class Decoder:
         if searcher is not None:
             seconds = results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results)
             accepted = sum(len(r.accepted) - 1 for r in results)
-            searcher.observe(sum(len(tree) for tree in trees), seconds, accepted, batch=len(live))
+            searcher.observe(sum(len(tree) for tree in trees), seconds, accepted, len(live), copy_s)
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]

@@ -750,3 +750,22 @@ def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_befor
     assert "--temperatures lists a temperature twice: [0.0, 0.0]" in capsys.readouterr().err and not loads
     assert cli_main(args + ["--methods", "lookup", "--temperatures", "0,1e-30", "-o", str(tmp_path / "c")]) == 2
     assert "--temperatures must be finite numbers, 0 or >= 1e-20" in capsys.readouterr().err and not loads
+
+
+def test_bench_batch_sizes_writes_the_throughput_table_and_plot(tiny_setup, tmp_path, monkeypatch, capsys):
+    model, tok, head = tiny_setup
+    head.save_pretrained(tmp_path / "head")
+    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
+    (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n"why is the sky blue"\n')
+    argv = ["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl")]
+    argv += ["--max-new-tokens", "5", "--pack", "off", "-o", str(tmp_path / "out")]
+    assert cli_main([*argv, "--batch-sizes", "1,2,3"]) == 0
+    data = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert set(data["rates"]) == {"HF generate", "eagletree plain", "eagletree trees"}
+    assert all(sorted(map(int, r)) == [1, 2, 3] and min(r.values()) > 0 for r in data["rates"].values())
+    assert data["identical"] is True and data["prompts"] == 3
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
+    assert "| batch | HF generate tok/s" in capsys.readouterr().out
+    for bad in ("1,0", "2,2"):
+        assert cli_main([*argv, "--batch-sizes", bad]) == 2
+        assert "--batch-sizes must be distinct integers >= 1" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 from ..decode_config import MIN_TEMPERATURE
 from ..decode_resources import resolve_store
@@ -55,6 +56,9 @@ def main(args) -> int:
     methods = _methods(args, budgets)
     max_new_tokens = pick("max_new_tokens")
     prompts = load_prompts(pick("prompts"))
+    batch_sizes = None if args.batch_sizes is None else parse_list(args.batch_sizes, int, "batch-sizes")
+    if batch_sizes is not None and (min(batch_sizes) < 1 or len(set(batch_sizes)) < len(batch_sizes)):
+        raise ValueError(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
 
     head_dir = head_to_load(args.target, args.head or None, required=False)
     if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
@@ -68,6 +72,8 @@ def main(args) -> int:
         head_dtype=args.draft_dtype,
         draft_vocab=args.draft_vocab,
     )
+    if args.batch_sizes is not None:
+        return _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command)
     if packed or is_packed(model):
         # first, so that every tree row's same-kernels speedup is against it (a row before it was compared with
         # stock plain decoding, the kernels' own gain included), and added when not listed
@@ -107,6 +113,27 @@ def main(args) -> int:
     out = write_outputs(report, args.out)
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out}/results.json, results.md, {', '.join(report['plots'])}", file=sys.stderr)
+    return 0
+
+
+def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command) -> int:
+    """`bench --batch-sizes`: the batched throughput table and plot in --out."""
+    from ..decode_config import DecodeConfig
+    from ..files import write_json_atomic, write_text_atomic
+    from .throughput import plot_throughput, throughput, throughput_table
+
+    if head is None:
+        raise ValueError("--batch-sizes compares decoding with the head's trees: pass --head DIR")
+    result = throughput(model, tok, head, prompts, batch_sizes, DecodeConfig(max_new_tokens=max_new_tokens))
+    result.update(command=command, machine=machine_info(model), max_new_tokens=max_new_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = throughput_table(result)
+    write_json_atomic(out / "throughput.json", result)
+    write_text_atomic(out / "throughput.md", f"`{command}`\n\n{table}\n\n![throughput](throughput.png)\n")
+    plot_throughput(result, out / "throughput.png")
+    print(table)
+    print(f"wrote {out}/throughput.json, throughput.md, throughput.png", file=sys.stderr)
     return 0
 
 

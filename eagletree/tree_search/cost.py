@@ -125,29 +125,49 @@ def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max
     return best + 1, float(expected[best]), float(rate[best])
 
 
-def choose_batch(values: list[torch.Tensor], profile: LatencyProfile, levels: int, max_nodes: int | None = None):
-    """Nodes per sequence for one pass of a batch: the best nodes of all sequences together (each sequence's
-    root is always verified) under the rate rule of `choose_budget`, a pass of R rows costing
-    `profile.batch_time(batch, R)` and drafting `levels` batched levels.
+def choose_batch(
+    values: list[torch.Tensor], profile: LatencyProfile, levels: int, max_nodes: int | None = None, fixed: float = 0.0
+):
+    """Nodes per sequence for one pass of a batch, by the rate rule of `choose_budget`: expected tokens over the
+    step's seconds, drafting `levels` batched levels and a pass costing `profile.batch_time(batch, rows)`.
 
-    values: each sequence's candidate node values, best first. Returns (nodes per sequence, roots included;
-    expected tokens of the pass; expected tokens per second).
+    One sequence: its best nodes (`choose_budget`'s choice). Several: a ragged pass's attention is padded to its
+    largest tree (every sequence's queries are computed in an [S, n_max] block), so a pass with trees of at most
+    m nodes costs about a pass of m nodes per sequence, the size the profile measured; at that cost every
+    sequence takes its best m - 1 candidates, and the rule picks m. values: each sequence's candidate node
+    values, best first; `fixed`: seconds any pass with drafted nodes costs on top (the copied spans' lookups);
+    max_nodes: the most nodes of the pass. Returns (nodes per sequence, roots included; expected tokens of the
+    pass; expected tokens per second).
     """
     batch = len(values)
-    flat = torch.cat([v.double().flatten() for v in values]) if batch else torch.zeros(0, dtype=torch.float64)
-    owner = torch.cat([torch.full((v.numel(),), i) for i, v in enumerate(values)]) if batch else torch.zeros(0)
-    keep = torch.isfinite(flat)
-    flat, owner = flat[keep], owner[keep]
-    order = torch.sort(flat, descending=True, stable=True).indices
-    if max_nodes is not None:
-        order = order[: max(max_nodes - batch, 0)]
-    expected = batch + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(flat[order], 0)])
-    rows = torch.arange(batch, batch + expected.numel())
-    cost = levels * (profile.draft_s_per_level + profile.search_s_per_level) + profile.batch_time(batch, rows)
+    per_level = profile.draft_s_per_level + profile.search_s_per_level
+    if batch == 1:
+        v = values[0].double().flatten()
+        v = torch.sort(v[torch.isfinite(v)], descending=True).values
+        if max_nodes is not None:
+            v = v[: max(max_nodes - 1, 0)]
+        expected = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v, 0)])
+        rows = torch.arange(1, expected.numel() + 1)
+    else:
+        sums = [
+            torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v.double()[torch.isfinite(v)], 0)])
+            for v in values
+        ]
+        widest = max(s.numel() for s in sums)  # m - 1 drafted nodes per sequence at most
+        if max_nodes is not None:
+            widest = max(min(widest, max_nodes // batch), 1)
+        expected = torch.tensor(
+            [batch + sum(float(s[min(m, s.numel() - 1)]) for s in sums) for m in range(widest)], dtype=torch.float64
+        )
+        rows = batch * torch.arange(1, widest + 1)
+    cost = levels * per_level + profile.batch_time(batch, rows) + fixed * (rows > batch)
     rate = expected / cost
     best = int(rate.argmax())
-    counts = 1 + torch.bincount(owner[order[:best]].long(), minlength=batch)
-    return counts.tolist(), float(expected[best]), float(rate[best])
+    if batch == 1:
+        counts = [best + 1]
+    else:
+        counts = [1 + min(best, s.numel() - 1) for s in sums]
+    return counts, float(expected[best]), float(rate[best])
 
 
 def choose_depth_and_budget(expected: dict[tuple[int, int], float], profile: LatencyProfile):

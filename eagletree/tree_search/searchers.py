@@ -62,9 +62,12 @@ class Searcher:
         takes [(job index, nodes, tokens, parents, level)] and returns one distribution per request."""
         raise NotImplementedError
 
-    def observe(self, nodes: int, seconds: float, accepted: int | None = None, batch: int = 1) -> None:
+    def observe(
+        self, nodes: int, seconds: float, accepted: int | None = None, batch: int = 1, copy_s: float = 0.0
+    ) -> None:
         """Told after each target pass: it verified `nodes` nodes (roots included) of `batch` sequences in
-        `seconds` (verify, accept, commit), and `accepted` of its drafted nodes were accepted (None: not told)."""
+        `seconds` (verify, accept, commit), `accepted` of its drafted nodes were accepted (None: not told), and the
+        step's copied spans took `copy_s` seconds to look up."""
 
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
@@ -218,6 +221,8 @@ class AutoSearcher(Searcher):
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
         self.predicted = self.accepted = 0.0  # drafted tokens the verified trees' values predicted, and accepted
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
+        self.copy_s = None  # running mean seconds of a step's copy lookups (None: none timed yet)
+        self.copy_skip = self.copy_wait = 0  # passes left without copy lookups; the length of the last such pause
 
     @property
     def measured(self) -> LatencyProfile:
@@ -239,7 +244,11 @@ class AutoSearcher(Searcher):
     def _scaled(self, values: torch.Tensor) -> torch.Tensor:
         return (values * self.value_scale).clamp(max=1.0)
 
-    def observe(self, nodes, seconds, accepted=None, batch=1):
+    def observe(self, nodes, seconds, accepted=None, batch=1, copy_s=0.0):
+        if copy_s > 0:
+            self.copy_s = copy_s if self.copy_s is None else self.copy_s + self.LOAD_SMOOTHING * (copy_s - self.copy_s)
+        if self.copy_skip > 0:
+            self.copy_skip -= 1
         if self._pending is not None and accepted is not None:
             self.predicted += self._pending
             self.accepted += accepted
@@ -264,7 +273,8 @@ class AutoSearcher(Searcher):
         return self._pays[batch]
 
     def takes_copies(self) -> bool:
-        return super().takes_copies() and not self.never  # where no tree can pay, none is built
+        # where no tree can pay, none is built; nor while copied spans alone have lately not paid in a batch
+        return super().takes_copies() and not self.never and self.copy_skip == 0
 
     def search_batch(self, expand_batch, jobs):
         """A job without drafting (the head paused or absent) takes its copied spans alone, pruned by the same
@@ -303,8 +313,12 @@ class AutoSearcher(Searcher):
         searched = self.clock() - start  # the drafter's calls and the search's own work between them
         values = [f.values[1:] if self.calibrator is None else calibrated_values(f, self.calibrator) for f in fulls]
         scaled = [self._scaled(v) for v in values]
+        copied = any(j.copies is not None for j in jobs)
+        fixed = (self.copy_s or 0.0) if copied and batch > 1 else 0.0  # (at batch 1 a lookup is a small share)
         if not any(j.drafts for j in jobs):
-            return self._chosen(fulls, values, choose_batch(scaled, self.measured, 0)[0])
+            counts = choose_batch(scaled, self.measured, 0, fixed=fixed)[0]
+            self._pause_copies(batch > 1 and max(counts) == 1)
+            return self._chosen(fulls, values, counts)
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
         # The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
@@ -314,10 +328,19 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
-        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1)
+        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed)
         self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
         return self._chosen(fulls, values, counts)
+
+    def _pause_copies(self, idle: bool) -> None:
+        """A batch's copied spans alone chose no node: skip looking them up for a while (4 passes, then twice as
+        long each time, up to max_wait), as the head's drafting pauses."""
+        if idle:
+            self.copy_wait = min(2 * self.copy_wait or 4, self.max_wait)
+            self.copy_skip = self.copy_wait
+        else:
+            self.copy_wait = 0
 
     def _update_gain(self, gain: float) -> None:
         """One step's estimated speed-up over plain passes moves the running gain; pause drafting if it is < 1.
