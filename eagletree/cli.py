@@ -285,10 +285,11 @@ def _add_distill_decoding_args(p) -> None:
     )
     p.add_argument(
         "--decoder",
-        default="hf",
+        default=None,
         choices=["hf", "eagletree"],
         help="hf: HF generate on batches of similar length; eagletree: eagletree's own batched speculative "
-        "decoding with --head (greedy only; the same answers and records, written as each finishes)",
+        "decoding with --head (greedy only; the same answers and records, written as each finishes); default: "
+        "eagletree for greedy answers, hf with --temperature > 0",
     )
     p.add_argument(
         "--head",

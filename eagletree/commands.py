@@ -602,6 +602,8 @@ def cmd_distill(args) -> int:
     if args.match is not None:
         check_match(args.match)  # so does a bad --match
     head_path = None
+    if args.decoder is None:  # greedy answers come faster from the head's batched decoding; sampled ones from HF
+        args.decoder = "hf" if args.temperature else "eagletree"
     if args.decoder == "eagletree":
         if args.temperature:
             raise ValueError(

@@ -350,7 +350,7 @@ def test_distill_decoder_flags_are_checked_before_loading(tmp_path, capsys, monk
     out = ["distill", "--out", str(tmp_path / "d.jsonl")]
     for argv, message in (
         (["--decoder", "eagletree", "--temperature", "1"], "--decoder eagletree answers greedily; --temperature 1"),
-        (["--head", str(tmp_path)], "--head goes with --decoder eagletree"),
+        (["--decoder", "hf", "--head", str(tmp_path)], "--head goes with --decoder eagletree"),
     ):
         assert main([*out, *argv]) == 2
         assert message in capsys.readouterr().err

@@ -99,3 +99,21 @@ def test_greedy_with_the_shipped_head_equals_plain_decoding(smollm2, shipped_hea
                 passes, new = passes + out.stats.passes, new + out.stats.new_tokens
     assert sorted(decoded) == sorted([m[0] for m in methods] * 2)
     assert new / passes > 1.3  # the head really drafts: well above one token per pass
+
+
+@pytest.mark.real
+def test_a_batch_with_the_shipped_head_equals_plain_decoding_of_each_prompt(smollm2, shipped_head, prompts):
+    """The 4 held-out prompts x 48 tokens decoded 3 at a time (continuous batching: the fourth joins when the first
+    finishes), EAGLE-2 under one budget of 16 nodes per sequence with copied spans: every answer is HF generate's
+    of its prompt alone, and the head's drafts are accepted (more than one token per pass)."""
+    from eagletree import DecodeConfig, Decoder
+
+    model, tok = smollm2
+    n = 48
+    decoder = Decoder(model, tok, shipped_head, DecodeConfig(tree="eagle2", budget=16, max_new_tokens=n))
+    results = decoder.generate_batch(prompts, batch_size=3)
+    for messages, result in zip(prompts, results):
+        ref = plain(model, tok, messages, n)
+        assert result.token_ids == ref[:n], first_difference(model, tok, messages, result.token_ids, ref)
+    tokens = sum(r.stats.new_tokens for r in results)
+    assert tokens / sum(r.stats.passes for r in results) > 1.5
