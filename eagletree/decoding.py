@@ -376,6 +376,13 @@ class Decoder:
             stats = next(st for j, _, st in checked if j == i)
             yield i, GenerationResult(decode_text(self.tokenizer, tokens[i]), tokens.pop(i), stats)
 
+    def prepare(self, batch_size: int) -> None:
+        """Measure what decoding `batch_size` sequences at a time needs and this device's profile lacks (tree
+        "auto": the passes of 2 .. batch_size sequences, seconds on a CPU; saved with the cached profile), so
+        that the first batch does not pay for it. Decoding calls it too."""
+        if isinstance(self.searcher, AutoSearcher) and batch_size > 1:
+            add_batch_times(self.target, self.searcher.initial_profile, batch_size, self._profile_path)
+
     def _prompt_ids(self, prompt) -> torch.Tensor:
         """The prompt's ids, checked against the vocabulary and the context (cut to its end with truncate_prompt)."""
         ids = encode_prompt(self.tokenizer, prompt)
@@ -402,8 +409,7 @@ class Decoder:
     def _run(self, jobs, batch_size: int, inspect_step):
         """The decoding loop over (key, ids, stats) jobs, `batch_size` sequences at a time: yields (key, Step) per
         sequence and pass (recorded in its stats), and (key, None) when a sequence is done."""
-        if isinstance(self.searcher, AutoSearcher) and batch_size > 1:
-            add_batch_times(self.target, self.searcher.initial_profile, batch_size, self._profile_path)
+        self.prepare(batch_size)
         if self.searcher is not None:
             self.searcher.start()
         batch = _Batch(self)
