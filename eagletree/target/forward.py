@@ -22,7 +22,7 @@ class TreeForwardOutput:
     layer_hidden: dict[int, torch.Tensor] | None  # layer index -> [B, n, H] output of that decoder layer
 
 
-def _takes(model, name: str) -> bool:
+def forward_takes(model, name: str) -> bool:
     """Whether the model's forward has a parameter `name` (looking through a torch.compile wrapper)."""
     return name in _forward_parameters(type(getattr(model, "_orig_mod", model)))
 
@@ -35,7 +35,7 @@ def _forward_parameters(cls) -> frozenset:
 
 def cache_kwarg(model) -> str:
     """The name forward takes the KV cache under: `past_key_values` (5.17) or `cache` (later 5.x)."""
-    return "cache" if _takes(model, "cache") else "past_key_values"
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
 
 
 def new_cache(model):
@@ -111,7 +111,7 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, lo
     # A left-to-right mask (a one-node tree, a prompt) is the model's own causal attention: without a mask the
     # model takes its unmasked fast path (SDPA's causal kernel; no per-head copies of grouped key/value heads).
     mask = None if is_causal(allowed) else mask_for_model(model, allowed.to(input_ids.device), model.dtype)
-    extra = {} if logits or not _takes(model, "logits_to_keep") else {"logits_to_keep": 1}
+    extra = {} if logits or not forward_takes(model, "logits_to_keep") else {"logits_to_keep": 1}
     out = model(
         input_ids=input_ids,
         attention_mask=mask,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import GQA_SDPA, RAGGED, sdpa_gqa_attention
-from .forward import cache_kwarg
+from .forward import cache_kwarg, forward_takes
 
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("eagletree_ragged_layout", default=None)
 
@@ -46,6 +46,9 @@ class Layout:
     write_pos: torch.Tensor  # [R] and its position there
     mask: torch.Tensor
     padded: torch.Tensor | None = None  # [R] each packed token's index in the [S * n_max] block; None: no padding
+    row_index: slice | torch.Tensor | None = None  # `rows` as an index into the cache rows (a slice when contiguous)
+    single: tuple[int, int, int] | None = None  # one row: (row, first, end) of the positions it writes
+    unmasked: bool = False  # every query sees every entry up to kv (SDPA without a mask)
 
     @property
     def kv(self) -> int:
@@ -86,6 +89,11 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     )
     if min(counts) != n_max:
         layout.padded = (q_row * n_max + q_slot).to(**on)
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    layout.row_index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
+    if len(rows) == 1:
+        layout.single = (rows[0], starts[0], starts[0] + counts[0])
+    layout.unmasked = bool(mask.all())
     return layout
 
 
@@ -151,8 +159,12 @@ class RaggedCache:
             buf = store.get(layer_idx)
             if buf is None:
                 buf = store[layer_idx] = new.new_zeros(self.batch, new.shape[1], self.capacity, new.shape[3])
-            buf[lay.write_row, :, lay.write_pos] = new[0].transpose(0, 1)
-            out.append(_rows(buf, lay.rows)[:, :, : lay.kv])
+            if lay.single is not None:
+                row, first, end = lay.single
+                buf[row, :, first:end] = new[0]
+            else:
+                buf[lay.write_row, :, lay.write_pos] = new[0].transpose(0, 1)
+            out.append(buf[lay.row_index, :, : lay.kv])
         return out[0], out[1]
 
     @torch.inference_mode()
@@ -175,13 +187,6 @@ class RaggedCache:
                 buf[r, :, d] = buf[r, :, s]  # gathered first (a copy), so overlapping ranges are safe
 
 
-def _rows(buf: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """buf's rows `rows`: a view when they are a contiguous run, else a copy."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return buf[rows[0] : rows[0] + len(rows)]
-    return buf[torch.tensor(rows, device=buf.device)]
-
-
 def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """Attention of a ragged forward (query [1, heads, R, dim] packed; key/value [S, kv_heads, kv, dim] per row),
     or, outside one, the project's SDPA."""
@@ -202,7 +207,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if groups > 1 and not on_cpu:  # (CUDA with a mask and enable_gqa falls back to the math kernel)
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, key, value, attn_mask=lay.mask, scale=scaling, enable_gqa=groups > 1 and on_cpu
+        q, key, value, attn_mask=None if lay.unmasked else lay.mask, scale=scaling, enable_gqa=groups > 1 and on_cpu
     )  # [S, heads, n_max, dim]
     out = out.transpose(1, 2).reshape(s * n_max, heads, dim)  # [S n_max, heads, dim]
     if lay.padded is not None:
@@ -309,6 +314,7 @@ def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, l
     cache.reserve(max(layout.kv, 1))
     input_ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)[None]
     position_ids = torch.cat([p.reshape(-1) for p in positions]).to(device)[None]
+    extra = {} if logits or not forward_takes(model, "logits_to_keep") else {"logits_to_keep": 1}  # (features only)
     with ragged_pass(cache, layout):
         out = model(
             input_ids=input_ids,
@@ -317,6 +323,7 @@ def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, l
             use_cache=True,
             output_hidden_states=True,
             **{cache_kwarg(model): cache},
+            **extra,
         )
     states = out.hidden_states
     layer_hidden = {i: states[i + 1][0] for i in layers} if layers else None
