@@ -429,7 +429,7 @@ class Decoder:
                 yield seq.key, step
             done = [seq for seq in live if seq.done]
             live = [seq for seq in live if not seq.done]
-            batch.release(done, live, more=True)
+            batch.release(done, live)
             for seq in done:
                 seq.stats.seconds = time.perf_counter() - seq.started
                 yield seq.key, None
@@ -533,7 +533,7 @@ class _Batch:
                 seq.pending.append((_features(out[0], out[1], self.layers), seq.ids[1:]))
             seq.stats.times["prefill"] += time.perf_counter() - t
 
-    def release(self, done: list[_Sequence], live: list[_Sequence], more: bool) -> None:
+    def release(self, done: list[_Sequence], live: list[_Sequence]) -> None:
         """Drop finished sequences' rows (the live ones are renumbered)."""
         if not done:
             return

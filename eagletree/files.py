@@ -346,3 +346,24 @@ def read_npz(
                 e if isinstance(e, OSError) else None
             )
     return header, arrays
+
+
+def read_appended_jsonl(path: Path, not_utf8) -> tuple[list[tuple[int, str]], str | None, int, bytes]:
+    """The lines of an append-only JSONL file as an interrupted writer may leave it: ((line number, text) of each
+    non-blank whole line; the text after the last newline when it is a complete JSON object, else None; the byte
+    offset where the whole lines end; the bytes that follow). Anything else after the last newline is what
+    a kill in the middle of a write leaves, possibly a cut UTF-8 character. `not_utf8(error)` is the exception
+    to raise when the whole lines are not UTF-8."""
+    raw = path.read_bytes()
+    end = raw.rfind(b"\n") + 1
+    try:
+        lines = raw[:end].decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise not_utf8(e) from e
+    tail = raw[end:]
+    try:
+        last = tail.decode("utf-8")
+        last = last if isinstance(json.loads(last), dict) else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        last = None
+    return [(n, line) for n, line in enumerate(lines, start=1) if line.strip()], last, end, tail

@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import EagletreeError
+from .files import read_appended_jsonl
 
 
 class AnswersFileError(EagletreeError, ValueError):
@@ -64,20 +65,12 @@ def answered(out: Path, prompts: list, fix: str = "pass another --out, or the --
     """
     if not out.exists():
         return set()
-    raw = out.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    try:
-        lines = raw[:end].decode("utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise AnswersFileError(f"--out {str(out)!r} is not UTF-8 ({e}); {fix}") from e
-    done = {_index(line, f"{out} line {n}", prompts, fix) for n, line in enumerate(lines, start=1) if line.strip()}
-    tail = raw[end:]
-    try:
-        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        whole = False
-    if whole:
-        done.add(_index(tail.decode("utf-8"), f"{out} last line", prompts, fix))
+    lines, last, end, tail = read_appended_jsonl(
+        out, lambda e: AnswersFileError(f"--out {str(out)!r} is not UTF-8 ({e}); {fix}")
+    )
+    done = {_index(line, f"{out} line {n}", prompts, fix) for n, line in lines}
+    if last is not None:
+        done.add(_index(last, f"{out} last line", prompts, fix))
         with open(out, "ab") as f:
             f.write(b"\n")
     elif tail.strip():

@@ -33,15 +33,13 @@ class Layout:
     """Where each packed token of one ragged forward sits.
 
     rows: [S] cache rows taking part (ascending); counts: new tokens per row; starts: each row's cache length
-    before the pass. q_row / q_slot: [R] each packed token's index into `rows` and among its row's new tokens.
-    mask: [S, 1, n_max, kv] bool, row s's tokens over its cache entries [0, kv) (padding slots see entry 0).
+    before the pass. mask: [S, 1, n_max, kv] bool, row s's tokens over its cache entries [0, kv) (padding slots
+    see entry 0).
     """
 
     rows: list[int]
     counts: list[int]
     starts: list[int]
-    q_row: torch.Tensor
-    q_slot: torch.Tensor
     write_row: torch.Tensor  # [R] the cache row each new key is written to
     write_pos: torch.Tensor  # [R] and its position there
     mask: torch.Tensor
@@ -84,9 +82,7 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     write_row = torch.tensor(rows)[q_row]
     write_pos = torch.tensor(starts)[q_row] + q_slot
     on = dict(device=device)
-    layout = Layout(
-        rows, counts, starts, q_row.to(**on), q_slot.to(**on), write_row.to(**on), write_pos.to(**on), mask.to(**on)
-    )
+    layout = Layout(rows, counts, starts, write_row.to(**on), write_pos.to(**on), mask.to(**on))
     if min(counts) != n_max:
         layout.padded = (q_row * n_max + q_slot).to(**on)
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))

@@ -31,6 +31,7 @@ from ..decode_config import DecodeConfig
 from ..decoding import Decoder, encode_prompt, hf_generation_config, stop_token_ids
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
+from ..files import read_appended_jsonl
 from .data import TURNS
 
 
@@ -91,21 +92,13 @@ def _scan(path: Path, settings: dict | None, fix: str) -> tuple[set[str], int, b
     A complete record after the last newline counts (its id is in `ids`); anything else there is what a
     kill in the middle of a write leaves, possibly a cut UTF-8 character, and is not read.
     """
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    try:
-        lines = raw[:end].decode("utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise DistillError(f"{path} is not UTF-8 ({e}); expected a JSONL file written by distill") from e
-    ids = {_record(line, f"{path}: line {n}", settings, fix) for n, line in enumerate(lines, start=1) if line.strip()}
-    tail = raw[end:]
-    try:
-        whole = isinstance(json.loads(tail.decode("utf-8")), dict)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        whole = False
-    if whole:  # a complete record that only lacks its newline (another run's settings are an error)
-        ids.add(_record(tail.decode("utf-8"), f"{path}: last line", settings, fix))
-    return ids, end, whole, len(tail)
+    lines, last, end, tail = read_appended_jsonl(
+        path, lambda e: DistillError(f"{path} is not UTF-8 ({e}); expected a JSONL file written by distill")
+    )
+    ids = {_record(line, f"{path}: line {n}", settings, fix) for n, line in lines}
+    if last is not None:  # a complete record that only lacks its newline (another run's settings are an error)
+        ids.add(_record(last, f"{path}: last line", settings, fix))
+    return ids, end, last is not None, len(tail)
 
 
 def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
