@@ -3,12 +3,14 @@ Python/tensor bookkeeping, and the tree search's top-k and bookkeeping, measured
 
     .venv/bin/python benchmarks/draft_cost.py                      # shipped head, CLI defaults (bf16 head, --pack auto)
     .venv/bin/python benchmarks/draft_cost.py --tree eagle2 --budget 8 --prompts heldout:4
+    .venv/bin/python benchmarks/draft_cost.py --prompts mtbench:16 --batch-size 8   # one head call a level for 8
 
-Per level = per drafter call during tree search (level 1 reuses the root distribution, so it makes no call; the
-search's work on it is spread over the calls, so the parts add up to "one level in all"); the catch-up call on
-committed tokens (`extend`) is reported per decoding step, and drafting per step = levels x one level + the
-catch-up. Medians over the prompts that drafted at least one level (a prompt answered at once, or `auto`
-drafting nothing, has no level to measure).
+Per level = per batch drafter call during tree search (one call drafts a level for every sequence of the
+batch; level 1 reuses the root distributions, so it makes no call; the search's work on it is spread over the
+calls, so the parts add up to "one level in all"); the catch-up call on committed tokens (`extend`) is reported
+per decoding step, and drafting per step = levels x one level + the catch-up. Medians over the batches of
+prompts that drafted at least one level (a prompt answered at once, or `auto` drafting nothing, has no level to
+measure).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ import time
 
 import torch
 
+from eagletree import decoding
 from eagletree.bench import load_prompts
-from eagletree.decoding import GenerationStats, decode_steps
+from eagletree.decode_config import DecodeConfig
+from eagletree.decoding import Decoder
+from eagletree.draft_heads import batch_drafter
+from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
 from eagletree.draft_heads.drafter import TreeDrafter
 from eagletree.loading import head_to_load, load_models
 from eagletree.packing import kernels_used
@@ -36,6 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 2 (one token drafts no level)")
+    ap.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (one head call a level)")
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument(
@@ -45,6 +52,8 @@ def parse_args(argv=None):
         help="the head's own draft vocabulary or the target's whole one (a larger lm_head per level)",
     )
     args = ap.parse_args(argv)
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 2:
         ap.error(f"--max-new-tokens must be >= 2 (one token drafts no level), got {args.max_new_tokens}")
 
@@ -58,10 +67,10 @@ def parse_args(argv=None):
 
 
 def instrument(head):
-    """Time the head's layer, the lm_head slice, the drafter's level calls and its catch-up calls (in place);
-    returns the running clock (seconds) and call counts."""
-    clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0}
-    counts = {"call": 0, "extend": 0}
+    """Time the head's layer, the lm_head slice, the batch drafter's level calls and catch-up calls, the
+    searches and the verify passes (in place); returns the running clock (seconds) and call counts."""
+    clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0, "search": 0.0, "verify": 0.0}
+    counts = {"call": 0, "extend": 0, "passes": 0}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -74,62 +83,74 @@ def instrument(head):
         return wrapper
 
     real_forward, real_probs = head.forward, TreeDrafter.draft_probs
-    real_call, real_extend = TreeDrafter.__call__, TreeDrafter.extend
+    real_expand, real_extend = RaggedTreeDrafter.expand, RaggedTreeDrafter.extend
     head.forward = timed("head", real_forward)
+    batch_drafter.lean_forward = timed("head", batch_drafter.lean_forward)  # the layer's fast path
     TreeDrafter.draft_probs = lambda self, h: timed("lm", real_probs)(self, h)
 
-    def call(self, nodes, tokens, parents, level):
-        if level > 1:
+    def expand(self, requests):
+        if any(level > 1 for *_, level in requests):  # level 1 reuses the root distributions: no head call
             counts["call"] += 1
-            return timed("call", real_call)(self, nodes, tokens, parents, level)
-        return real_call(self, nodes, tokens, parents, level)
+            return timed("call", real_expand)(self, requests)
+        return real_expand(self, requests)
 
-    def extend(self, features, next_tokens):
-        counts["extend"] += 1
+    def extend(self, rows, features, next_tokens):
         saved = dict(clock)
-        out = timed("extend", real_extend)(self, features, next_tokens)
+        if any(self.rows[r].committed == 0 for r in rows):  # a prompt's first call: its prefill, paid once
+            out = real_extend(self, rows, features, next_tokens)
+        else:
+            counts["extend"] += 1
+            out = timed("extend", real_extend)(self, rows, features, next_tokens)
         clock["head"], clock["lm"] = saved["head"], saved["lm"]  # the catch-up is reported on its own
         return out
 
-    TreeDrafter.__call__, TreeDrafter.extend = call, extend
-    return clock, counts
+    RaggedTreeDrafter.expand, RaggedTreeDrafter.extend = expand, extend
+    real_verify = decoding.verify_rows
+
+    def verify(*a, **k):
+        counts["passes"] += 1
+        return timed("verify", real_verify)(*a, **k)
+
+    decoding.verify_rows = verify
+    return clock, counts, timed
 
 
-def measure(model, tok, head, args, clock, counts):
-    """Per prompt: the drafting cost per level and per step (a row), and how many prompts drafted no level."""
+def measure(model, tok, head, args, clock, counts, timed):
+    """Per batch of prompts: the drafting cost per level and per step (a row), and how many batches drafted no
+    level."""
+    decoder = Decoder(
+        model,
+        tok,
+        head,
+        DecodeConfig.from_options(
+            max_new_tokens=args.max_new_tokens, tree=args.tree, budget=args.budget, depth=args.depth
+        ),
+    )
+    decoder.prepare(args.batch_size)
+    decoder.searcher.search_batch = timed("search", decoder.searcher.search_batch)
+    prompts = load_prompts(args.prompts)
     rows, skipped = [], 0
-    for messages in load_prompts(args.prompts):
+    for first in range(0, len(prompts), args.batch_size):
         for k in clock:
             clock[k] = 0.0
-        counts.update(call=0, extend=0)
-        stats = GenerationStats()
-        for _ in decode_steps(
-            model,
-            tok,
-            head,
-            messages,
-            max_new_tokens=args.max_new_tokens,
-            tree=args.tree,
-            budget=args.budget,
-            depth=args.depth,
-            stats=stats,
-        ):
-            pass
-        levels = counts["call"]
-        if not levels or not stats.passes:
+        counts.update(call=0, extend=0, passes=0)
+        decoder.generate_batch(prompts[first : first + args.batch_size], args.batch_size)
+        levels, passes = counts["call"], counts["passes"]
+        if not levels or not passes:
             skipped += 1
             continue
+        search = clock["search"] - clock["call"]  # the searches' own work between the drafter's calls
         rows.append(
             {
                 "head": clock["head"] / levels,
                 "lm": clock["lm"] / levels,
                 "drafter_other": (clock["call"] - clock["head"] - clock["lm"]) / levels,
-                "search": stats.times["search"] / levels,
-                "level": (clock["call"] + stats.times["search"]) / levels,
+                "search": search / levels,
+                "level": (clock["call"] + search) / levels,
                 "extend": clock["extend"] / max(counts["extend"], 1),
-                "step": (clock["call"] + stats.times["search"] + clock["extend"]) / stats.passes,
-                "verify_one": stats.times["verify"] / stats.passes,
-                "levels_per_pass": counts["call"] / stats.passes,
+                "step": (clock["call"] + search + clock["extend"]) / passes,
+                "verify_one": clock["verify"] / passes,
+                "levels_per_pass": levels / passes,
             }
         )
     return rows, skipped
@@ -146,8 +167,8 @@ def main(argv=None):
         head_dtype=args.draft_dtype,
         draft_vocab=args.draft_vocab,
     )
-    clock, counts = instrument(head)
-    rows, skipped = measure(model, tok, head, args, clock, counts)
+    clock, counts, timed = instrument(head)
+    rows, skipped = measure(model, tok, head, args, clock, counts, timed)
     if not rows:
         raise SystemExit(
             "no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
@@ -157,17 +178,17 @@ def main(argv=None):
     print(
         f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
         f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
-        f"{len(rows)} prompts x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
-        + (f" ({skipped} prompts drafted no level and are left out)" if skipped else "")
+        f"{len(rows)} batches of {args.batch_size} x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
+        + (f" ({skipped} batches drafted no level and are left out)" if skipped else "")
     )
-    print("| per drafting level, ms (median over prompts) | |\n|---|---|")
+    print("| per drafting level, ms (median over batches) | |\n|---|---|")
     for key, label in (
-        ("head", "head layer (fc + decoder layer)"),
+        ("head", "head layer (fc + decoder layer, lean or transformers)"),
         ("lm", "lm_head slice + softmax"),
         ("drafter_other", "drafter bookkeeping (masks, slots, gathers)"),
         ("search", "tree search (top-k, ranking, bookkeeping) per level"),
         ("level", "one level in all"),
-        ("extend", "catch-up call per step (committed tokens)"),
+        ("extend", "catch-up call per step (committed tokens; a prompt's first call left out)"),
         ("step", "drafting and search per step (levels + catch-up)"),
         ("verify_one", "verify pass per step (for scale)"),
     ):

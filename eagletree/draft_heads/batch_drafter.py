@@ -15,6 +15,7 @@ import torch
 
 from ..target.ragged import RaggedCache, causal_block, plan, ragged_pass, use_ragged_layer
 from .drafter import TreeDrafter
+from .lean import lean_forward, lean_layer
 
 Request = tuple  # (row, nodes [F], tokens [F], parents [F], level): one row's frontier, as `Drafter.__call__` takes
 
@@ -37,11 +38,13 @@ class _Row:
 class RaggedTreeDrafter:
     """The batch form of `TreeDrafter` (same head, same lm_head slice and kernels): ragged head calls."""
 
-    def __init__(self, head, target_model):
+    def __init__(self, head, target_model, lean: bool = True):
         self.one = TreeDrafter(head, target_model)  # its draft_probs: the lm_head slice, packed where measured faster
         self.head, self.embed, self.dtype = head, self.one.embed, self.one.dtype
         self.token_map = self.one.token_map
         use_ragged_layer(head.layer, head.layer_config)
+        # the layer as fused tensor operations where it reproduces the head's own forward (`lean`)
+        self.lean = lean_layer(head, self.embed, self.one.kernel_choice) if lean else None
         self.cache = RaggedCache()
         self.rows: list[_Row] = []
 
@@ -58,6 +61,9 @@ class RaggedTreeDrafter:
         device = feats[0].device
         layout = plan(self.cache.lengths, rows, blocks, device)
         self.cache.reserve(layout.kv)
+        if self.lean is not None:
+            feats, tokens, positions = torch.cat(feats), torch.cat(tokens).to(device), torch.cat(positions).to(device)
+            return lean_forward(self.head, self.lean, self.embed, self.cache, layout, feats, tokens, positions)
         with ragged_pass(self.cache, layout):
             out = self.head(
                 torch.cat(feats)[None],

@@ -121,7 +121,7 @@ class EagleHead(DraftHead):
         tokens at t+1; embed: the target's (frozen) input embedding; allowed: [T, kv] or
         [B, T, kv] bool mask over cache + new positions (None = causal over the new positions).
         """
-        x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
+        x, _ = self.layer_inputs(features, tokens, embed)
         position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, x, position_ids, allowed, cache)
         out = self.layer(
             x,
@@ -132,6 +132,11 @@ class EagleHead(DraftHead):
             **{self._cache_kw: cache},
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def layer_inputs(self, features, tokens, embed):
+        """(the layer's attention input, its residual stream) [..., H] each: fc(concat(embedding, feature))."""
+        x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
+        return x, x
 
     def new_cache(self):
         return new_layer_cache(self.layer_config)

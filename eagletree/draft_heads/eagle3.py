@@ -95,8 +95,7 @@ class Eagle3Head(DraftHead):
 
     def forward(self, hidden, tokens, position_ids, embed, allowed=None, cache=None):
         """Next hidden [B, T, H] from hidden [B, T, H] at positions t and the tokens at t+1."""
-        emb = self.layer.input_layernorm(embed(tokens).to(hidden.dtype))
-        x = torch.cat([emb, self.hidden_norm(hidden)], dim=-1)
+        x, _ = self.layer_inputs(hidden, tokens, embed)
         position_ids, mask, pos = attention_inputs(self.layer_config, self.rotary, hidden, position_ids, allowed, cache)
         attn, _ = self.layer.self_attn(
             hidden_states=x,
@@ -108,6 +107,11 @@ class Eagle3Head(DraftHead):
         )
         h = hidden + attn
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def layer_inputs(self, hidden, tokens, embed):
+        """(the attention input [..., 2H]: concat(normed embedding, normed hidden); the residual stream: hidden)."""
+        emb = self.layer.input_layernorm(embed(tokens).to(hidden.dtype))
+        return torch.cat([emb, self.hidden_norm(hidden)], dim=-1), hidden
 
     def has_own_lm_head(self) -> bool:
         return True
