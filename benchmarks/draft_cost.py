@@ -42,7 +42,19 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64, help="at least 2 (one token drafts no level)")
+    ap.add_argument(
+        "--copy",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="copied and retrieved spans (their look-ups count as search)",
+    )
     ap.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (one head call a level)")
+    ap.add_argument(
+        "--lean",
+        default="on",
+        choices=["on", "off"],
+        help="off: the head's transformers layer instead of its lean form (draft_heads/lean.py), for a before/after",
+    )
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument(
@@ -123,7 +135,11 @@ def measure(model, tok, head, args, clock, counts, timed):
         tok,
         head,
         DecodeConfig.from_options(
-            max_new_tokens=args.max_new_tokens, tree=args.tree, budget=args.budget, depth=args.depth
+            max_new_tokens=args.max_new_tokens,
+            tree=args.tree,
+            budget=args.budget,
+            depth=args.depth,
+            copy={"auto": None, "on": True, "off": False}[args.copy],
         ),
     )
     decoder.prepare(args.batch_size)
@@ -167,6 +183,8 @@ def main(argv=None):
         head_dtype=args.draft_dtype,
         draft_vocab=args.draft_vocab,
     )
+    if args.lean == "off":
+        batch_drafter.lean_layer = lambda *a, **k: None
     clock, counts, timed = instrument(head)
     rows, skipped = measure(model, tok, head, args, clock, counts, timed)
     if not rows:
@@ -177,7 +195,8 @@ def main(argv=None):
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(
         f"drafting cost on {args.target} + {head_dir} ({next(head.parameters()).dtype}), kernels "
-        f"{kernels_used(model)['kernels']}, tree {args.tree} budget {args.budget} depth {args.depth}, "
+        f"{kernels_used(model)['kernels']}, lean layer {args.lean}, tree {args.tree} budget {args.budget} depth "
+        f"{args.depth}, copy {args.copy}, "
         f"{len(rows)} batches of {args.batch_size} x {args.max_new_tokens} tokens, threads {torch.get_num_threads()}"
         + (f" ({skipped} batches drafted no level and are left out)" if skipped else "")
     )

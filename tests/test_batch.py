@@ -661,3 +661,14 @@ def test_the_largest_seed_decodes_a_batch():
     model = tiny_model("llama")
     decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=3, sampling=Sampling(1.0, seed=2**64 - 1)))
     assert [len(r.token_ids) for r in decoder.generate_batch([[3, 4], [5, 6]])] == [3, 3]
+
+
+def test_a_ragged_block_may_cover_only_the_last_entries_and_a_bad_one_is_named():
+    """plan(): a block over a row's last m entries (the tree part of a drafter's row) sees everything before them;
+    it is the same layout as the block spelled out over all entries."""
+    tree = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)  # 2 new tokens after 2 drafted slots
+    full = torch.cat([torch.ones(2, 5, dtype=torch.bool), tree], dim=1)  # 5 committed entries before them
+    short, spelled = plan([7], [0], [tree], "cpu"), plan([7], [0], [full], "cpu")
+    assert torch.equal(short.mask, spelled.mask) and short.mask[0, 0, :, :5].all()
+    with pytest.raises(ValueError, match=r"row 0: a block of 2 new tokens is \[2, m\] with 2 <= m <= 9, got \[2, 10\]"):
+        plan([7], [0], [torch.ones(2, 10, dtype=torch.bool)], "cpu")

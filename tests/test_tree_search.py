@@ -334,3 +334,39 @@ def test_a_static_tree_cut_near_the_end_keeps_exactly_its_shallow_nodes():
         cut = searcher.search(path_expand(drafter(7, vocab=30)), 3, d)
         assert len(cut.tokens) == 1 + sum(1 for x in depth[1:] if x <= d)
         assert paths_of(cut) == {p for p in paths_of(full) if len(p) <= d + 1}  # (paths hold the root)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
+    """drive_batch(top_k=...) checks, ranks and reads back a level's distributions for every search together; the
+    trees are those each search draws from its own distributions, with a draft vocabulary mapped alike."""
+    from eagletree.tree_search.dynamic import drive_batch, search_steps
+
+    vocab = 7
+    token_map = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:vocab] if mapped else None
+    expands = [path_expand(drafter(seed, vocab)) for seed in range(3)]
+
+    def expand_batch(requests):
+        return [expands[i](*rest).float() for i, *rest in requests]
+
+    def trees(**batched):
+        searches = [
+            search_steps(True, 0, budget, depth, 3, budget - 1, "cpu", token_map)
+            for budget, depth in ((8, 3), (12, 4), (2, 1))
+        ]
+        return drive_batch(searches, expand_batch, **batched)
+
+    for alone, together in zip(trees(), trees(top_k=3, token_map=token_map)):
+        assert torch.equal(alone.tokens, together.tokens) and torch.equal(alone.parents, together.parents)
+        assert torch.equal(alone.values, together.values)
+        if mapped:  # drafted ids became target ids
+            assert set(together.tokens[1:].tolist()) <= set(token_map.tolist())
+
+    def nan_batch(requests):
+        probs = expand_batch(requests)
+        probs[-1][0, 0] = float("nan")
+        return probs
+
+    searches = [search_steps(True, 0, 8, 3, 3, 7, "cpu") for _ in range(2)]
+    with pytest.raises(ValueError, match="drafter output at level 1 contains NaN"):
+        drive_batch(searches, nan_batch, top_k=3)

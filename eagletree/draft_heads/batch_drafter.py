@@ -118,22 +118,21 @@ class RaggedTreeDrafter:
             counts = [inputs[0].shape[0] for _, _, inputs in called]
             probs = self.one.draft_probs(feats).split(counts)
             for (i, r, inputs), piece, p in zip(called, feats.split(counts), probs):
-                self._record(self.rows[r], inputs[4], inputs[3][:, self.rows[r].committed :], piece)
+                self._record(self.rows[r], inputs[4], inputs[3], piece)
                 out[i] = p
         return out
 
     def _level_inputs(self, row: _Row, nodes, tokens, parents, level):
-        """(parent features [f, H], tokens, positions, block [f, committed + slots + f], node ids) of one row."""
+        """(parent features [f, H], tokens, positions, block [f, slots + f] over the tree's entries (the committed
+        ones all visible), node ids) of one row."""
         nodes, parents = nodes.tolist(), parents.tolist()
         f, s = len(nodes), row.slot_rows.shape[0]
-        slots = [row.node_slot[u] if u > 0 else -1 for u in parents]
+        picks = torch.tensor([row.node_slot[u] + 1 if u > 0 else 0 for u in parents])
         table = torch.cat([row.root_feature[None], *row.slot_feats])  # row 0: the root; 1 + slot: a tree node
-        feats = table[torch.tensor(slots) + 1]
-        block = torch.zeros(f, row.committed + s + f, dtype=torch.bool)
-        block[:, : row.committed] = True
-        ancestors = torch.cat([torch.zeros(1, s, dtype=torch.bool), row.slot_rows])[torch.tensor(slots) + 1]
-        block[:, row.committed : row.committed + s] = ancestors
-        block[torch.arange(f), row.committed + s + torch.arange(f)] = True
+        feats = table[picks]
+        block = torch.zeros(f, s + f, dtype=torch.bool)
+        block[:, :s] = torch.cat([torch.zeros(1, s, dtype=torch.bool), row.slot_rows])[picks]  # the ancestors
+        block[torch.arange(f), s + torch.arange(f)] = True
         # The root sits at position committed - 1, so a node at depth d sits at committed - 1 + d.
         positions = torch.full((f,), row.committed + level - 2)
         return feats, tokens, positions, block, nodes

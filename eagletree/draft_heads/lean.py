@@ -83,6 +83,8 @@ class LeanLayer:
         self.kv_heads = attn.k_proj.out_features // self.dim
         self.scaling = float(attn.scaling)
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise LeanUnsupported("a per-head norm on only one of q and k")
         self.act, self.norm = mlp.act_fn, layer.post_attention_layernorm
         self.inter = mlp.gate_proj.out_features
         self.rotary = head.rotary
@@ -107,20 +109,12 @@ class LeanLayer:
     @torch.inference_mode()
     def __call__(self, attn_in, residual, positions, cache: RaggedCache, layout: Layout) -> torch.Tensor:
         r = attn_in.shape[0]
-        q, k, v = self.qkv(attn_in).split(
-            [self.heads * self.dim, self.kv_heads * self.dim, self.kv_heads * self.dim], -1
-        )
-        q, k, v = (
-            q.view(r, self.heads, self.dim),
-            k.view(r, self.kv_heads, self.dim),
-            v.view(r, self.kv_heads, self.dim),
-        )
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        cos, sin = self._rotary(positions)
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        qk, v = self.qkv(attn_in).split([(self.heads + self.kv_heads) * self.dim, self.kv_heads * self.dim], -1)
+        qk, v = qk.view(r, self.heads + self.kv_heads, self.dim), v.view(r, self.kv_heads, self.dim)
+        if self.q_norm is not None:  # (per-head norms: Qwen3)
+            q, k = qk.split([self.heads, self.kv_heads], 1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], 1)
+        q, k = self._rope(qk, *self._rotary(positions)).split([self.heads, self.kv_heads], 1)
         # Attention runs in fp32 whatever the layer's precision: a bf16 product of a new shape (the context grows
         # every step) builds a oneDNN kernel first, which costs about a millisecond on a CPU.
         q, k, v = q.float(), k.float(), v.float()

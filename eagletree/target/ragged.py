@@ -56,8 +56,9 @@ class Layout:
 def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device) -> Layout:
     """The layout of a pass adding n_i new tokens to row rows[i] after its `lengths[row]` cached entries.
 
-    blocks[i]: [n_i, n_i] bool, which new tokens each new token sees (itself included), every cached entry
-    visible; or [n_i, length + n_i], which of all entries each sees."""
+    blocks[i]: [n_i, m] bool with n_i <= m <= length + n_i: which of the row's last m entries (its n_i new ones
+    last) each new token sees, every entry before them visible. [n_i, n_i]: causal-like among the new tokens;
+    [n_i, length + n_i]: all entries spelled out."""
     if len(rows) != len(blocks) or not rows:
         raise ValueError(f"a ragged pass needs one block per row, got {len(rows)} rows and {len(blocks)} blocks")
     counts = [int(b.shape[0]) for b in blocks]
@@ -68,15 +69,14 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     mask = torch.zeros(len(rows), 1, n_max, kv, dtype=torch.bool)
     mask[:, 0, :, 0] = True  # padding slots attend to something (their outputs are dropped)
     for s, (start, n, block) in enumerate(zip(starts, counts, blocks)):
-        if block.shape[1] == start + n:
-            mask[s, 0, :n, : start + n] = block.cpu()
-        elif block.shape[1] == n:
-            mask[s, 0, :n, :start] = True
-            mask[s, 0, :n, start : start + n] = block.cpu()
-        else:
+        m = block.shape[1]
+        if not n <= m <= start + n:
             raise ValueError(
-                f"row {rows[s]}: a block of {n} new tokens is [{n}, {n}] or [{n}, {start + n}], got {list(block.shape)}"
+                f"row {rows[s]}: a block of {n} new tokens is [{n}, m] with {n} <= m <= {start + n}, got "
+                f"{list(block.shape)}"
             )
+        mask[s, 0, :n, : start + n - m] = True
+        mask[s, 0, :n, start + n - m : start + n] = block.cpu()
     q_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
     q_slot = torch.cat([torch.arange(n) for n in counts])
     write_row = torch.tensor(rows)[q_row]

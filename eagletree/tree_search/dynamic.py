@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -51,6 +51,35 @@ def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -
         bad = float(sums.flatten()[(sums.flatten() - 1).abs().argmax()])
         raise ValueError(f"{where} sums to {bad:.6f}; expected 1 (tolerance {PROB_TOLERANCE})")
     return probs
+
+
+class TopK(NamedTuple):
+    """A request's top-k children read back to the host: lists [F][k] of probabilities (float64) and target ids."""
+
+    probs: list
+    tokens: list
+
+    @property
+    def lists(self) -> tuple[list, list]:
+        return self.probs, self.tokens
+
+
+def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=None) -> list[TopK]:
+    """The top_k children of every row of several requests' distributions ([F_i, V] each, checked), as host lists:
+    one check, one top-k and one read back for the whole batch (each costs tens of microseconds on a CPU)."""
+    counts = [p.shape[0] for p in probs]
+    table = probs[0] if len(probs) == 1 else torch.cat(probs)
+    check_distribution(table, f"drafter output at level {level}")
+    q, tok = torch.topk(table, min(top_k, table.shape[-1]), dim=-1)  # [F, k]
+    if token_map is not None:  # a draft vocabulary: its ids -> target ids
+        tok = token_map.to(tok.device)[tok]
+    # path products in float64; the [F, V] table stays in the drafter's precision (token ids < 2^53: exact)
+    q, tok = torch.stack([q.double(), tok.double()]).tolist()
+    out, start = [], 0
+    for n in counts:
+        out.append(TopK(q[start : start + n], tok[start : start + n]))
+        start += n
+    return out
 
 
 def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) -> DraftTree:
@@ -275,14 +304,9 @@ class _Table:
         )
 
     def grow(self, probs, frontier: list[int], top_k, level, token_map=None) -> list[int]:
-        """Add top_k children of every frontier node from its drafted distribution; return their ids (value -inf:
-        probability 0)."""
-        check_distribution(probs, f"drafter output at level {level}")
-        q, tok = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)  # [F, k]
-        if token_map is not None:  # a draft vocabulary: its ids -> target ids
-            tok = token_map.to(tok.device)[tok]
-        # path products in float64; the [F, V] table stays in the drafter's precision (token ids < 2^53: exact)
-        q, tok = torch.stack([q.double(), tok.double()]).tolist()
+        """Add top_k children of every frontier node from its drafted distribution (or their `TopK`, read back for
+        a whole batch); return their ids (value -inf: probability 0)."""
+        q, tok = (probs if isinstance(probs, TopK) else top_k_lists([probs], top_k, level, token_map)[0]).lists
         start = len(self.tokens)
         for u, qs, ts in zip(frontier, q, tok):
             for p, t in zip(qs, ts):
@@ -407,9 +431,11 @@ def drive(search, expand: Expand):
         return done.value
 
 
-def drive_batch(searches: list, expand_batch) -> list:
+def drive_batch(searches: list, expand_batch, top_k: int | None = None, token_map=None) -> list:
     """Run several search generators level by level, each level's requests in one `expand_batch(requests)` call
-    ([(search index, nodes, tokens, parents, level)] -> one distribution per request); returns their trees."""
+    ([(search index, nodes, tokens, parents, level)] -> one distribution per request); returns their trees.
+    With `top_k` (the searches' own, for `search_steps`), each level's distributions reach them as `TopK`s read
+    back for the whole batch at once."""
     trees: list = [None] * len(searches)
     waiting = {}
 
@@ -424,7 +450,11 @@ def drive_batch(searches: list, expand_batch) -> list:
     while waiting:
         asked = sorted(waiting.items())
         waiting.clear()
-        for (i, _), probs in zip(asked, expand_batch([(i, *request) for i, request in asked])):
+        drafted = expand_batch([(i, *request) for i, request in asked])
+        if top_k is not None:
+            level = max(request[-1] for _, request in asked)
+            drafted = top_k_lists(drafted, top_k, level, token_map)
+        for (i, _), probs in zip(asked, drafted):
             advance(i, probs)
     return trees
 

@@ -120,7 +120,7 @@ class _BudgetSearcher(Searcher):
             )
             for j in jobs
         ]
-        trees = drive_batch(searches, expand_batch)
+        trees = drive_batch(searches, expand_batch, self.top_k, self.token_map)
         if not self.global_budget:
             return trees
         return [t.prefix(n) for t, n in zip(trees, best_nodes([t.values[1:] for t in trees], total))]
@@ -309,7 +309,7 @@ class AutoSearcher(Searcher):
             )
             for j in jobs
         ]
-        fulls = drive_batch(searches, timed)
+        fulls = drive_batch(searches, timed, self.top_k, self.token_map)
         searched = self.clock() - start  # the drafter's calls and the search's own work between them
         values = [f.values[1:] if self.calibrator is None else calibrated_values(f, self.calibrator) for f in fulls]
         scaled = [self._scaled(v) for v in values]
