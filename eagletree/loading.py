@@ -9,6 +9,7 @@ import torch
 
 from . import target  # target.load_target is looked up per call, so a test can stand a tiny model in for it
 from .draft_heads import load_head
+from .draft_heads.precision import load_or_measure_draft_dtype
 from .packing import pack_target
 
 DRAFT_VOCABS = ("auto", "head", "full")
@@ -16,12 +17,17 @@ SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m
 
 
 def draft_dtype(name: str, model):
-    """The head's precision: 'auto' = bf16 for an fp32 target on a CPU with native bf16 (drafting is
-    memory-bound there, so it halves a drafter call; the target's own pass keeps its precision), else the target's."""
+    """The head's precision for --draft-dtype `name`: 'auto' = the target's, except for an fp32 target on a CPU
+    with native bf16, where `load_models` measures fp32 against bf16 drafting (`draft_heads.precision`) and this
+    gives fp32 to load the head in before measuring (the target's own pass keeps its precision either way)."""
     if name == "auto":
-        cpu_bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and target.cpu_has_bf16()
-        return torch.bfloat16 if cpu_bf16 else model.dtype
+        return torch.float32 if measures_draft_dtype(model) else model.dtype
     return getattr(torch, name)
+
+
+def measures_draft_dtype(model) -> bool:
+    """Whether --draft-dtype auto measures the head's precision for this target: fp32 on a CPU with native bf16."""
+    return model.device.type == "cpu" and model.dtype == torch.float32 and target.cpu_has_bf16()
 
 
 def draft_vocab_for(name: str, model) -> str:
@@ -74,7 +80,8 @@ def load_models(
 ):
     """The target (`dtype` 'float32'/'bfloat16' or None for the device's default; Linears packed per `pack`, see
     `pack_target`), its tokenizer and the head in `head_dir` (None: no head) on the target's device, in the
-    precision `draft_dtype(head_dtype)` picks (None: the one it was saved in), drafting over its own draft
+    precision `draft_dtype(head_dtype)` picks (None: the one it was saved in; 'auto' on a CPU with native bf16:
+    the faster of fp32 and bf16 drafting measured here, `load_or_measure_draft_dtype`), drafting over its own draft
     vocabulary or the target's whole one as `draft_vocab_for(draft_vocab)` picks ('full': `DraftHead.widen_vocab`).
 
     Returns (model, tokenizer, head, how many Linears were packed).
@@ -94,4 +101,6 @@ def load_models(
             head.widen_vocab()  # refused, naming the flag, for a head with an lm_head of its own
         elif draft_vocab_for(draft_vocab, model) == "full" and head.can_widen_vocab():
             head.widen_vocab()  # auto keeps an own lm_head's vocabulary
+        if head_dtype == "auto" and measures_draft_dtype(model):
+            head = head.to(load_or_measure_draft_dtype(head, model))
     return model, tok, head, packed
