@@ -97,7 +97,8 @@ def instrument(head):
     real_forward, real_probs = head.forward, TreeDrafter.draft_probs
     real_expand, real_extend = RaggedTreeDrafter.expand, RaggedTreeDrafter.extend
     head.forward = timed("head", real_forward)
-    batch_drafter.lean_forward = timed("head", batch_drafter.lean_forward)  # the layer's fast path
+    if hasattr(batch_drafter, "lean_forward"):  # the layer's fast path (absent before it existed: a before/after)
+        batch_drafter.lean_forward = timed("head", batch_drafter.lean_forward)
     TreeDrafter.draft_probs = lambda self, h: timed("lm", real_probs)(self, h)
 
     def expand(self, requests):

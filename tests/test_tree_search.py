@@ -370,3 +370,19 @@ def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
     searches = [search_steps(True, 0, 8, 3, 3, 7, "cpu") for _ in range(2)]
     with pytest.raises(ValueError, match="drafter output at level 1 contains NaN"):
         drive_batch(searches, nan_batch, top_k=3)
+
+
+def test_search_trees_built_unchecked_pass_the_checks():
+    """The searches and DraftTree.prefix build their trees with DraftTree.trusted (no checks, for speed); every
+    such tree is one the checked constructor accepts, with the same depths."""
+    from eagletree.verify import DraftTree
+
+    child_probs = drafter(3, 6)
+    for tree in (
+        eagle2_search(path_expand(child_probs), 0, 20, 4, 3),
+        optimal_search(path_expand(child_probs), 0, 20, 4, 3),
+    ):
+        for t in (tree, tree.prefix(7)):
+            checked = DraftTree(t.tokens, t.parents, draft_probs=t.draft_probs)
+            assert torch.equal(checked.depths, t.depths) and checked.depth == t.depth
+            assert torch.equal(checked.draft_probs, t.draft_probs)

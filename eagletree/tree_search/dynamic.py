@@ -88,8 +88,12 @@ def _tree_from_selection(tokens, parents, probs, values, order, copy_info=None) 
     for rank, v in enumerate(order, start=1):
         remap[v] = rank
     new_parents = [-1] + [remap[parents[v]] for v in order]
-    tree = DraftTree(
-        [tokens[0]] + [tokens[v] for v in order], new_parents, draft_probs=[1.0] + [probs[v] for v in order]
+    depths = [0] * len(new_parents)
+    for i in range(1, len(new_parents)):
+        depths[i] = depths[new_parents[i]] + 1
+    # (parents ranked first and distinct sibling tokens: what the checks of DraftTree() would find, by construction)
+    tree = DraftTree.trusted(
+        [tokens[0]] + [tokens[v] for v in order], new_parents, [1.0] + [probs[v] for v in order], depths
     )
     tree.values = torch.tensor([1.0] + [values[v] for v in order], dtype=torch.float64)
     tree.node_ids = [0] + list(order)  # the search's node ids (the ids `expand` saw), per tree node
@@ -307,13 +311,13 @@ class _Table:
         """Add top_k children of every frontier node from its drafted distribution (or their `TopK`, read back for
         a whole batch); return their ids (value -inf: probability 0)."""
         q, tok = (probs if isinstance(probs, TopK) else top_k_lists([probs], top_k, level, token_map)[0]).lists
-        start = len(self.tokens)
+        start, values = len(self.tokens), self.values
         for u, qs, ts in zip(frontier, q, tok):
-            for p, t in zip(qs, ts):
-                self.tokens.append(int(t))
-                self.parents.append(u)
-                self.probs.append(p)
-                self.values.append(self.values[u] * p if p > 0 else -math.inf)
+            self.tokens.extend(map(int, ts))
+            self.parents.extend([u] * len(qs))
+            self.probs.extend(qs)
+            parent_value = values[u]
+            values.extend([parent_value * p if p > 0 else -math.inf for p in qs])
         return list(range(start, len(self.tokens)))
 
     def graft(self, copies, level, placed, frontier, nodes: _Level, floor=-math.inf) -> list[int]:
@@ -390,20 +394,39 @@ class _Table:
 
 class _Level:
     """One search level's nodes (a contiguous id range), indexed by parent and (parent, token), so that each graft
-    costs its own nodes, not the level's."""
+    costs its own nodes, not the level's. The indexes are built at the first graft (most levels have none)."""
 
     def __init__(self, table: _Table, ids: list[int]):
-        self.table, self.ids = table, []
-        self.children: dict[int, list[int]] = {}
-        self.child: dict[tuple[int, int], int] = {}
-        for v in ids:
-            self.add(v)
+        self.table, self.ids = table, list(ids)
+        self._children: dict[int, list[int]] | None = None
+        self._child: dict[tuple[int, int], int] = {}
+
+    def _index(self) -> None:
+        self._children = {}
+        for v in self.ids:
+            self._note(v)
+
+    def _note(self, v: int) -> None:
+        u = self.table.parents[v]
+        self._children.setdefault(u, []).append(v)
+        self._child[(u, self.table.tokens[v])] = v
+
+    @property
+    def children(self) -> dict[int, list[int]]:
+        if self._children is None:
+            self._index()
+        return self._children
+
+    @property
+    def child(self) -> dict[tuple[int, int], int]:
+        if self._children is None:
+            self._index()
+        return self._child
 
     def add(self, v: int) -> None:
-        u = self.table.parents[v]
         self.ids.append(v)
-        self.children.setdefault(u, []).append(v)
-        self.child[(u, self.table.tokens[v])] = v
+        if self._children is not None:
+            self._note(v)
 
 
 class SharedFloor:

@@ -57,6 +57,22 @@ class DraftTree:
         self.depths = self._depths()  # [N] root = 0
         self.depth = int(self.depths.max())
 
+    @classmethod
+    def trusted(cls, tokens, parents, draft_probs, depths) -> DraftTree:
+        """A deterministic tree whose maker guarantees what `__init__` checks (a search's selection, a prefix of a
+        checked tree): built without the checks, which cost tens of microseconds of small tensor operations per
+        tree, paid for every sequence of every pass. depths: each node's depth (root 0)."""
+        tree = cls.__new__(cls)
+        tree.tokens = torch.as_tensor(tokens, dtype=torch.long)
+        tree.parents = torch.as_tensor(parents, dtype=torch.long, device=tree.tokens.device)
+        tree.sampled = tree.with_replacement = False
+        tree.draft_probs = None if draft_probs is None else torch.as_tensor(draft_probs, dtype=torch.float64)
+        tree.draft_dists = None
+        tree.values = tree.node_ids = tree.copy_info = None
+        tree.depths = torch.as_tensor(depths, dtype=torch.long, device=tree.parents.device)
+        tree.depth = int(tree.depths.max())
+        return tree
+
     # -- validation ---------------------------------------------------------------------------
 
     def _validate(self, vocab_size):
@@ -137,9 +153,8 @@ class DraftTree:
             raise TreeError(f"a tree prefix needs at least the root: n must be >= 1, got {n}")
         if self.sampled:
             raise TreeError("a sampled tree cannot be cut: its nodes' draws depend on their siblings")
-        cut = DraftTree(
-            self.tokens[:n], self.parents[:n], draft_probs=None if self.draft_probs is None else self.draft_probs[:n]
-        )
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        cut = DraftTree.trusted(self.tokens[:n], self.parents[:n], probs, self.depths[:n])  # (a checked tree's)
         cut.node_ids = (self.node_ids or list(range(len(self))))[:n]
         cut.values = None if self.values is None else self.values[:n]
         cut.copy_info = None if self.copy_info is None else self.copy_info[:n]
