@@ -69,6 +69,7 @@ def test_generate_json_and_compare_plain(tiny_cli, capsys):
         assert result["draft_kernels"]["choice"]["sizes"] == choice["sizes"]
     assert result["tokens_per_pass"] == pytest.approx(result["new_tokens"] / result["passes"], abs=1e-3)
     assert result["speedup_basis"] == "end to end" and "decode_tokens_per_s" not in result
+    assert result["first_run_tokens_per_s"] > 0  # the speculative run is timed again, warm, like the plain runs
     assert cli_main(["generate", *args, "--prompt", "   "]) == 2
     assert "error: --prompt is empty" in capsys.readouterr().err
 
