@@ -496,6 +496,8 @@ class Decoder:
             seconds = results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results)
             accepted = sum(len(r.accepted) - 1 for r in results)
             searcher.observe(sum(len(tree) for tree in trees), seconds, accepted, len(live), copy_s)
+            emitted = sum(min(len(r.tokens), left) for r, left in zip(results, lefts))
+            searcher.observe_step(len(live), emitted, time.perf_counter() - t, bool(jobs), drafting)
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]

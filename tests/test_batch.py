@@ -634,6 +634,40 @@ def test_auto_decodes_a_saturated_batch_plainly_and_drafts_once_a_sequence_is_al
     assert not any(drafted[: 40 - 8]) and any(drafted)
 
 
+def run_batch_steps(searcher, batch, steps, drafted_rate, plain_rate=100.0):
+    """A stand-in decoding loop: each step asks whether the head drafts and reports the step's measured rate (tokens
+    per second: `drafted_rate` for a drafted step, `plain_rate` for a plain one). Returns which steps drafted."""
+    drafted = []
+    for _ in range(steps):
+        d = searcher.drafts(batch)
+        copies = searcher.takes_copies()
+        rate = drafted_rate if d else plain_rate
+        searcher.observe_step(batch, batch * 2, batch * 2 / rate, d or copies, d)
+        drafted.append(d)
+    return drafted
+
+
+def test_in_a_batch_auto_weighs_drafted_steps_by_their_measured_rate_against_plain_steps():
+    """The profile says trees pay at batch 4 (flat passes); what decides is how fast drafted steps measured against
+    plain ones. A plain reference step comes after the first few drafted ones (without copied spans), then again
+    every PLAIN_PROBE drafted steps."""
+    slow = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4)
+    drafted = run_batch_steps(slow, 4, 200, drafted_rate=80.0)
+    first = slow.FIRST_PROBE
+    assert drafted[:first] == [True] * first and not drafted[first]  # the reference plain step
+    assert slow.plain_rate[4] == pytest.approx(100.0)
+    assert sum(drafted) < 40  # drafted steps measured 20% slower: drafting pauses, longer and longer
+    fast = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4)
+    drafted = run_batch_steps(fast, 4, 200, drafted_rate=130.0)
+    assert sum(drafted) >= 200 - 200 // fast.PLAIN_PROBE - 2  # only the reference steps are plain
+    for probe in (slow, fast):
+        probe.start()
+        assert probe.plain_rate == {} and probe.drafts(4)
+    # One sequence: the profile's estimate rules, as before (no reference steps, nothing measured).
+    alone = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4)
+    assert all(run_batch_steps(alone, 1, 50, drafted_rate=80.0)) and alone.plain_rate == {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Edge cases
 # ---------------------------------------------------------------------------------------------

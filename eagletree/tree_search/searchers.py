@@ -69,6 +69,11 @@ class Searcher:
         `seconds` (verify, accept, commit), `accepted` of its drafted nodes were accepted (None: not told), and the
         step's copied spans took `copy_s` seconds to look up."""
 
+    def observe_step(self, batch: int, tokens: int, seconds: float, searched: bool, drafted: bool) -> None:
+        """Told after each step: it emitted `tokens` tokens for `batch` sequences in `seconds` in all (drafting,
+        search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
+        `drafted`: the head drafted."""
+
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
 
@@ -190,6 +195,10 @@ class AutoSearcher(Searcher):
     GAIN_SMOOTHING = 0.25
     PAUSE_MEMORY = 0.5  # the share of the running gain's distance from 1 left after a pause: the text has moved on
     VALUE_PRIOR = 8.0  # drafted tokens the prior value scale of 1 is worth
+    # In a batch, once plain steps of that many sequences have been timed, each drafted step's gain is its measured
+    # tokens/s over theirs (everything a step costs, as decoding paid it), not the profile's estimate; a plain step
+    # is taken as the reference after the first few drafted steps and then every PLAIN_PROBE drafted steps.
+    FIRST_PROBE, PLAIN_PROBE = 4, 32
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
     def __init__(
@@ -223,6 +232,9 @@ class AutoSearcher(Searcher):
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
         self.copy_s = None  # running mean seconds of a step's copy lookups (None: none timed yet)
         self.copy_skip = self.copy_wait = 0  # passes left without copy lookups; the length of the last such pause
+        self.plain_rate: dict[int, float] = {}  # batch size -> running tokens/s of its plain steps (batch > 1)
+        self.since_plain: dict[int, int] = {}  # batch size -> drafted steps since its last plain step
+        self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
 
     @property
     def measured(self) -> LatencyProfile:
@@ -265,7 +277,27 @@ class AutoSearcher(Searcher):
         if self.skip > 0:
             self.skip -= 1
             return False
+        due = self.PLAIN_PROBE if batch in self.plain_rate else self.FIRST_PROBE
+        if batch > 1 and self.since_plain.get(batch, 0) >= due:
+            self.probing = True  # a plain step: the reference the drafted ones are measured against
+            return False
         return True
+
+    def observe_step(self, batch, tokens, seconds, searched, drafted):
+        """In a batch: a plain step updates the plain rate; a drafted one, once a plain rate is known, moves the
+        running gain by its measured tokens/s over that rate (and may pause drafting, as `_update_gain` does)."""
+        self.probing = False
+        if batch < 2 or not (tokens > 0 and seconds > 0):
+            return
+        rate = tokens / seconds
+        if not searched:
+            known = self.plain_rate.get(batch)
+            self.plain_rate[batch] = rate if known is None else known + self.LOAD_SMOOTHING * (rate - known)
+            self.since_plain[batch] = 0
+        elif drafted:
+            self.since_plain[batch] = self.since_plain.get(batch, 0) + 1
+            if batch in self.plain_rate:
+                self._update_gain(rate / self.plain_rate[batch])
 
     def _can_pay(self, batch: int) -> bool:
         if batch not in self._pays:
@@ -274,7 +306,7 @@ class AutoSearcher(Searcher):
 
     def takes_copies(self) -> bool:
         # where no tree can pay, none is built; nor while copied spans alone have lately not paid in a batch
-        return super().takes_copies() and not self.never and self.copy_skip == 0
+        return super().takes_copies() and not self.never and self.copy_skip == 0 and not self.probing
 
     def search_batch(self, expand_batch, jobs):
         """A job without drafting (the head paused or absent) takes its copied spans alone, pruned by the same
@@ -329,7 +361,8 @@ class AutoSearcher(Searcher):
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
         counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed)
-        self._update_gain(rate * t_plain / batch)
+        if batch == 1 or batch not in self.plain_rate:  # (else the step's measured gain moves it: observe_step)
+            self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
         return self._chosen(fulls, values, counts)
 
