@@ -232,8 +232,10 @@ class AutoSearcher(Searcher):
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
         self.copy_s = None  # running mean seconds of a step's copy lookups (None: none timed yet)
         self.copy_skip = self.copy_wait = 0  # passes left without copy lookups; the length of the last such pause
-        self.plain_rate: dict[int, float] = {}  # batch size -> running tokens/s of its plain steps (batch > 1)
-        self.since_plain: dict[int, int] = {}  # batch size -> drafted steps since its last plain step
+        # batches: measured plain step seconds / the profile's pass of that batch, running (None: none timed yet),
+        # so a plain step of one batch size is the reference for the others too (a batch shrinks as answers end)
+        self.plain_scale: float | None = None
+        self.since_plain = 0  # drafted batch steps since the last plain one
         self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
 
     @property
@@ -272,32 +274,44 @@ class AutoSearcher(Searcher):
         self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
 
     def drafts(self, batch: int = 1) -> bool:
+        due = self.PLAIN_PROBE if self.plain_scale is not None else self.FIRST_PROBE
+        if batch > 1 and self.since_plain >= due:
+            self.probing = True  # a plain step: the reference the searched ones are measured against
+            return False
         if self.never or not self._can_pay(batch):
             return False
         if self.skip > 0:
             self.skip -= 1
             return False
-        due = self.PLAIN_PROBE if batch in self.plain_rate else self.FIRST_PROBE
-        if batch > 1 and self.since_plain.get(batch, 0) >= due:
-            self.probing = True  # a plain step: the reference the drafted ones are measured against
-            return False
         return True
 
+    def plain_rate(self, batch: int) -> float | None:
+        """Tokens/s of a plain step of `batch` sequences, from the plain steps timed so far (None: none yet)."""
+        if self.plain_scale is None:
+            return None
+        return batch / (self.plain_scale * float(self.profile.batch_time(batch, batch)))
+
     def observe_step(self, batch, tokens, seconds, searched, drafted):
-        """In a batch: a plain step updates the plain rate; a drafted one, once a plain rate is known, moves the
-        running gain by its measured tokens/s over that rate (and may pause drafting, as `_update_gain` does)."""
+        """In a batch: a plain step updates the plain steps' scale. Once a plain step was timed, a drafted step moves
+        the running gain by its measured tokens/s over the plain rate at its batch size (and may pause drafting, as
+        `_update_gain` does), and a step of copied spans alone that was slower than a plain one pauses them."""
         self.probing = False
         if batch < 2 or not (tokens > 0 and seconds > 0):
             return
-        rate = tokens / seconds
         if not searched:
-            known = self.plain_rate.get(batch)
-            self.plain_rate[batch] = rate if known is None else known + self.LOAD_SMOOTHING * (rate - known)
-            self.since_plain[batch] = 0
-        elif drafted:
-            self.since_plain[batch] = self.since_plain.get(batch, 0) + 1
-            if batch in self.plain_rate:
-                self._update_gain(rate / self.plain_rate[batch])
+            scale = seconds / float(self.profile.batch_time(batch, batch))
+            known = self.plain_scale
+            self.plain_scale = scale if known is None else known + self.LOAD_SMOOTHING * (scale - known)
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        if self.plain_scale is None:
+            return
+        gain = tokens / seconds / self.plain_rate(batch)
+        if drafted:
+            self._update_gain(gain)
+        else:
+            self._pause_copies(gain < 1.0)
 
     def _can_pay(self, batch: int) -> bool:
         if batch not in self._pays:
@@ -349,7 +363,8 @@ class AutoSearcher(Searcher):
         fixed = (self.copy_s or 0.0) if copied and batch > 1 else 0.0  # (at batch 1 a lookup is a small share)
         if not any(j.drafts for j in jobs):
             counts = choose_batch(scaled, self.measured, 0, fixed=fixed)[0]
-            self._pause_copies(batch > 1 and max(counts) == 1)
+            if batch == 1 or self.plain_scale is None:  # (else the step's measured gain decides: observe_step)
+                self._pause_copies(batch > 1 and max(counts) == 1)
             return self._chosen(fulls, values, counts)
         # Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
         # tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
@@ -361,7 +376,7 @@ class AutoSearcher(Searcher):
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
         counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed)
-        if batch == 1 or batch not in self.plain_rate:  # (else the step's measured gain moves it: observe_step)
+        if batch == 1 or self.plain_scale is None:  # (else the step's measured gain moves it: observe_step)
             self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
         return self._chosen(fulls, values, counts)
