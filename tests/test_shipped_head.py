@@ -1,5 +1,7 @@
 """The head shipped for SmolLM2: it loads, it is small, and decoding with it is lossless."""
 
+import copy
+
 import pytest
 import torch
 
@@ -117,3 +119,44 @@ def test_a_batch_with_the_shipped_head_equals_plain_decoding_of_each_prompt(smol
         assert result.token_ids == ref[:n], first_difference(model, tok, messages, result.token_ids, ref)
     tokens = sum(r.stats.new_tokens for r in results)
     assert tokens / sum(r.stats.passes for r in results) > 1.5
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_drafter_drafts_what_the_transformers_layer_drafts_on_real_features(
+    smollm2, shipped_head, prompts, dtype
+):
+    """On the target's own features of real prompts, the shipped head's lean layer gives the transformers layer's
+    distributions (fp32: to float rounding; bf16: close, with the same top tokens wherever they are not a near
+    tie), through a catch-up on each prompt and two drafting levels of the top-4 children."""
+    from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
+
+    model, tok = smollm2
+    head = copy.deepcopy(shipped_head).to(dtype)
+    lean, stock = RaggedTreeDrafter(head, model), RaggedTreeDrafter(head, model, lean=False)
+    assert lean.lean is not None
+    for i, messages in enumerate(prompts):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"][0]
+        with torch.inference_mode():
+            features = model.model(input_ids=ids[None]).last_hidden_state[0]
+        got, want = [], []
+        for drafter, out in ((stock, want), (lean, got)):  # both expand the transformers layer's best children
+            drafter.add_row()
+            drafter.extend([i], [features[:-1]], [ids[1:]])
+            out.append(drafter.rows[i].root_probs)
+            if drafter is stock:
+                children = stock.token_map[want[0].topk(4).indices]  # (requests carry target token ids)
+            out.append(drafter.expand([(i, torch.arange(1, 5), children, torch.zeros(4, dtype=torch.long), 2)])[0])
+            if drafter is stock:
+                grand = stock.token_map[want[1].topk(2, dim=-1).indices.flatten()]
+            parents = torch.arange(1, 5).repeat_interleave(2)
+            out.append(drafter.expand([(i, torch.arange(5, 13), grand, parents, 3)])[0])
+        for a, b in zip(got, want):
+            if dtype == torch.float32:
+                assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+            else:
+                assert (a - b).abs().max() < 0.05
+                top2 = b.topk(2, dim=-1).values
+                clear = (top2[..., 0] - top2[..., 1]) > 0.05
+                assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
