@@ -19,6 +19,11 @@ def test_a_drafting_step_is_timed_in_each_precision(kind):
     seconds = measure_draft_dtypes(head.eval(), model, steps=2, context=16)
     assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
     assert next(head.parameters()).dtype == torch.float32  # measured on copies
+    from eagletree.packing import pack_linears, packing_problem
+
+    if packing_problem(head) is None:  # a head a drafter packed can still be measured (its copies are rebuilt)
+        pack_linears(head)
+        assert set(measure_draft_dtypes(head, model, steps=1, context=8)) == {"float32", "bfloat16"}
 
 
 def test_the_faster_precision_is_kept_and_cached(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def measure_draft_dtypes(head, target_model, dtypes=CANDIDATES, steps: int = 8, 
     vocab = target_model.get_input_embeddings().num_embeddings
     drafters = {}
     for dtype in dtypes:
-        drafter = RaggedTreeDrafter(copy.deepcopy(head).to(dtype), target_model)
+        drafter = RaggedTreeDrafter(_twin(head, dtype), target_model)
         drafter.add_row()
         drafter.extend(
             [0],
@@ -64,6 +64,15 @@ def measure_draft_dtypes(head, target_model, dtypes=CANDIDATES, steps: int = 8, 
             if step:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _twin(head, dtype):
+    """A copy of `head` in `dtype` from its config and weights (not `copy.deepcopy`: a drafter may have packed the
+    head's Linears for oneDNN, and packed weights cannot be deep-copied)."""
+    param = next(head.parameters())
+    twin = type(head)(copy.deepcopy(head.config))
+    twin.load_state_dict(head.state_dict())
+    return twin.to(device=param.device, dtype=dtype).eval()
 
 
 def _feature_width(head) -> int:
