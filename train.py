@@ -29,6 +29,12 @@ def main(argv=None) -> int:
         help="--resume with changed run-defining keys (lr, dataset, max_len, ...): continue with the new values",
     )
     ap.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="--resume from a trainer.pt that holds Python objects (an older format, or a run folder from elsewhere): "
+        "loads it with pickle, which can run any code; only for run folders you trust",
+    )
+    ap.add_argument(
         "--overwrite",
         action="store_true",
         help="start over in an out_dir that holds a run: its checkpoints, head, history and metrics are deleted",
@@ -42,7 +48,13 @@ def main(argv=None) -> int:
         out_dir = Path(cfg.out_dir)
         existed = out_dir.exists()
         heldout = evaluation_conversations(cfg) if args.eval else None  # a bad eval_dataset fails now, not after
-        head, summary = train(cfg, resume=args.resume, allow_changes=args.allow_changes, overwrite=args.overwrite)
+        head, summary = train(
+            cfg,
+            resume=args.resume,
+            allow_changes=args.allow_changes,
+            overwrite=args.overwrite,
+            trust_checkpoint=args.trust_checkpoint,
+        )
         if PartialState().is_main_process:  # one summary of the whole run (its counts summed over processes)
             print(json.dumps(summary, default=float))
         if args.eval and PartialState().is_main_process:  # one evaluation, not one per process

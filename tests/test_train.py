@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -669,3 +670,62 @@ def test_training_data_that_was_cut_is_warned_about(tmp_path):
     with pytest.warns(DataWarning, match=r"cut.json is cut off"):
         train_convs = training_conversations(TrainConfig(dataset=str(path)))
     assert 0 < len(train_convs) < 60
+
+
+class _Payload:
+    """Unpickling it creates a file: what a trainer.pt in a run folder from elsewhere could do instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_unless_trusted(tmp_path):
+    """--resume loads trainer.pt with weights_only=True (what this version writes loads so); a file holding other
+    Python objects is refused, naming them and --trust-checkpoint, without running them or setting it aside."""
+    from eagletree.train.checkpoints import latest_checkpoint
+
+    run(tiny_cfg(tmp_path / "b", stop_after=4))
+    ckpt = latest_checkpoint(tmp_path / "b")
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)  # the format written: no code to run
+    marker = tmp_path / "ran"
+    torch.save(dict(state, extra=_Payload(marker)), ckpt / "trainer.pt")
+    with pytest.raises(TrainingError, match=r"holds Python objects .*pathlib.*--trust-checkpoint"):
+        run(tiny_cfg(tmp_path / "b"), resume=True)
+    assert not marker.exists() and latest_checkpoint(tmp_path / "b") == ckpt  # nothing ran, nothing set aside
+    _, summary = train(
+        tiny_cfg(tmp_path / "b"),
+        resume=True,
+        trust_checkpoint=True,
+        model_and_tokenizer=(tiny_model("llama"), tiny_tokenizer()),
+        conversations=tiny_conversations(12),
+        progress=False,
+    )
+    assert marker.exists() and summary["steps"] == 8  # trusted: loaded with pickle (it ran), the run went on
+
+
+def test_train_py_refuses_an_untrusted_trainer_state_in_one_line_and_takes_trust_checkpoint(tmp_path, capsys):
+    import importlib.util
+
+    from eagletree.train.checkpoints import latest_checkpoint
+
+    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).parent.parent / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    target, data = _tiny_run_inputs(tmp_path)
+    out = tmp_path / "run"
+    common = [f"target={target}", f"dataset={data}", f"out_dir={out}", "steps=4", "save_every=2", "max_len=40"]
+    common += ["heldout_fraction=0.05", "warmup_steps=1", "report_to=none", "device=cpu"]
+    assert script.main(common + ["stop_after=2"]) == 0
+    ckpt = latest_checkpoint(out)
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)
+    torch.save(dict(state, extra=_Payload(tmp_path / "ran")), ckpt / "trainer.pt")
+    capsys.readouterr()
+    assert script.main(common + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # (after the target's loading bar)
+    assert line.startswith("error: ") and "--trust-checkpoint" in line and "Traceback" not in err
+    assert not (tmp_path / "ran").exists()
+    assert script.main(common + ["--resume", "--trust-checkpoint"]) == 0 and (tmp_path / "ran").exists()

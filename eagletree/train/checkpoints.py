@@ -120,21 +120,43 @@ def changed_run_keys(saved: dict, cfg: TrainConfig) -> dict:
     return {k: (saved[k], v) for k, v in now.items() if k in saved and k not in NOT_RUN_DEFINING and saved[k] != v}
 
 
-def resume_point(folder: Path, target_config, set_aside: bool = True):
+class UntrustedCheckpoint(TrainingError):
+    """A trainer state that would run code when loaded: refused unless the user trusts the run folder."""
+
+
+def load_trainer_state(path: Path, trust: bool = False) -> dict:
+    """The trainer state `save_checkpoint` wrote (tensors, numbers, strings and containers of them), loaded with
+    `weights_only=True`, which runs no code. A file that holds other Python objects (an older format, or someone
+    else's file) is UntrustedCheckpoint unless `trust`, which loads it with pickle: that can run any code."""
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))  # (reads, runs nothing; a cut file raises)
+    if unsafe and not trust:
+        raise UntrustedCheckpoint(
+            f"{path} holds Python objects that loading it would construct ({', '.join(unsafe[:4])}"
+            f"{', ...' if len(unsafe) > 4 else ''}); the trainer states this version writes hold none. Resume it only "
+            "if you trust where the run folder came from, with --trust-checkpoint (trust_checkpoint=True): that "
+            "loads it with pickle, which can run any code"
+        )
+    return torch.load(path, weights_only=not unsafe)
+
+
+def resume_point(folder: Path, target_config, set_aside: bool = True, trust: bool = False):
     """(checkpoint, head, trainer state, saved config) of the newest intact checkpoint, or Nones when there is none.
 
     A damaged checkpoint (a file cut or missing) is skipped, saying so, and (`set_aside`: the main process only,
-    so that processes do not move each other's) renamed out of the way; TrainingError when none is intact.
+    so that processes do not move each other's) renamed out of the way; TrainingError when none is intact. A
+    trainer state that would run code when loaded is refused (`load_trainer_state`; `trust` loads it).
     """
     found = sorted((folder / "checkpoints").glob("step-*"), reverse=True)
     damaged = []
     for ckpt in found:
         try:
             head = load_head(ckpt / "head")
-            state = torch.load(ckpt / "trainer.pt", weights_only=False)
+            state = load_trainer_state(ckpt / "trainer.pt", trust)
             saved = json.loads((ckpt / "config.json").read_text())
             if not isinstance(state, dict) or not {"optimizer", "scheduler", "step", "counters", "rng"} <= set(state):
                 raise ValueError("trainer.pt lacks the trainer state")
+        except UntrustedCheckpoint:
+            raise  # not damage: set nothing aside, resume nothing older
         except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
             damaged.append((ckpt, f"{ckpt.name} ({' '.join(str(e).split())[:160]})"))
             print(

@@ -92,12 +92,14 @@ def train(
     progress=True,
     allow_changes: bool = False,
     overwrite: bool = False,
+    trust_checkpoint: bool = False,
 ):
     """Train an EAGLE head; returns (head, summary dict). `model_and_tokenizer`/`conversations` are for tests.
 
     A fresh run refuses an out_dir that holds a run unless `overwrite` (`checkpoints.check_run_dir`). A resume
     refuses a config whose run-defining keys differ from the checkpoint's, unless `allow_changes` (then the new
-    values apply from the checkpoint's step on); keys that set the head's shape or start never change. SIGINT and
+    values apply from the checkpoint's step on); keys that set the head's shape or start never change; a trainer
+    state that would run code when loaded is refused unless `trust_checkpoint`. SIGINT and
     SIGTERM stop the run after the step in progress with a checkpoint (`TrainingInterrupted`)."""
     out = Path(cfg.out_dir)  # made once the run's inputs are read, so a refused run leaves no empty folder
     if resume and overwrite:
@@ -117,7 +119,8 @@ def train(
     if model_and_tokenizer is None:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         model_and_tokenizer = load_target(cfg.target, dtype=dtype, device=accelerator.device)
-    run = _start(cfg, accelerator, *model_and_tokenizer, conversations, precision, resume, allow_changes)
+    resume_as = (resume, allow_changes, trust_checkpoint)
+    run = _start(cfg, accelerator, *model_and_tokenizer, conversations, precision, resume_as)
     clear_run(overwritten)
     out.mkdir(parents=True, exist_ok=True)
     stepper = run.stepper
@@ -216,16 +219,14 @@ def _finish(run: Run, log_with):
     return head, {"steps": run.step, **counters, "final": final}
 
 
-def _start(
-    cfg: TrainConfig, accelerator, model, tok, conversations, precision: str, resume: bool, allow_changes: bool
-) -> Run:
-    """The run at its first step: a new head, or with `resume` the newest checkpoint's head, optimizer, schedule,
-    counts and random state."""
+def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: str, resume_as: tuple) -> Run:
+    """The run at its first step: a new head, or resuming (`resume_as`: resume, allow_changes, trust_checkpoint) the
+    newest checkpoint's head, optimizer, schedule, counts and random state."""
     model.requires_grad_(False)
     device = accelerator.device
     store, stream = training_stream(cfg, model.config, conversations)
     data = data_fingerprint(stream.conversations, store)
-    head, resumed = _head_to_train(cfg, accelerator, model, tok, stream, store, data, resume, allow_changes)
+    head, resumed = _head_to_train(cfg, accelerator, model, tok, stream, store, data, *resume_as)
     head = head.to(device).train()
     embed = model.get_input_embeddings()
     target_lm = _target_lm(model, head, device)
@@ -269,13 +270,13 @@ def _start(
 
 
 def _head_to_train(
-    cfg: TrainConfig, accelerator, model, tok, stream, store, data: dict, resume: bool, allow_changes: bool
+    cfg: TrainConfig, accelerator, model, tok, stream, store, data: dict, resume: bool, allow_changes: bool, trust: bool
 ):
     """(head, resumed): with `resume` and a checkpoint, its head and resumed = (checkpoint, trainer state, changed
     keys) once `checkpoints.check_resume` allows them; else a new head and None."""
     out = Path(cfg.out_dir)
     ckpt, head, state, saved_cfg = (
-        resume_point(out, model.config, accelerator.is_main_process) if resume else (None,) * 4
+        resume_point(out, model.config, accelerator.is_main_process, trust) if resume else (None,) * 4
     )
     if resume and ckpt is None:
         accelerator.print(f"--resume: no checkpoint in {out / 'checkpoints'}; starting from step 0", file=sys.stderr)
