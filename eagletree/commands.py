@@ -404,7 +404,7 @@ def cmd_import(args) -> int:
         from transformers import AutoConfig  # lazy: see the module's docstring
 
         head = import_eagle(args.eagle, AutoConfig.from_pretrained(target.resolve_target(args.target)))
-    head.save_pretrained(args.out, keep_others=True)
+    head.save_pretrained(args.out, keep_others=True, replace=args.overwrite)
     for name in ("calibration.json", *copy_calibration_names(False)):  # measured for the head replaced there
         (Path(args.out) / name).unlink(missing_ok=True)
     print(f"imported {args.eagle} for {args.target} into {args.out}")
@@ -542,7 +542,8 @@ def cmd_datastore(args) -> int:
         sources, tok, min_match=args.min_match, max_ngram=max(8, args.min_match), max_match=max(16, args.min_match)
     )
     names = [f.name for f in sources]
-    header = store.save(out, vocab_fingerprint(tok), source=names[0] if len(names) == 1 else names)
+    source = names[0] if len(names) == 1 else names
+    header = store.save(out, vocab_fingerprint(tok), replace=args.overwrite, source=source)
     print(
         f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from "
         f"{', '.join(map(str, sources))}, matches of {args.min_match}+ tokens"

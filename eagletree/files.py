@@ -10,6 +10,7 @@ otherwise be private to their owner).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -165,18 +166,22 @@ def _check_not_under_a_file(out: Path, option: str) -> None:
         raise WriteError(f"{option} {str(out)!r}: {str(parent)!r} is a file, so nothing can be written under it")
 
 
-def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
+def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = True) -> Path:
     """Move the finished folder `tmp` to `final` at once, following the umask.
 
     An existing `final` is replaced as a whole; with `keep_others` its entries that `tmp` does not hold are
     carried over (hard links, so no copy), i.e. only the files written in `tmp` are replaced. `final` is
     never missing or half-written: `tmp`'s files are flushed to disk first, then the two folders are swapped
-    atomically where the kernel can (Linux renameat2), else by two renames in a row.
+    atomically where the kernel can (Linux renameat2), else by two renames in a row. replace=False (a command
+    without --overwrite): `final` must still be absent or empty, checked by the rename itself, so of two runs
+    publishing to one new folder exactly one wins and the other gets a WriteError.
     """
     tmp, final = Path(tmp), Path(os.path.abspath(final))
     try:
         follow_umask(tmp)
         sync_tree(tmp)
+        if not replace:
+            return _publish_new(tmp, final)
         if not final.exists():
             os.replace(tmp, final)
             return final
@@ -200,6 +205,21 @@ def publish(tmp: Path, final: Path, keep_others: bool = True) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish_new(tmp: Path, final: Path) -> Path:
+    """Rename `tmp` to `final` only if `final` is absent or an empty folder (a rename refuses a folder with
+    entries, so no other run's files are ever replaced)."""
+    try:
+        os.replace(tmp, final)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise WriteError(
+            f"{str(final)!r} was filled by another run while this one worked (it was empty or absent when this "
+            "run started); nothing of it was replaced: pass --overwrite to replace it, or write elsewhere"
+        ) from None
+    return final
 
 
 def sync_tree(folder: Path) -> None:
@@ -250,10 +270,12 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def writing(path: Path):
+def writing(path: Path, replace: bool = True):
     """Yield a temporary file name next to `path` to write (with open(), save_file, ...); when the block ends
     without error the file is flushed to disk and renamed over `path`, else removed. Parent folders are made;
-    the file follows the umask, as open() makes it."""
+    the file follows the umask, as open() makes it. replace=False (a command without --overwrite): `path` must
+    still be absent when the file is published (a hard link, which refuses an existing name, so of two runs
+    writing one new file exactly one wins and the other gets a WriteError)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(path)
@@ -262,10 +284,31 @@ def writing(path: Path):
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         follow_umask(tmp)  # safetensors' save_file makes its files 0600
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """Publish `tmp` as `path` only if no `path` exists (then drop `tmp`)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise WriteError(
+            f"{str(path)!r} was written by another run while this one worked (it was absent when this run started);"
+            " it was not replaced: pass --overwrite to replace it, or write elsewhere"
+        ) from None
+    except OSError as e:  # a filesystem without hard links: check, then rename (not atomic there)
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise
+        if path.exists():
+            raise WriteError(f"{str(path)!r} was written by another run while this one worked; not replaced") from None
+        os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -560,3 +560,60 @@ def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
             head_calibrator(head)
         assert f"{head_dir / 'calibration.json'} is not a valid calibration (" in str(e.value), text
         assert reason in str(e.value), text
+
+
+def _another_run_writes(monkeypatch, write):
+    """While this run publishes (after its early check, before its rename), another run writes its output."""
+    from eagletree import files
+
+    real = files.sync_tree
+
+    def sync_then_race(folder):
+        real(folder)
+        write()
+
+    monkeypatch.setattr(files, "sync_tree", sync_then_race)
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_of_two_runs_into_one_new_out_the_later_is_refused_at_publish(
+    saved_head, tmp_path, monkeypatch, capsys, command
+):
+    """Both pass the early "new or empty" check; the one that publishes second must not replace the first's folder."""
+    model, head_dir = saved_head
+    exported = tmp_path / "exported"
+    assert _export(head_dir, exported) == 0
+    model.config.save_pretrained(tmp_path / "target")
+    out = tmp_path / "out"
+
+    def other():
+        out.mkdir()
+        (out / "config.json").write_text('{"theirs": 1}')
+
+    _another_run_writes(monkeypatch, other)
+    if command == "export":
+        code = _export(head_dir, out)
+    else:
+        code = main(["import", "--eagle", str(exported), "--target", str(tmp_path / "target"), "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "was filled by another run while this one worked" in err and "--overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == '{"theirs": 1}'
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_of_two_datastore_runs_into_one_new_file_the_later_is_refused(tmp_path, monkeypatch):
+    from eagletree.files import WriteError, writing
+
+    path = tmp_path / "store.npz"
+    with pytest.raises(WriteError, match="was written by another run while this one worked"):
+        with writing(path, replace=False) as tmp:
+            tmp.write_bytes(b"mine")
+            path.write_bytes(b"theirs")  # the other run published first
+    assert path.read_bytes() == b"theirs" and [p.name for p in tmp_path.iterdir()] == ["store.npz"]
+    with writing(path, replace=True) as tmp:  # --overwrite replaces it
+        tmp.write_bytes(b"mine")
+    assert path.read_bytes() == b"mine"
+    with writing(tmp_path / "new.npz", replace=False) as tmp:  # absent: written
+        tmp.write_bytes(b"new")
+    assert (tmp_path / "new.npz").read_bytes() == b"new" and len(list(tmp_path.iterdir())) == 2

@@ -180,9 +180,10 @@ class DraftHead(nn.Module):
 
     # -- persistence --------------------------------------------------------------------------
 
-    def save_pretrained(self, directory, dtype=None, keep_others: bool = False) -> None:
+    def save_pretrained(self, directory, dtype=None, keep_others: bool = False, replace: bool = True) -> None:
         """Write config.json + model.safetensors atomically (a temporary folder, then rename); an existing
-        folder is replaced as a whole, or with `keep_others` only these two files are."""
+        folder is replaced as a whole, or with `keep_others` only these two files are; replace=False: the folder
+        must still be absent or empty when it is written (`files.publish`)."""
         directory = Path(directory)
         state = {
             k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
@@ -191,7 +192,7 @@ class DraftHead(nn.Module):
         with building(directory) as tmp:
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "eagletree": "head"})
             (tmp / CONFIG).write_text(json.dumps(asdict(self.config), indent=2, default=str))
-        publish(tmp, directory, keep_others=keep_others)
+        publish(tmp, directory, keep_others=keep_others, replace=replace)
 
     @classmethod
     def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> DraftHead:

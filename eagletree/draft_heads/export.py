@@ -258,7 +258,7 @@ def export_head(
         (tmp / "config.json").write_text(json.dumps(exported_config(head, fmt, dtype), indent=2, default=str))
         if fmt != "eagle3":  # always written, so an overwrite never keeps another head's map
             torch.save(head.d2t.detach().cpu().long().tolist(), tmp / TOKEN_MAP)  # SGLang: torch.tensor(list)
-    published = publish(tmp, out, keep_others=True)
+    published = publish(tmp, out, keep_others=True, replace=overwrite)
     if fmt == "eagle3":  # an earlier EAGLE-1/2 export's token map there would describe another head
         (published / TOKEN_MAP).unlink(missing_ok=True)
     return published

@@ -165,9 +165,10 @@ class TokenStore:
             tokens += ids + [SEPARATOR]
         return cls(tokens, **kw)
 
-    def save(self, path, tokenizer_id: str, **info) -> dict:
+    def save(self, path, tokenizer_id: str, replace: bool = True, **info) -> dict:
         """Write the corpus (int32 ids, separators kept) with a JSON header naming the tokenizer (`tokenizer_id`,
-        e.g. `pretokenized.tokenizer_fingerprint`) and the lookup settings, atomically; returns the header."""
+        e.g. `pretokenized.tokenizer_fingerprint`) and the lookup settings, atomically; returns the header.
+        replace=False: `path` must still be absent when the file is written (`files.writing`)."""
         from ..files import writing
 
         header = {
@@ -181,7 +182,7 @@ class TokenStore:
             "max_match": self.max_match,
             **info,
         }
-        with writing(Path(path)) as tmp, open(tmp, "wb") as f:
+        with writing(Path(path), replace=replace) as tmp, open(tmp, "wb") as f:
             np.savez_compressed(f, tokens=self.tokens.astype(np.int32), header=np.array(json.dumps(header)))
         return header
 
