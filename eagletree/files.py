@@ -99,7 +99,8 @@ def partial_path(final: Path) -> Path:
 @contextlib.contextmanager
 def building(final: Path):
     """Yield a new empty folder next to `final` (stale partial folders there are removed first); it is removed
-    if the block fails or is interrupted, else left for the caller to publish (see publish)."""
+    if the block fails or is interrupted, else left for the caller to publish (see publish). A full disk is a
+    WriteError naming `final` and the space (`disk_full_error`)."""
     final = Path(os.path.abspath(final))
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(final.parent)
@@ -107,8 +108,61 @@ def building(final: Path):
     tmp.mkdir()
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(final, written) from e
+        raise
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` says the disk (or the user's quota) is full: an OSError ENOSPC/EDQUOT, or a library's own
+    error wrapping one (safetensors says "No space left on device")."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(error) for text in ("No space left on device", "Disk quota exceeded", "os error 28"))
+
+
+def disk_full_error(path: Path, written: int, kept: str = "what was there before is unchanged") -> WriteError:
+    """The one-line error of a write to `path` that filled the disk after `written` bytes."""
+    parent = Path(os.path.abspath(path))
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    return WriteError(
+        f"the disk holding {str(path)!r} is full ({_mib(free)} free) after {_mib(written)} of this write: free "
+        f"more than {_mib(written)} there (or write elsewhere) and run again; {kept}"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _size(path: Path) -> int:
+    """Bytes in a file, or in the files under a folder (0 for what cannot be read)."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def appending(path: Path, encoding: str = "utf-8"):
+    """open(path, "a") for append-only files (distill's answers, a run's history): a full disk is a WriteError
+    naming the file (the whole records before it stay; a cut last line is dropped by the next reader)."""
+    path = Path(path)
+    start = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a", encoding=encoding) as f:
+            yield f
+    except OSError as e:
+        if is_disk_full(e):
+            grown = (path.stat().st_size if path.exists() else 0) - start
+            raise disk_full_error(path, grown, "the whole records written before are kept") from e
         raise
 
 
@@ -202,8 +256,11 @@ def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = Tr
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         return final
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(final, written) from e
         raise
 
 
@@ -288,8 +345,11 @@ def writing(path: Path, replace: bool = True):
             os.replace(tmp, path)
         else:
             _link_new(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full_error(path, written) from e
         raise
 
 

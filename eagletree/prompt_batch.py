@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import EagletreeError
-from .files import read_appended_jsonl
+from .files import disk_full_error, is_disk_full, read_appended_jsonl
 
 
 class AnswersFileError(EagletreeError, ValueError):
@@ -113,7 +113,14 @@ def decode_prompts(
             index = todo[pos]
             line = json.dumps(answer_record(index, prompts[index], result), ensure_ascii=False) + "\n"
             if fd is not None:
-                append_line(fd, line)
+                try:
+                    append_line(fd, line)
+                except OSError as e:
+                    if is_disk_full(e):
+                        raise disk_full_error(
+                            out, len(line.encode()), "the whole answers written before are kept"
+                        ) from e
+                    raise
             else:
                 tqdm.write(line.rstrip("\n") if as_json else f"[{index}] {result.text}", file=sys.stdout)
             totals["answered"] += 1

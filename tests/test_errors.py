@@ -617,3 +617,53 @@ def test_of_two_datastore_runs_into_one_new_file_the_later_is_refused(tmp_path, 
     with writing(tmp_path / "new.npz", replace=False) as tmp:  # absent: written
         tmp.write_bytes(b"new")
     assert (tmp_path / "new.npz").read_bytes() == b"new" and len(list(tmp_path.iterdir())) == 2
+
+
+def _fill_disk_after(nbytes, error):
+    """safetensors' save_file that writes `nbytes` and then finds the disk full, raising `error` as it does."""
+
+    def write(tensors, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"x" * nbytes)
+        raise error
+
+    return write
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_the_space_and_leaves_the_old_output(
+    saved_head, tmp_path, monkeypatch, capsys
+):
+    from safetensors import SafetensorError
+
+    from eagletree.draft_heads import export
+    from eagletree.files import WriteError, appending, writing
+
+    _, head_dir = saved_head
+    out = tmp_path / "out"
+    assert _export(head_dir, out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    full = SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
+    monkeypatch.setattr(export, "save_file", _fill_disk_after(3 * 2**20, full))
+    assert _export(head_dir, out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"the disk holding {str(out)!r} is full (" in err and "after 3.0 MiB of this write" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is intact
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+    # a file (datastore, features, profiles) and an append-only file (distill, generate --prompts, history)
+    with (
+        pytest.raises(WriteError, match=r"store.npz' is full .* after 0.0 MiB"),
+        writing(tmp_path / "store.npz") as tmp,
+    ):
+        tmp.write_bytes(b"abc")
+        raise OSError(28, "No space left on device")
+    assert not list(tmp_path.glob("*store.npz*"))
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"id": 1}\n')
+    with pytest.raises(WriteError, match="answers.jsonl' is full .* the whole records written before are kept"):
+        with appending(answers) as f:
+            f.write('{"id": 2')
+            f.flush()
+            raise OSError(28, "No space left on device")

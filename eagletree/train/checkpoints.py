@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..draft_heads import HeadError, load_head
-from ..files import building, publish, write_text_atomic
+from ..files import appending, building, publish, write_text_atomic
 from .config import TrainConfig, TrainingError, lr_lambda
 
 
@@ -318,7 +318,7 @@ def keep_history(path: Path, step: int) -> None:
 def append_history(path: Path, history: list, written: int) -> int:
     """Append the records not yet written; returns how many are written now."""
     if written < len(history):
-        with open(path, "a") as f:
+        with appending(path) as f:
             f.write("".join(json.dumps(h) + "\n" for h in history[written:]))
             f.flush()
             os.fsync(f.fileno())

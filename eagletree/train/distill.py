@@ -31,7 +31,7 @@ from ..decode_config import DecodeConfig
 from ..decoding import Decoder, encode_prompt, hf_generation_config, stop_token_ids
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
-from ..files import read_appended_jsonl
+from ..files import appending, read_appended_jsonl
 from .data import TURNS
 
 
@@ -312,7 +312,7 @@ def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max
     """Answer the batches' prompts not in `left_out`, appending whole records to `path` batch by batch; counts
     what was written into `counts` (and the seconds it took)."""
     t0 = time.perf_counter()
-    with open(path, "a", encoding="utf-8") as f:
+    with appending(path) as f:
         for batch in todo:
             # Only the prompts still missing: a batch is written whole, so after an interruption between
             # batches the rest matches a straight run exactly; a batch cut short by a kill mid-write (or
@@ -398,7 +398,7 @@ def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, ba
     stops = _stops(model, tok)
     decoding = Decoder(model, tok, head, DecodeConfig(max_new_tokens=max_new_tokens))
     t0 = time.perf_counter()
-    with open(path, "a", encoding="utf-8") as f:
+    with appending(path) as f:
         for i, result in decoding.results([ids for _, _, ids in pending], batch_size):
             conv_id, msgs, _ = pending[i]
             f.write(_record_line(conv_id, msgs, _answer_of(tok, result.token_ids, stops), settings, counts))
