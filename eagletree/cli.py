@@ -335,7 +335,8 @@ def _add_head_commands(sub) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="write into a non-empty --out: replace config.json and model.safetensors there, keep its other files",
+        help="write into a non-empty --out: replace config.json and model.safetensors there and delete the "
+        "calibration.json and copy_calibration*.json measured for the head replaced; keep its other files",
     )
     p.set_defaults(func="cmd_import")
 

@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 from .errors import EagletreeError
@@ -101,7 +102,7 @@ def building(final: Path):
     """Yield a new empty folder next to `final` (stale partial folders there are removed first); it is removed
     if the block fails or is interrupted, else left for the caller to publish (see publish). A full disk is a
     WriteError naming `final` and the space (`disk_full_error`)."""
-    final = Path(os.path.abspath(final))
+    final = Path(os.path.realpath(final))  # (a symlinked output is written where it points)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(final.parent)
     tmp = partial_path(final)
@@ -230,9 +231,11 @@ def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = Tr
     without --overwrite): `final` must still be absent or empty, checked by the rename itself, so of two runs
     publishing to one new folder exactly one wins and the other gets a WriteError.
     """
-    tmp, final = Path(tmp), Path(os.path.abspath(final))
+    tmp, final = Path(tmp), Path(os.path.realpath(final))  # (a symlinked output is written where it points)
     try:
         follow_umask(tmp)
+        if final.is_dir():  # a replaced folder keeps its own mode (a 0750 folder stays 0750)
+            tmp.chmod(stat.S_IMODE(final.stat().st_mode))
         sync_tree(tmp)
         if not replace:
             return _publish_new(tmp, final)

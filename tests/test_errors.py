@@ -101,6 +101,9 @@ def test_import_keeps_a_heads_other_files_and_names_bad_inputs(saved_head, tmp_p
     assert main(imp + ["--overwrite"]) == 0
     # the other files stay, but not the replaced head's calibration: decoding would apply it to the new head
     assert sorted(p.name for p in existing.iterdir()) == ["config.json", "metrics.json", "model.safetensors"]
+    with pytest.raises(SystemExit):  # and import --help says so
+        main(["import", "--help"])
+    assert "delete the calibration.json and copy_calibration*.json" in " ".join(capsys.readouterr().out.split())
     load_head(existing, target_config=model.config)
     # an eagletree head is not an EAGLE export; a broken config.json is named
     assert main(["import", "--eagle", str(head_dir), "--target", str(target), "--out", str(tmp_path / "o")]) == 2
@@ -667,3 +670,23 @@ def test_a_full_disk_is_one_line_naming_the_path_and_the_space_and_leaves_the_ol
             f.write('{"id": 2')
             f.flush()
             raise OSError(28, "No space left on device")
+
+
+def test_overwrite_keeps_the_folders_mode_and_writes_through_a_symlinked_out(saved_head, tmp_path, capsys):
+    import stat
+
+    _, head_dir = saved_head
+    real = tmp_path / "real"
+    assert _export(head_dir, real) == 0
+    (real / "notes.txt").write_text("n")
+    real.chmod(0o750)
+    assert _export(head_dir, real, "--overwrite") == 0
+    assert stat.S_IMODE(real.stat().st_mode) == 0o750  # not the umask's 0755
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    old = (real / "model.safetensors").stat().st_ino
+    assert _export(head_dir, link, "--overwrite") == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()  # still the user's link, to the same folder
+    assert (real / "model.safetensors").stat().st_ino != old and (real / "notes.txt").read_text() == "n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head", "link", "real"]  # no partial left anywhere
+    assert stat.S_IMODE(real.stat().st_mode) == 0o750
