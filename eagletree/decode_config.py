@@ -279,8 +279,10 @@ class DecodeConfig:
                     f" not --copy {args.copy} --tree {args.tree}" + (" --head none" if args.head == "none" else "")
                 )
             if store not in ("auto", None) and not Path(store).is_file():
+                what = "a folder" if Path(store).is_dir() else "no such file"
                 raise ValueError(
-                    f"--datastore {store!r}: no such file (auto, none, or a file `eagletree datastore` made)"
+                    f"--datastore {store!r}: {what}; expected auto, none, or the file `eagletree datastore` made "
+                    "(datastore.npz, in a head's folder by default)"
                 )
             if args.max_new_tokens < 1:  # (the Python API returns an empty answer for 0)
                 raise OptionError("max_new_tokens", f"must be >= 1, got {args.max_new_tokens}")

@@ -103,10 +103,16 @@ def building(final: Path):
     if the block fails or is interrupted, else left for the caller to publish (see publish). A full disk is a
     WriteError naming `final` and the space (`disk_full_error`)."""
     final = Path(os.path.realpath(final))  # (a symlinked output is written where it points)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(final.parent)
-    tmp = partial_path(final)
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(final.parent)
+        tmp = partial_path(final)
+        tmp.mkdir()
+    except OSError as e:
+        refused = cache_write_error(final, e)
+        if refused is None:
+            raise
+        raise refused from e
     try:
         yield tmp
     except BaseException as e:
@@ -115,6 +121,29 @@ def building(final: Path):
         if is_disk_full(e):
             raise disk_full_error(final, written) from e
         raise
+
+
+def cache_dir() -> Path:
+    """Root of eagletree's on-disk cache: $EAGLETREE_CACHE, else $XDG_CACHE_HOME/eagletree."""
+    if os.environ.get("EAGLETREE_CACHE"):
+        return Path(os.environ["EAGLETREE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagletree"
+
+
+def cache_write_error(path: Path, error: BaseException) -> WriteError | None:
+    """For a write into eagletree's cache folder that the filesystem refused (read-only, no permission), the error
+    that names the folder and the variable that sets it; None for other errors or paths."""
+    if not (isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)):
+        return None
+    cache = Path(os.path.abspath(cache_dir()))
+    if cache != Path(os.path.abspath(path)) and cache not in Path(os.path.abspath(path)).parents:
+        return None
+    return WriteError(
+        f"cannot write {str(path)!r} in eagletree's cache folder {str(cache)!r} ({error.strerror or error}): set "
+        "EAGLETREE_CACHE to a folder you can write (the cache holds the de-quantized model, measured kernels and "
+        "latency profiles)"
+    )
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -181,6 +210,7 @@ def check_output_dir(out: Path, overwrite: bool, sources=(), option: str = "--ou
             )
     if out.exists() and not out.is_dir():
         raise WriteError(f"{option} {str(out)!r} is a file; expected a folder (absent, empty, or with --overwrite)")
+    _check_not_under_a_file(out, option)
     here, res = Path.cwd().resolve(), out.resolve()
     if res == here or res in here.parents:  # the folder is replaced as a whole: the shell would sit in the old one
         raise WriteError(
@@ -337,9 +367,9 @@ def writing(path: Path, replace: bool = True):
     still be absent when the file is published (a hard link, which refuses an existing name, so of two runs
     writing one new file exactly one wins and the other gets a WriteError)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -353,6 +383,9 @@ def writing(path: Path, replace: bool = True):
         tmp.unlink(missing_ok=True)
         if is_disk_full(e):
             raise disk_full_error(path, written) from e
+        refused = cache_write_error(path, e)
+        if refused is not None:
+            raise refused from e
         raise
 
 

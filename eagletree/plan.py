@@ -32,6 +32,7 @@ from .decoding import _features, encode_prompt, generate
 from .draft_heads import make_drafter, target_to_draft
 from .target import new_cache
 from .tree_search import LatencyProfile
+from .tree_search.cost import read_profile_json
 from .verify import prefill
 
 ENGINES = ("vllm", "sglang", "eagle")
@@ -271,10 +272,7 @@ def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) 
 
 def load_profile(path):
     """A LatencyProfile JSON, or the profile.json of `eagletree profile` (rows per tree size)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
+    data = read_profile_json(path)
     if not isinstance(data, dict) or "rows" not in data:
         return LatencyProfile.load(path)
     rows = data["rows"]

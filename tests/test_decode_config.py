@@ -106,6 +106,7 @@ def test_the_command_line_and_the_library_share_defaults_and_rules():
         (["--tree", "chain", "--copy", "on"], "--copy on needs a searched tree"),
         (["--copy", "off", "--datastore", "x.npz"], "--datastore x.npz adds retrieved spans"),
         (["--datastore", "no/such.npz"], "--datastore 'no/such.npz': no such file"),
+        (["--datastore", "tests"], "--datastore 'tests': a folder; expected auto, none, or the file"),
     ):
         args = build_parser().parse_args(["generate", "--prompt", "hi", *flags])
         with pytest.raises(ValueError, match=message):

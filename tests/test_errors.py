@@ -40,6 +40,16 @@ def test_export_into_the_current_or_a_parent_folder_is_refused(saved_head, tmp_p
     assert _export(head_dir, "out") == 0 and (here / "out" / "config.json").is_file()  # a folder below is fine
 
 
+def test_export_under_a_file_is_refused_before_the_head_is_read(saved_head, tmp_path, monkeypatch, capsys):
+    import eagletree.commands as commands
+
+    _, head_dir = saved_head
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(commands, "load_head", lambda *a, **k: pytest.fail("the head was read first"))
+    assert _export(head_dir, tmp_path / "afile" / "x") == 2
+    assert f"--out '{tmp_path / 'afile' / 'x'}': '{tmp_path / 'afile'}' is a file" in capsys.readouterr().err
+
+
 def test_export_refuses_a_non_empty_out_and_overwrite_keeps_other_files(saved_head, tmp_path, capsys):
     model, head_dir = saved_head
     out = tmp_path / "x"
@@ -317,11 +327,13 @@ def test_train_py_turns_bad_inputs_into_one_line_and_leaves_no_empty_out_dir(tmp
     out = tmp_path / "run"
     common = [f"out_dir={out}", "report_to=none", "device=cpu"]
     (tmp_path / "broken.yaml").write_text("steps: [1,\n")
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
     cases = [
         (["--config", str(tmp_path / "missing.yaml")], "missing.yaml' cannot be read"),
         (["--config", str(tmp_path / "broken.yaml")], "broken.yaml' is not valid YAML"),
+        (["--config", str(tmp_path / "empty.yaml")], "empty.yaml' sets no key (empty, or comments only)"),
         ([f"dataset={tmp_path / 'nowhere.jsonl'}"], "nowhere.jsonl' does not exist"),
         ([f"dataset={tmp_path / 'empty.jsonl'}"], "empty.jsonl' is empty"),
         ([f"dataset={tmp_path / 'bad.jsonl'}"], "bad.jsonl: line 2 is not valid JSON"),
@@ -690,3 +702,34 @@ def test_overwrite_keeps_the_folders_mode_and_writes_through_a_symlinked_out(sav
     assert (real / "model.safetensors").stat().st_ino != old and (real / "notes.txt").read_text() == "n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head", "link", "real"]  # no partial left anywhere
     assert stat.S_IMODE(real.stat().st_mode) == 0o750
+
+
+def test_a_cache_folder_that_cannot_be_written_names_eagletree_cache(tmp_path, monkeypatch):
+    """An empty read-only $EAGLETREE_CACHE: the first write there (a profile, the kernel choice, the de-quantized
+    model) names the folder and the variable, not a bare Errno 30/13."""
+    from eagletree.files import WriteError, building, write_json_atomic
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("EAGLETREE_CACHE", str(cache))
+    real_mkdir = type(cache).mkdir
+
+    def read_only(self, *a, **k):  # (a chmod'ed folder does not stop root, who runs CI here)
+        if cache in self.parents or self == cache:
+            raise OSError(30, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(type(cache), "mkdir", read_only)
+    for write in (
+        lambda: write_json_atomic(cache / "profiles" / "p.json", {}),
+        lambda: building(cache / "m").__enter__(),
+    ):
+        with pytest.raises(
+            WriteError, match=r"in eagletree's cache folder .*Read-only file system.*set EAGLETREE_CACHE"
+        ):
+            write()
+    from eagletree.files import cache_write_error
+
+    outside = OSError(30, "Read-only file system")  # elsewhere the error stays the filesystem's own
+    assert cache_write_error(tmp_path / "out" / "p.json", outside) is None
+    assert cache_write_error(cache / "p.json", OSError(28, "No space left on device")) is None

@@ -271,8 +271,14 @@ def test_profile_saves_loads_and_reports_bad_files(tmp_path):
     profile.save(tmp_path / "p.json")
     assert LatencyProfile.load(tmp_path / "p.json") == profile
     (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="cannot read latency profile"):
+    with pytest.raises(ValueError, match="bad.json' is not JSON .*expected a LatencyProfile JSON"):
         LatencyProfile.load(tmp_path / "bad.json")
+    (tmp_path / "garbage.npz").write_bytes(b"PK\x03\x04\xff\xfe\x00binary")  # plan --profile garbage.npz
+    with pytest.raises(ValueError, match="garbage.npz' is not text .*expected a LatencyProfile JSON"):
+        LatencyProfile.load(tmp_path / "garbage.npz")
+    for missing, what in ((tmp_path / "nope.json", "no such file"), (tmp_path, "a folder")):
+        with pytest.raises(ValueError, match=f"latency profile .*: {what}; expected"):
+            LatencyProfile.load(missing)
     with pytest.raises(ValueError, match="one time per size"):
         LatencyProfile([1, 2], [0.1])
     calls = []

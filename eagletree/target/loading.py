@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EagletreeError
-from ..files import follow_umask, partial_path, remove_stale_partials, sync_tree
+from ..files import cache_dir, follow_umask, partial_path, remove_stale_partials, sync_tree
 from .attention import use_gqa_sdpa
 
 ALIASES = {
@@ -24,14 +24,6 @@ _CACHE_COMPLETE = "eagletree-cache.json"  # written last: its presence marks a f
 
 class TargetError(EagletreeError, ValueError):
     """A target model could not be resolved or is not a decoder-only causal LM."""
-
-
-def cache_dir() -> Path:
-    """Root of eagletree's on-disk cache: $EAGLETREE_CACHE, else $XDG_CACHE_HOME/eagletree."""
-    if os.environ.get("EAGLETREE_CACHE"):
-        return Path(os.environ["EAGLETREE_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "eagletree"
 
 
 def alias_path(alias: str) -> Path:

@@ -93,11 +93,16 @@ def _read_values(path, overrides, defaults: TrainConfig) -> dict:
     values = {}
     if path:
         try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as e:
             raise TrainingError(f"config file {str(path)!r} cannot be read ({e})") from e
         except yaml.YAMLError as e:
             raise TrainingError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from e
+        if loaded is None:  # (an empty file, or comments only: every key would be its default, unasked)
+            raise TrainingError(
+                f"config file {str(path)!r} sets no key (empty, or comments only); give TrainConfig keys "
+                "(key: value lines), or leave --config out to train on the defaults"
+            )
         if not isinstance(loaded, dict):
             raise TrainingError(f"{path}: expected a mapping of config keys, got {type(loaded).__name__}")
         values.update(loaded)

@@ -17,6 +17,25 @@ import torch
 from ..files import write_json_atomic
 
 
+def read_profile_json(path):
+    """The JSON of a latency profile file, or a ValueError that says what the file is instead (missing, a folder,
+    binary or not JSON) and what a profile file is."""
+    path = Path(path)
+    what = "a LatencyProfile JSON (cached under $EAGLETREE_CACHE/profiles) or `eagletree profile`'s profile.json"
+    if not path.is_file():
+        raise ValueError(
+            f"latency profile {str(path)!r}: {'a folder' if path.is_dir() else 'no such file'}; expected {what}"
+        )
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"latency profile {str(path)!r} is not text (a binary file?); expected {what}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"latency profile {str(path)!r} is not JSON ({e}); expected {what}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read latency profile {str(path)!r}: {e.strerror or e}") from None
+
+
 @dataclass
 class LatencyProfile:
     sizes: list[int]  # node counts N measured, ascending
@@ -92,10 +111,7 @@ class LatencyProfile:
 
     @classmethod
     def load(cls, path) -> LatencyProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read latency profile {str(path)!r}: {e}") from e
+        data = read_profile_json(path)
         known = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not {"sizes", "verify_s"} <= data.keys() or data.keys() - known:
             found = f"keys {', '.join(sorted(data)[:6])}" if isinstance(data, dict) else type(data).__name__
