@@ -411,6 +411,9 @@ def cmd_import(args) -> int:
     return 0
 
 
+EXPORT_PLACEHOLDER = "EXPORT_DIR"  # plan's --export default: the engine's settings name no folder yet
+
+
 def cmd_plan(args) -> int:
     """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
     acceptance = data = None
@@ -430,6 +433,12 @@ def cmd_plan(args) -> int:
                 f"--acceptance {args.acceptance!r}: {e} (expected a plan's JSON, as plan -o writes it)"
             ) from None
     check_output_file(args.out, "-o/--out")
+    if args.export != EXPORT_PLACEHOLDER and not (Path(args.export) / "config.json").is_file():
+        what = "has no config.json" if Path(args.export).is_dir() else "no such folder"
+        raise ValueError(
+            f"--export {args.export!r}: {what}; expected the folder `eagletree export` wrote (the plan names it in "
+            f"the engine's settings), or leave --export out for the placeholder {EXPORT_PLACEHOLDER}"
+        )
     _refuse_head_none(args, "plan", "chooses a tree for a draft head")
     profile = load_profile(args.profile) if args.profile else None
     prompts = load_prompts(args.prompts)

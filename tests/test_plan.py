@@ -281,10 +281,18 @@ def test_plan_cli_writes_the_engine_settings_and_checks_the_tree(tmp_path, monke
         "--max-depth",
         "3",
         "--export",
-        "out/sg",
+        str(tmp_path / "sg"),
         "-o",
         str(tmp_path / "plan.json"),
     ]
+    # an --export that is not an export folder is refused before the model loads (it is named in the settings)
+    assert main(args) == 2 and f"--export '{tmp_path / 'sg'}': no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+    head_dir = str(tmp_path / "head")
+    assert (
+        main(["export", "--head", head_dir, "--format", "sglang", "--out", str(tmp_path / "sg"), "--dtype", "fp32"])
+        == 0
+    )
     code = main(args)
     result = json.loads((tmp_path / "plan.json").read_text())
     check = result["check"]
