@@ -122,21 +122,24 @@ def test_a_store_from_a_chat_file_indexes_each_records_answer(tmp_path):
     with pytest.warns(UserWarning, match=r"longer.jsonl:2: the last line is not a whole record"):
         assert TokenStore.from_chat_file(later, tok, min_match=2).tokens.tolist() == hello + [SEPARATOR]
     later.write_bytes(b'{"messages": [{"role": "assistant", "content": "caf\xc3' + b'"}]}\n' + whole.encode())
-    with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record with messages"):
+    with pytest.raises(ValueError, match=r"longer.jsonl:1: not a chat record"):
         TokenStore.from_chat_file(later, tok)
     later.write_text(json.dumps({"messages": [{"role": "assistant", "content": ["parts", "of text"]}]}) + "\n" + whole)
     with pytest.raises(
         ValueError,
-        match=r"longer.jsonl:1: not a chat record with messages \(an assistant turn's "
-        r"content is not text\)",
+        match=r"longer.jsonl:1: not a chat record \(.*longer.jsonl:1, turn 0: 'content' must be a string, got list\)",
     ):
         TokenStore.from_chat_file(later, tok)
     path.write_text('{"messages": [{"role": "user", "content": "only a question"}]}\n')
     with pytest.raises(ValueError, match="no assistant turns to index"):
         TokenStore.from_chat_file(path, tok)
     path.write_text('{"text": "no messages"}\n')
-    with pytest.raises(ValueError, match=r"answers.jsonl:1: not a chat record with messages"):
+    with pytest.raises(ValueError, match=r"answers.jsonl:1: not a chat record .*no 'conversations'"):
         TokenStore.from_chat_file(path, tok)
+    # ShareGPT records, as train.py and `data` read them (from/value, human/gpt), index the same answers
+    sharegpt = {"id": "s1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    path.write_text(json.dumps(sharegpt) + "\n")
+    assert TokenStore.from_chat_file(path, tok, min_match=2).tokens.tolist() == hello + [SEPARATOR]
 
 
 def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..train.data import to_messages
+
 DATASTORE = "datastore.npz"  # a head folder's store, read by default when copying
 FORMAT, VERSION = "eagletree-datastore", 1
 SEPARATOR = -1  # between the corpus's texts: never in a context, so no match or span crosses it
@@ -136,13 +138,13 @@ class TokenStore:
                     continue
                 try:
                     record = json.loads(raw.decode("utf-8"))
+                    # ShareGPT (conversations: from/value) or OpenAI (messages: role/content), as training reads them
+                    messages = to_messages(record, f"{path}:{n}") or []
                     turns = [
                         m["content"]
-                        for m in record["messages"]
-                        if m.get("role") == "assistant" and m.get("content") and m.get("weight", 1) != 0
+                        for m in messages
+                        if m["role"] == "assistant" and m["content"] and m.get("weight", 1) != 0
                     ]
-                    if not all(isinstance(t, str) for t in turns):
-                        raise TypeError("an assistant turn's content is not text")
                     key = record.get("id")
                 except (ValueError, KeyError, TypeError, AttributeError) as e:  # (UnicodeDecodeError is a ValueError)
                     if n == len(lines):
@@ -150,7 +152,7 @@ class TokenStore:
                             f"{path}:{n}: the last line is not a whole record (a run stopped mid-write?); skipped"
                         )
                         continue
-                    raise ValueError(f"{path}:{n}: not a chat record with messages ({e})") from None
+                    raise ValueError(f"{path}:{n}: not a chat record ({e})") from None
                 if isinstance(key, (str, int)) and not isinstance(key, bool) and str(key):
                     key = ("id", str(key))  # (as the training data reads ids)
                 else:
