@@ -24,7 +24,7 @@ from .bench.inputs import humaneval_range, read_prompt_file
 from .bench.profile import main_profile
 from .decode_config import DecodeConfig, check_options
 from .decode_resources import latency_profile
-from .decoding import Decoder, GenerationStats, decode_text, stream_text
+from .decoding import Decoder, GenerationStats, check_utf8, decode_text, stream_text
 from .draft_heads import HeadError, load_head
 from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
@@ -211,18 +211,6 @@ def _answer(decoder: Decoder, messages, stream_to=None) -> dict:
         "times": d["times"],
         "copied_tokens": d["copied_tokens"],
     }
-
-
-def check_utf8(text: str, what: str) -> str:
-    """`text` unchanged, or ValueError when it holds bytes that are not UTF-8 (Python keeps them as surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise ValueError(
-            f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); give UTF-8 text"
-        ) from None
-    return text
 
 
 def cmd_generate(args) -> int:

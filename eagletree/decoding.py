@@ -121,16 +121,31 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     elif is_token_ids(prompt):
         ids = torch.tensor([int(t) for t in prompt], dtype=torch.long)
     elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        for j, message in enumerate(prompt):
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                check_utf8(message["content"], f"message {j}'s content")
         ids = tokenizer.apply_chat_template(
             list(prompt), add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"][0]
     elif isinstance(prompt, str):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids[0]
+        ids = tokenizer(check_utf8(prompt, "the prompt"), return_tensors="pt").input_ids[0]
     else:
         raise TypeError(f"prompt must be chat messages, a string or token ids, got {type(prompt).__name__}")
     if ids.numel() == 0:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def check_utf8(text: str, what: str) -> str:
+    """`text` unchanged, or ValueError when it holds bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(
+            f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); give UTF-8 text"
+        ) from None
+    return text
 
 
 def check_token_ids(target, ids: torch.Tensor) -> None:

@@ -326,6 +326,15 @@ def test_results_yield_every_prompt_once_and_a_batch_of_one_is_decoding_alone(lm
         decoder.generate_batch(lm.prompts, batch_size=0)
     with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
         decoder.generate_batch([[3, 4], torch.tensor([], dtype=torch.long)])
+    # a bad conversation anywhere in the batch is named before anything is decoded: text that is not UTF-8 (a lone
+    # surrogate, as Python reads undecodable bytes), in a string or in a chat message, and a prompt too long
+    for bad, message in (
+        ("ok\udcff", "prompt 2: the prompt is not valid UTF-8 text"),
+        ([{"role": "user", "content": "hi \udcfe"}], "prompt 2: message 0's content is not valid UTF-8 text"),
+        (list(range(3, 90)) * 6, "prompt 2: prompt .* exceeds the model's context"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            decoder.generate_batch([[3, 4], [5, 6], bad])
 
 
 @pytest.mark.parametrize("kind", ["eagle-vocab", "eagle3", "medusa"])
