@@ -169,12 +169,17 @@ def test_batched_bench_decodes_the_prompts_in_groups(tiny_setup, tmp_path):
         bench.run_bench(model, tok, head, prompts, bench.method_grid(["lookup"], [4]), (0.0,), 4, batch_size=2)
 
 
-def test_batched_bench_from_the_command_line(tiny_setup, tmp_path, monkeypatch, capsys):
+def _bench_cli(tiny_setup, tmp_path, monkeypatch) -> list[str]:
+    """`eagletree bench` on the tiny target and head (saved, loaded as the CLI loads them) over three prompts."""
     model, tok, head = tiny_setup
     head.save_pretrained(tmp_path / "head")
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
     (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n"why is the sky blue"\n')
-    argv = ["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl")]
+    return ["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl")]
+
+
+def test_batched_bench_from_the_command_line(tiny_setup, tmp_path, monkeypatch, capsys):
+    argv = _bench_cli(tiny_setup, tmp_path, monkeypatch)
     argv += ["--budgets", "4", "--temperatures", "0", "--max-new-tokens", "6", "--pack", "off", "--batch-size", "2"]
     assert cli_main([*argv, "--methods", "eagle2,copy", "-o", str(tmp_path / "out")]) == 0
     data = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -753,11 +758,7 @@ def test_a_run_without_budgets_writes_its_results_and_bad_runs_are_refused_befor
 
 
 def test_bench_batch_sizes_writes_the_throughput_table_and_plot(tiny_setup, tmp_path, monkeypatch, capsys):
-    model, tok, head = tiny_setup
-    head.save_pretrained(tmp_path / "head")
-    monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
-    (tmp_path / "p.jsonl").write_text('"hello how are you"\n"tell me a joke"\n"why is the sky blue"\n')
-    argv = ["bench", "--target", "tiny", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl")]
+    argv = _bench_cli(tiny_setup, tmp_path, monkeypatch)
     argv += ["--max-new-tokens", "5", "--pack", "off", "-o", str(tmp_path / "out")]
     assert cli_main([*argv, "--batch-sizes", "1,2,3"]) == 0
     data = json.loads((tmp_path / "out" / "throughput.json").read_text())
