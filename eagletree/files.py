@@ -109,18 +109,23 @@ def building(final: Path):
         tmp = partial_path(final)
         tmp.mkdir()
     except OSError as e:
-        refused = cache_write_error(final, e)
-        if refused is None:
-            raise
-        raise refused from e
+        _raise_write_error(final, 0, e)
+        raise
     try:
         yield tmp
     except BaseException as e:
         written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
-            raise disk_full_error(final, written) from e
+        _raise_write_error(final, written, e)
         raise
+
+
+def _raise_write_error(path: Path, written: int, error: BaseException) -> None:
+    """Raise the one-line WriteError of a failed write to `path` (`written` bytes in) when `error` is a full disk
+    or a refused write into the cache folder; return for any other error (the caller re-raises it)."""
+    refused = disk_full_error(path, written) if is_disk_full(error) else cache_write_error(path, error)
+    if refused is not None:
+        raise refused from error
 
 
 def cache_dir() -> Path:
@@ -292,8 +297,7 @@ def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = Tr
     except BaseException as e:
         written = _size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
-            raise disk_full_error(final, written) from e
+        _raise_write_error(final, written, e)
         raise
 
 
@@ -381,11 +385,7 @@ def writing(path: Path, replace: bool = True):
     except BaseException as e:
         written = _size(tmp)
         tmp.unlink(missing_ok=True)
-        if is_disk_full(e):
-            raise disk_full_error(path, written) from e
-        refused = cache_write_error(path, e)
-        if refused is not None:
-            raise refused from e
+        _raise_write_error(path, written, e)
         raise
 
 
