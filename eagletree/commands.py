@@ -273,7 +273,8 @@ def cmd_generate(args) -> int:
 
 def _generate_prompts(args) -> int:
     """`generate --prompts FILE`: every prompt of the file, --batch-size at a time, appended to --out as each
-    finishes (resumable) or printed; then one summary line."""
+    finishes (resumable) or printed; then one summary line. Exit status 1 when an answer of this run ended with
+    an error (written with it, and named in the summary), else 0."""
     if args.compare_plain:
         raise ValueError("--compare-plain times one prompt against plain decoding; it does not go with --prompts")
     prompts = read_prompt_file(args.prompts, "--prompts")
@@ -289,7 +290,7 @@ def _generate_prompts(args) -> int:
     *_, decoder = _load(args, config)
     totals = decode_prompts(decoder, prompts, args.batch_size or 8, out, args.json, args.prompts, done)
     print(run_summary(totals), file=sys.stderr if args.json and out is None else sys.stdout)
-    return 0
+    return 1 if totals["errors"] else 0  # (1: every answer was written, but some ended early with an error)
 
 
 def cmd_chat(args) -> int:

@@ -29,7 +29,8 @@ from .decode_resources import (
     resolve_store,
 )
 from .draft_heads.batch_drafter import make_batch_drafter
-from .target.ragged import RaggedCache, use_ragged
+from .target.loading import TargetError
+from .target.ragged import RaggedCache, sliding_window, use_ragged
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_only, copy_trie
 from .tree_search.searchers import AutoSearcher, Job, make_searcher
 from .tree_search.store import TokenStore
@@ -92,9 +93,13 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
+    """One prompt's answer. `error`: why decoding that sequence ended early (e.g. its answer reached a
+    sliding-window target's window), with the tokens decoded before it kept; None when it finished."""
+
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    error: str | None = None
 
 
 def is_token_ids(prompt) -> bool:
@@ -251,6 +256,8 @@ class _Sequence:
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
         self.store = store  # a corpus copied from too (retrieved spans), or None
         self.started = time.perf_counter()
+        self.done = False
+        self.error: str | None = None  # why the sequence ended before finishing (the tokens so far are kept)
 
     def learn(self, draft: DraftTree, accepted: list[int]) -> int:
         """Update the copy calibration with a verified tree; returns the accepted tokens only a copy proposed."""
@@ -317,6 +324,7 @@ class Decoder:
         self.store: TokenStore | None = resolve_store(
             config.copy.datastore, head, tokenizer, copies, target.get_input_embeddings().num_embeddings
         )
+        self.window = sliding_window(target)  # a sliding-window target's: no prompt or answer goes past it
         self.searcher = None
         self._profile_path = None  # the cached profile's file (batch sizes measured later are added to it)
         if head is not None or copies:
@@ -349,7 +357,16 @@ class Decoder:
         stats = stats if stats is not None else GenerationStats()
         if self.config.max_new_tokens == 0:
             return iter(())
-        return (step for _, step in self._run(iter([(0, ids, stats)]), 1, inspect_step) if step is not None)
+        return self._steps_of(ids, stats, inspect_step)
+
+    def _steps_of(self, ids: torch.Tensor, stats: GenerationStats, inspect_step):
+        """`steps`' decoding of one prompt: its Steps; a TargetError when the sequence cannot go on (its answer
+        reached the target's sliding window), after the Steps that fit."""
+        for seq, step in self._run(iter([(0, ids, stats)]), 1, inspect_step):
+            if step is not None:
+                yield step
+            elif seq.error is not None:
+                raise TargetError(seq.error)
 
     def generate(self, prompt, stream: bool = False, inspect_step=None):
         """A GenerationResult for `prompt`, or with stream=True an iterator of its text pieces."""
@@ -370,7 +387,10 @@ class Decoder:
     def results(self, prompts, batch_size: int = 8):
         """Yield (index, GenerationResult) for each of `prompts` as it finishes, decoding up to `batch_size` of
         them together: every pass verifies all live sequences' trees, and a finished sequence's place goes to
-        the next prompt (continuous batching). Every prompt is checked before decoding starts."""
+        the next prompt (continuous batching). Every prompt is checked before decoding starts (a bad one is a
+        TypeError or ValueError naming its index, and nothing is decoded); a sequence that cannot go on found
+        later (its answer reached a sliding-window target's window) ends with its `error` set and the tokens it
+        had, and the others decode on as they would alone."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         checked = []
@@ -384,12 +404,12 @@ class Decoder:
                 yield i, GenerationResult("", [], stats)
             return
         tokens: dict[int, list[int]] = {i: [] for i, _, _ in checked}
-        for i, step in self._run(iter(checked), min(batch_size, max(len(checked), 1)), None):
+        for seq, step in self._run(iter(checked), min(batch_size, max(len(checked), 1)), None):
+            i = seq.key
             if step is not None:
                 tokens[i] += step.tokens
                 continue
-            stats = next(st for j, _, st in checked if j == i)
-            yield i, GenerationResult(decode_text(self.tokenizer, tokens[i]), tokens.pop(i), stats)
+            yield i, GenerationResult(decode_text(self.tokenizer, tokens[i]), tokens.pop(i), seq.stats, seq.error)
 
     def prepare(self, batch_size: int) -> None:
         """Measure what decoding `batch_size` sequences at a time needs and this device's profile lacks (tree
@@ -411,7 +431,24 @@ class Decoder:
                     "Python, truncate_prompt=True keeps the prompt's last tokens)"
                 )
             ids = ids[-(limit - wanted) :]
-        return ids.to(self.device)
+        return self._fit_window(ids).to(self.device)
+
+    def _fit_window(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids`, or ValueError when the prompt is longer than the target's sliding window: eagletree verifies
+        trees over the full cache, so it decodes no token past the window (truncate_prompt keeps the prompt's last
+        tokens that leave max_new_tokens of room in it). An answer that reaches the window ends there (`_run`)."""
+        window, wanted = self.window, self.config.max_new_tokens
+        if window is None:
+            return ids
+        if self.config.truncate_prompt and wanted < window and ids.numel() + wanted > window:
+            return ids[-(window - wanted) :]
+        if ids.numel() > window:
+            raise ValueError(
+                f"prompt ({ids.numel()} tokens) is longer than the target's sliding window of {window} tokens, "
+                "past which eagletree does not decode (tree verification needs the whole cache); shorten the "
+                "prompt (in Python, truncate_prompt=True keeps the prompt's last tokens)"
+            )
+        return ids
 
     def _new_sequence(self, key, ids, stats) -> _Sequence:
         seed = self.config.sampling.seed
@@ -422,8 +459,9 @@ class Decoder:
         return _Sequence(key, ids, stats, generator, copy_calibration, self.store)
 
     def _run(self, jobs, batch_size: int, inspect_step):
-        """The decoding loop over (key, ids, stats) jobs, `batch_size` sequences at a time: yields (key, Step) per
-        sequence and pass (recorded in its stats), and (key, None) when a sequence is done."""
+        """The decoding loop over (key, ids, stats) jobs, `batch_size` sequences at a time: yields (sequence, Step)
+        per sequence and pass (recorded in its stats), and (sequence, None) when a sequence is done: finished, or
+        ended by `error` (its answer reached the target's sliding window; the others go on)."""
         self.prepare(batch_size)
         if self.searcher is not None:
             self.searcher.start()
@@ -438,16 +476,20 @@ class Decoder:
                 live += admitted
             if not live:
                 return
-            for seq, step in self._pass(batch, live, inspect_step):
-                seq.stats.record(step)
-                seq.stats.seconds = time.perf_counter() - seq.started
-                yield seq.key, step
+            for seq in live:
+                seq.error = batch.overflow(seq)
+                seq.done = seq.error is not None
+            if not any(seq.done for seq in live):
+                for seq, step in self._pass(batch, live, inspect_step):
+                    seq.stats.record(step)
+                    seq.stats.seconds = time.perf_counter() - seq.started
+                    yield seq, step
             done = [seq for seq in live if seq.done]
             live = [seq for seq in live if not seq.done]
             batch.release(done, live)
             for seq in done:
                 seq.stats.seconds = time.perf_counter() - seq.started
-                yield seq.key, None
+                yield seq, None
 
     def _pass(self, batch: _Batch, live: list[_Sequence], inspect_step):
         """The decoding step of docs/design.md for every live sequence, in one target pass: draft, search,
@@ -456,9 +498,12 @@ class Decoder:
         t = time.perf_counter()
         batch.draft_s = 0.0
         lefts = [config.max_new_tokens - seq.emitted for seq in live]
-        # drafting deeper than the tokens still wanted, or than a tree of the budget's nodes reaches, is wasted
+        # the nodes a tree may have: the tokens still wanted, and the room left in a sliding-window target's cache
+        rooms = [batch.room(seq) for seq in live]
+        reach = [min(left, room) for left, room in zip(lefts, rooms)]
+        # drafting deeper than that, or than a tree of the budget's nodes reaches, is wasted
         top = min(config.depth, searcher.budget - 1) if searcher is not None else 0
-        depths = [min(top, left - 1) for left in lefts]
+        depths = [min(top, n - 1) for n in reach]
         # 1. Draft: the head, when it drafts this step (one catch-up call for all that do), and copied spans of
         #    earlier text, also looked up after the head's best nodes' paths.
         could = [d >= 1 and bool(seq.pending) and batch.drafter is not None for seq, d in zip(live, depths)]
@@ -470,14 +515,14 @@ class Decoder:
             batch.drafter.begin_tree(live[0].row)
         jobs, searched = [], []
         copy_t = time.perf_counter()
-        for i, (seq, left, d) in enumerate(zip(live, lefts, depths)):
+        for i, (seq, n, d) in enumerate(zip(live, reach, depths)):
             copies = None
-            if seq.index is not None and left > 1 and searcher.takes_copies():
+            if seq.index is not None and n > 1 and searcher.takes_copies():
                 copies = copy_trie(
                     seq.index,
                     seq.calibration,
                     config.copy.spans,
-                    min(config.copy.length, searcher.budget - 1, left - 1),
+                    min(config.copy.length, searcher.budget - 1, n - 1),
                     at_nodes=drafts[i],
                     store=seq.store,
                 )
@@ -491,7 +536,8 @@ class Decoder:
             rows = [live[i].row for i in searched]
             found = searcher.search_batch(batch.expand_for(rows), jobs)
             for i, tree in zip(searched, found):
-                trees[i] = tree
+                if len(tree) <= rooms[i]:  # (else the root alone: the tree would run past the window)
+                    trees[i] = tree
         times = {"draft": batch.draft_s, "search": time.perf_counter() - t - batch.draft_s}
         # 3-5. Verify every tree in one target pass, accept each top-down, commit each accepted path's KV entries.
         sampling = config.sampling
@@ -532,6 +578,7 @@ class _Batch:
         head = decoder.head
         self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
         use_ragged(self.target)
+        self.window = decoder.window  # (None: attention over the whole context)
         self.cache = RaggedCache()
         self.drafter = make_batch_drafter(head, self.target) if head is not None else None
         self.draft_s = 0.0  # the drafter's seconds in the current step
@@ -549,6 +596,23 @@ class _Batch:
             if self.drafter is not None and out is not None:
                 seq.pending.append((_features(out[0], out[1], self.layers), seq.ids[1:]))
             seq.stats.times["prefill"] += time.perf_counter() - t
+
+    def room(self, seq: _Sequence) -> int:
+        """How many entries `seq`'s next pass may add to its cache row: up to a sliding-window target's window
+        (eagletree verifies over the whole cache); without a window, more than any pass adds."""
+        if self.window is None:
+            return 2**62
+        return self.window - self.cache.lengths[seq.row]
+
+    def overflow(self, seq: _Sequence) -> str | None:
+        """Why `seq` cannot go on (its cache row holds the whole sliding window), or None."""
+        if self.room(seq) >= 1:
+            return None
+        return (
+            f"the answer reached the target's sliding window of {self.window} tokens (prompt {seq.ids.numel()} + "
+            f"{seq.emitted} new tokens); eagletree verifies trees over the whole cache and does not decode past "
+            "the window, so this answer ends here"
+        )
 
     def release(self, done: list[_Sequence], live: list[_Sequence]) -> None:
         """Drop finished sequences' rows (the live ones are renumbered)."""

@@ -2,7 +2,9 @@
 answer written as one JSON line as soon as it is finished.
 
 The output file is append-only and resumable: a rerun skips the indices already in it, and a last line cut off
-by a kill in the middle of a write is removed (with a warning) before anything is appended. Each line is written
+by a kill in the middle of a write is removed (with a warning) before anything is appended. A sequence that
+ended with an error (`GenerationResult.error`) is written with it and counts as answered: a rerun would meet the
+same error, so it skips that line too (remove the line to decode it again). Each line is written
 with one unbuffered write and flushed to disk, so an interruption loses at most the answers still being decoded.
 """
 
@@ -33,14 +35,18 @@ def prompt_of(messages: list[dict]):
 
 
 def answer_record(index: int, messages: list[dict], result) -> dict:
-    """One finished prompt's line: {"index", "prompt", "text", "new_tokens", "tokens_per_pass"}."""
-    return {
+    """One finished prompt's line: {"index", "prompt", "text", "new_tokens", "tokens_per_pass"}, and "error" when
+    decoding that sequence ended early (`GenerationResult.error`; the text is then what was decoded before)."""
+    record = {
         "index": index,
         "prompt": prompt_of(messages),
         "text": result.text,
         "new_tokens": result.stats.new_tokens,
         "tokens_per_pass": round(result.stats.tokens_per_pass, 3),
     }
+    if result.error is not None:
+        record["error"] = result.error
+    return record
 
 
 def _index(line: str, where: str, prompts: list, fix: str) -> int:
@@ -97,7 +103,9 @@ def decode_prompts(
 ) -> dict:
     """Decode `prompts` (chat messages each, from the file `source`) `batch_size` at a time, but those in `done`
     (default: what `out` answers already); each finished one is appended to `out` as a JSON line, or printed (its
-    text, or with `as_json` its line). Returns the run's totals."""
+    text, or with `as_json` its line). A sequence that ended with an error is written like the others, its record
+    holding the error, which is also printed to stderr. Returns the run's totals ("errors": those prompts'
+    indices)."""
     if done is None:
         done = answered(out, prompts) if out is not None else set()
     todo = [i for i in range(len(prompts)) if i not in done]
@@ -105,7 +113,7 @@ def decode_prompts(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    totals = {"prompts": len(prompts), "already": len(done), "answered": 0, "new_tokens": 0}
+    totals = {"prompts": len(prompts), "already": len(done), "answered": 0, "new_tokens": 0, "errors": []}
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt", file=sys.stderr)
     t0 = time.perf_counter()
     try:
@@ -123,6 +131,9 @@ def decode_prompts(
                     raise
             else:
                 tqdm.write(line.rstrip("\n") if as_json else f"[{index}] {result.text}", file=sys.stdout)
+            if result.error is not None:
+                totals["errors"].append(index)
+                tqdm.write(f"prompt {index}: error: {result.error}", file=sys.stderr)
             totals["answered"] += 1
             totals["new_tokens"] += result.stats.new_tokens
             bar.update(1)
@@ -152,10 +163,15 @@ def _results(decoder, prompts: list, batch_size: int, indices: list[int], source
 
 
 def run_summary(totals: dict) -> str:
-    """The run's last line: prompts, new tokens, seconds, tokens/s."""
+    """The run's last line: prompts, new tokens, seconds, tokens/s, and the prompts that ended with an error."""
     rate = totals["new_tokens"] / totals["seconds"] if totals["seconds"] > 0 else 0.0
     skipped = f" ({totals['already']} already answered in --out)" if totals["already"] else ""
+    errors = sorted(totals.get("errors", ()))
+    failed = ""
+    if errors:
+        shown = ", ".join(map(str, errors[:10])) + (f" and {len(errors) - 10} more" if len(errors) > 10 else "")
+        failed = f"; {len(errors)} ended with an error: prompt{'s' if len(errors) > 1 else ''} {shown}"
     return (
         f"[{totals['answered']} of {totals['prompts']} prompts answered{skipped}: {totals['new_tokens']} new tokens "
-        f"in {totals['seconds']:.2f}s = {rate:.2f} tokens/s]"
+        f"in {totals['seconds']:.2f}s = {rate:.2f} tokens/s{failed}]"
     )

@@ -32,6 +32,7 @@ from ..decoding import Decoder, encode_prompt, hf_generation_config, stop_token_
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
 from ..files import appending, read_appended_jsonl
+from ..target.ragged import sliding_window
 from .data import TURNS
 
 
@@ -250,6 +251,7 @@ def distill(
         "new_tokens": 0,
         "eos": 0,
         "length": 0,
+        "skipped_error": 0,
     }
     bar = tqdm(
         total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer", disable=not progress
@@ -383,24 +385,43 @@ def _answer_of(tok, token_ids: list[int], stops) -> tuple[str, int, str]:
     return tok.decode(token_ids[:n], skip_special_tokens=True), n, "eos"
 
 
-def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size):
-    """decoder="eagletree": the batches' prompts not in `left_out`, in their order, answered greedily by eagletree's
-    batched decoding (`Decoder.results`: `batch_size` sequences per target pass, a finished one's place taken by
-    the next prompt); each record is appended, flushed and synced as its answer finishes."""
-    pending = [r for batch in todo for r in batch if r[0] not in left_out]
+def _check_prompts_fit(model, pending, max_new_tokens: int) -> None:
+    """DistillError naming the first prompt of `pending` (id, messages, ids) that eagletree's decoder refuses: one
+    whose tokens + max_new_tokens pass the target's context, or that is longer than its sliding window."""
     limit = getattr(model.config, "max_position_embeddings", None)
+    window = sliding_window(model)
     for conv_id, _, ids in pending:
         if limit is not None and len(ids) + max_new_tokens > limit:
             raise DistillError(
                 f"{conv_id}: its prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"target's context of {limit} tokens; lower max_prompt_tokens or max_new_tokens"
             )
+        if window is not None and len(ids) > window:
+            raise DistillError(
+                f"{conv_id}: its prompt ({len(ids)} tokens) is longer than the target's sliding window of {window} "
+                "tokens, past which --decoder eagletree does not decode; lower max_prompt_tokens or use --decoder hf"
+            )
+
+
+def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size):
+    """decoder="eagletree": the batches' prompts not in `left_out`, in their order, answered greedily by eagletree's
+    batched decoding (`Decoder.results`: `batch_size` sequences per target pass, a finished one's place taken by
+    the next prompt); each record is appended, flushed and synced as its answer finishes. An answer that ended
+    with an error (it reached a sliding-window target's window) is not written: warned about by its id and
+    counted as skipped_error (a rerun decodes it again)."""
+    pending = [r for batch in todo for r in batch if r[0] not in left_out]
+    _check_prompts_fit(model, pending, max_new_tokens)
     stops = _stops(model, tok)
     decoding = Decoder(model, tok, head, DecodeConfig(max_new_tokens=max_new_tokens))
     t0 = time.perf_counter()
     with appending(path) as f:
         for i, result in decoding.results([ids for _, _, ids in pending], batch_size):
             conv_id, msgs, _ = pending[i]
+            if result.error is not None:  # a cut answer is not the target's: not written (HF's decoder has it)
+                warnings.warn(f"{conv_id}: not written: {result.error} (--decoder hf answers it)", stacklevel=2)
+                counts["skipped_error"] += 1
+                bar.update(1)
+                continue
             f.write(_record_line(conv_id, msgs, _answer_of(tok, result.token_ids, stops), settings, counts))
             f.flush()  # one whole record at a time: an interruption loses the answers still being decoded
             os.fsync(f.fileno())
