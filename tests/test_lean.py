@@ -137,7 +137,7 @@ def test_a_layer_the_lean_form_does_not_reproduce_keeps_the_transformers_path():
     del mlp.forward
     del head.layer.mlp.gate_proj  # a layer without the projections it fuses
     with pytest.raises(LeanUnsupported, match="gate_proj"):
-        LeanLayer(head)
+        LeanLayer(head.layer, head.rotary)
     assert lean_layer(head, embed) is None
 
 
@@ -146,4 +146,4 @@ def test_rotary_embeddings_that_rescale_with_the_context_are_left_to_transformer
     head = head_for("eagle", model)
     head.rotary.rope_type = "dynamic"
     with pytest.raises(LeanUnsupported, match="dynamic"):
-        LeanLayer(head)
+        LeanLayer(head.layer, head.rotary)

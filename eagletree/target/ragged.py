@@ -293,10 +293,12 @@ class RaggedOutput:
 
 
 @torch.inference_mode()
-def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, layers=None, logits=True):
+def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, layers=None, logits=True, lean=None):
     """One forward of the model over each row's new tokens (tokens[i] [n_i] ids, blocks[i] [n_i, n_i] bool,
     positions[i] [n_i] rotary positions) on top of cache rows `rows`; each row's cache grows by n_i entries.
-    `layers` also returns those decoder layers' outputs (EAGLE-3); logits=False skips the lm_head."""
+    `layers` also returns those decoder layers' outputs (EAGLE-3); logits=False skips the lm_head.
+
+    lean: the model's `LeanModel` to run the pass through (`target.lean.lean_model`); None: the transformers path."""
     device = next(model.parameters()).device
     layout = plan(cache.lengths, list(rows), list(blocks), device)
     window = sliding_window(model)
@@ -308,14 +310,18 @@ def ragged_forward(model, cache: RaggedCache, rows, tokens, blocks, positions, l
             "tree verification over a rolling cache is not supported"
         )
     cache.reserve(max(layout.kv, 1))
-    input_ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)[None]
-    position_ids = torch.cat([p.reshape(-1) for p in positions]).to(device)[None]
+    input_ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)
+    position_ids = torch.cat([p.reshape(-1) for p in positions]).to(device)
+    if lean is not None:
+        with ragged_pass(cache, layout):
+            out_logits, hidden, layer_hidden = lean(cache, layout, input_ids, position_ids, layers, logits)
+        return RaggedOutput(out_logits, hidden, layer_hidden, layout)
     extra = {} if logits or not forward_takes(model, "logits_to_keep") else {"logits_to_keep": 1}  # (features only)
     with ragged_pass(cache, layout):
         out = model(
-            input_ids=input_ids,
+            input_ids=input_ids[None],
             attention_mask=layout.mask,
-            position_ids=position_ids,
+            position_ids=position_ids[None],
             use_cache=True,
             output_hidden_states=True,
             **{cache_kwarg(model): cache},

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..target.lean import lean_model
 from ..target.ragged import RaggedCache, causal_block, ragged_forward
 from .accept import accept_tree
 from .engine import StepResult, emitted_tokens
@@ -35,6 +36,7 @@ def prefill_rows(model, cache: RaggedCache, rows: list[int], prompts: list[torch
         [torch.arange(ids.numel()) for _, ids in todo],
         layers,
         logits=False,
+        lean=lean_model(model),
     )
     hidden = result.split(result.hidden)
     layer_hidden = {k: result.split(h) for k, h in (result.layer_hidden or {}).items()}
@@ -73,6 +75,7 @@ def verify_rows(
         [t.ancestors() for t in trees],
         [t.position_ids(s) for t, s in zip(trees, starts)],
         layers,
+        lean=lean_model(model),
     )
     t1 = time.perf_counter()
     generators = generators or [None] * len(rows)

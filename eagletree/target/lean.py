@@ -1,0 +1,279 @@
+"""Decoder layers as a handful of tensor operations: the fast path of ragged passes, the target's and the drafter's.
+
+On a CPU a pass over a few rows pays more for the framework's per-call work (module dispatch, mask and rotary
+construction, cache bookkeeping, output capture) than for some of its arithmetic: a 30-layer target's one-token
+pass makes about 400 module calls. `LeanLayer` computes a LLaMA-family decoder layer from the same weights as
+a few direct products (its Linears' own kernels, packed or not; fused into one product for q/k/v and one for
+gate/up where the caller allows the extra copy of the weights), rotary embeddings read from a table, keys and
+values written by position into a `RaggedCache`, and attention over short query blocks as two batched products
+and a softmax (the CPU's SDPA kernel is several times slower than that for a handful of queries over a long
+context; long blocks, a prompt's, still go through SDPA).
+
+`LeanModel` runs a whole target that way (embedding, the layers, the final norm and the lm_head at the rows
+asked for); `lean_model(model)` builds one and checks it against the model's own ragged forward on a probe, and
+a model it does not reproduce there (another architecture: embedding scales, soft caps, sliding windows) keeps
+the transformers path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..packing import PackedLinear, is_packed, pack_weight, packed_linear, packing_problem
+from .ragged import Layout, RaggedCache, causal_block, ragged_attention, ragged_forward
+
+# Query blocks up to this many rows per sequence attend by plain products (a drafting level, a catch-up, a
+# one-token pass); longer ones (a prompt, a large tree) through SDPA, which is faster there.
+SHORT_BLOCK = 16
+
+
+class LeanUnsupported(Exception):
+    """The layer is not one `LeanLayer` computes (the caller keeps the transformers path)."""
+
+
+class LeanLinear:
+    """y = x W^T + b from one or more nn.Linear fused along their outputs, through a oneDNN-packed copy of W
+    at the row counts where `choice` (a measured KernelChoice; None: always) packs."""
+
+    def __init__(self, linears: list[nn.Module], pack: bool, choice=None):
+        self.weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+        biases = [m.bias for m in linears]
+        if any(b is not None for b in biases):
+            self.bias = torch.cat(
+                [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(linears, biases)]
+            )
+        else:
+            self.bias = None
+        self.packed = pack_weight(self.weight) if pack else None
+        self.choice = choice
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and (self.choice is None or self.choice.use_packed(x.shape[0])):
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ModuleLinears:
+    """The same products through the Linears themselves (no copy of the weights): each one's own forward (a
+    PackedLinear's kernel choice included), outputs concatenated when there are several."""
+
+    def __init__(self, linears: list[nn.Module]):
+        self.calls = [m.forward if isinstance(m, PackedLinear) else _plain(m) for m in linears]
+        self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.calls) == 1:
+            return self.calls[0](x)
+        return torch.cat([call(x) for call in self.calls], -1)
+
+
+def _plain(linear: nn.Linear):
+    weight, bias = linear.weight, linear.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _linears(fuse: bool, pack: bool, choice):
+    """How a LeanLayer builds its products: fused copies (packed where `pack`) or the modules' own."""
+    if fuse:
+        return lambda linears: LeanLinear(linears, pack, choice)
+    return ModuleLinears
+
+
+class LeanLayer:
+    """A decoder layer over packed rows: (attention input [R, D], residual [R, H], positions [R]) on top of the
+    cache rows of a `Layout` -> output features [R, H]; its keys and values go to layer `index` of the cache.
+
+    fuse: q/k/v and gate/up as one product each from fused copies of the weights (packed when the layer is, under
+    `choice`); False: through the layer's own Linears, no copy."""
+
+    def __init__(self, layer, rotary, choice=None, index: int = 0, fuse: bool = True):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        needed = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        needed += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        missing = [n for owner, n in needed if not isinstance(getattr(owner, n, None), nn.Linear)]
+        if missing or not hasattr(mlp, "act_fn") or not hasattr(layer, "post_attention_layernorm"):
+            raise LeanUnsupported(f"{type(layer).__name__} lacks {missing or 'act_fn / post_attention_layernorm'}")
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        if "dynamic" in rope_type or "longrope" in rope_type:  # (their tables change with the context length)
+            raise LeanUnsupported(f"rope_type {rope_type!r} rescales with the context length")
+        if getattr(attn, "sliding_window", None) or getattr(attn, "sinks", None) is not None:
+            raise LeanUnsupported("sliding-window or sink attention")
+        linears = _linears(fuse, is_packed(layer) and packing_problem(layer) is None, choice)
+        self.qkv = linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = linears([attn.o_proj])
+        self.gate_up = linears([mlp.gate_proj, mlp.up_proj])
+        self.down = linears([mlp.down_proj])
+        self.dim = int(attn.head_dim)
+        self.heads = attn.q_proj.out_features // self.dim
+        self.kv_heads = attn.k_proj.out_features // self.dim
+        self.scaling = float(attn.scaling)
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise LeanUnsupported("a per-head norm on only one of q and k")
+        self.act, self.norm = mlp.act_fn, layer.post_attention_layernorm
+        self.input_norm = getattr(layer, "input_layernorm", None)
+        self.inter = mlp.gate_proj.out_features
+        self.rotary, self.index = rotary, index
+        self.dtype = attn.q_proj.weight.dtype
+        self.cos = self.sin = torch.zeros(0, self.dim)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [R, dim] of the rows' positions, from a table grown (doubling) as positions grow."""
+        top = int(positions.max()) + 1
+        if top > self.cos.shape[0]:
+            size = max(top, 2 * self.cos.shape[0], 256)
+            ref = torch.zeros(1, 1, dtype=torch.float32, device=positions.device)
+            cos, sin = self.rotary(ref, torch.arange(size, device=positions.device)[None])
+            self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        return self.cos[positions], self.sin[positions]
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None] + rotated * sin[:, None]
+
+    @torch.inference_mode()
+    def __call__(self, attn_in, residual, positions, cache: RaggedCache, layout: Layout, rope=None) -> torch.Tensor:
+        """rope: the rows' (cos, sin) when the caller read them once for every layer (same rotary, same dtype)."""
+        r = attn_in.shape[0]
+        qk, v = self.qkv(attn_in).split([(self.heads + self.kv_heads) * self.dim, self.kv_heads * self.dim], -1)
+        qk, v = qk.view(r, self.heads + self.kv_heads, self.dim), v.view(r, self.kv_heads, self.dim)
+        if self.q_norm is not None:  # (per-head norms: Qwen3)
+            q, k = qk.split([self.heads, self.kv_heads], 1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], 1)
+        q, k = self._rope(qk, *(rope or self._rotary(positions))).split([self.heads, self.kv_heads], 1)
+        # Attention runs in fp32 whatever the layer's precision: a bf16 product of a new shape (the context grows
+        # every step) builds a oneDNN kernel first, which costs about a millisecond on a CPU.
+        q, k, v = q.float(), k.float(), v.float()
+        keys, values = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.index)
+        if layout.mask.shape[2] <= SHORT_BLOCK:
+            out = self._attend(q, keys, values, layout)
+        else:
+            out = ragged_attention(None, q.transpose(0, 1)[None], keys, values, None, scaling=self.scaling)[0][0]
+        h = residual + self.o(out.reshape(r, self.heads * self.dim).to(self.dtype))
+        gate, up = self.gate_up(self.norm(h)).split(self.inter, -1)
+        return h + self.down(self.act(gate) * up)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Attention of short query blocks: q [R, heads, dim] packed -> [R, heads, dim]; each row's queries over its
+        own entries under the layout's mask, the query heads sharing a key/value head stacked as one block."""
+        s, n_max, kv = len(layout.rows), layout.mask.shape[2], layout.kv
+        groups = self.heads // self.kv_heads
+        if layout.padded is not None:
+            q = q.new_zeros(s * n_max, self.heads, self.dim).index_copy_(0, layout.padded, q)
+        # [S, n, kv_heads, groups, dim] -> [S, kv_heads, groups * n, dim]
+        block = q.view(s, n_max, self.kv_heads, groups, self.dim).permute(0, 2, 3, 1, 4)
+        block = block.reshape(s, self.kv_heads, groups * n_max, self.dim)
+        scores = torch.matmul(block, keys.transpose(-1, -2)).view(s, self.kv_heads, groups, n_max, kv) * self.scaling
+        if not layout.unmasked:
+            scores = scores.masked_fill(~layout.mask[:, :, None], float("-inf"))
+        probs = scores.softmax(-1).view(s, self.kv_heads, groups * n_max, kv)
+        out = torch.matmul(probs, values).view(s, self.kv_heads, groups, n_max, self.dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(s * n_max, self.heads, self.dim)
+        return out if layout.padded is None else out.index_select(0, layout.padded)
+
+
+# How far the lean path's logits and features may be from the model's own on the probe, relative to their scale.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+class LeanModel:
+    """A LLaMA-family causal LM's ragged forward through `LeanLayer`s over the model's own modules (no copy of
+    its weights): embedding, each layer (input norm, then the lean layer writing layer i of the cache), the final
+    norm and the lm_head at every row."""
+
+    def __init__(self, model):
+        inner = getattr(model, "model", None)
+        parts = {n: getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")}
+        lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if any(p is None for p in parts.values()) or not isinstance(lm_head, nn.Linear):
+            raise LeanUnsupported(f"{type(model).__name__} is not laid out as model.{{{', '.join(parts)}}} + lm_head")
+        count = model.config.num_hidden_layers
+        self.layers = [
+            LeanLayer(layer, parts["rotary_emb"], None, i, fuse=False)
+            for i, layer in enumerate(parts["layers"][:count])
+        ]
+        if any(lean.input_norm is None for lean in self.layers):
+            raise LeanUnsupported("a decoder layer without input_layernorm")
+        self.embed = parts["embed_tokens"].weight
+        self.norm = parts["norm"].forward
+        self.lm_head = ModuleLinears([lm_head])
+        self.norms = [lean.input_norm.forward for lean in self.layers]
+
+    @torch.inference_mode()
+    def __call__(self, cache: RaggedCache, layout: Layout, input_ids, positions, layers=None, logits=True):
+        """(logits [R, vocab] float32 or None, hidden [R, H] post-norm, {layer: [R, H] its output} or None) of the
+        packed rows input_ids [R] at positions [R]; the caller holds the layout on the cache (`ragged_pass`)."""
+        h = F.embedding(input_ids, self.embed)
+        rope = self.layers[0]._rotary(positions)
+        layer_hidden = {} if layers else None
+        for i, (norm, lean) in enumerate(zip(self.norms, self.layers)):
+            h = lean(norm(h), h, positions, cache, layout, rope)
+            if layers and i in layers:
+                layer_hidden[i] = h
+        hidden = self.norm(h)
+        if layers and len(self.layers) - 1 in layers:  # (as transformers' hidden states: the last one normed)
+            layer_hidden[len(self.layers) - 1] = hidden
+        return (self.lm_head(hidden).float() if logits else None), hidden, layer_hidden
+
+
+def lean_model(model) -> LeanModel | None:
+    """The model's `LeanModel`, built and checked once per model and set of kernels (kept on the model), or None
+    where the transformers path stays: not a CPU fp32 model, an architecture `LeanModel` does not cover, or a
+    probe on which its logits, features or layer outputs differ from the model's own ragged forward."""
+    param = next(model.parameters())
+    key = (param.device, param.dtype, _kernels_key(model))
+    cached = model.__dict__.get("_eagletree_lean")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    lean = None
+    if param.device.type == "cpu" and param.dtype == torch.float32:
+        try:
+            lean = LeanModel(model)
+        except LeanUnsupported:
+            lean = None
+        if lean is not None and not _matches(model, lean):
+            lean = None
+    object.__setattr__(model, "_eagletree_lean", (key, lean))
+    return lean
+
+
+def _kernels_key(model) -> tuple:
+    """Changes when the model's Linears are replaced (packed or unpacked): the lean path holds their forwards."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return ()
+    attn = getattr(layers[0], "self_attn", None)
+    return (id(getattr(attn, "q_proj", None)), id(model.get_output_embeddings()))
+
+
+@torch.inference_mode()
+def _matches(model, lean: LeanModel) -> bool:
+    """The probe: two rows (a 5-token prompt then a 3-node tree; a 3-token prompt then one token) through the
+    model's own ragged forward and through `lean`; every output within the dtype's tolerance."""
+    param = next(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_output_embeddings().out_features
+    ids = torch.randint(0, vocab, (12,), generator=generator)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    passes = [
+        ([ids[:5], ids[5:8]], [causal_block(5), causal_block(3)], [torch.arange(5), torch.arange(3)]),
+        ([ids[8:11], ids[11:]], [tree, causal_block(1)], [torch.tensor([5, 6, 6]), torch.tensor([3])]),
+    ]
+    layers = list(range(len(lean.layers)))
+    caches = [RaggedCache(capacity=16), RaggedCache(capacity=16)]
+    for cache in caches:
+        cache.add_row(), cache.add_row()
+    for tokens, blocks, positions in passes:
+        want = ragged_forward(model, caches[0], [0, 1], tokens, blocks, positions, layers)
+        got = ragged_forward(model, caches[1], [0, 1], tokens, blocks, positions, layers, lean=lean)
+        pairs = [(want.logits, got.logits), (want.hidden, got.hidden)]
+        pairs += [(want.layer_hidden[i], got.layer_hidden[i]) for i in layers]
+        for a, b in pairs:
+            error = (a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-6)
+            if not float(error) <= TOLERANCE.get(param.dtype, 3e-2):
+                return False
+    return True

@@ -1,0 +1,123 @@
+"""The target's lean passes (target/lean.py): a ragged pass through `LeanModel` instead of the transformers model.
+
+A pass must give the logits, features and layer outputs the model's own ragged forward gives (float rounding
+apart) on every layout decoding makes (prompts longer than a short block, trees of different sizes in one pass,
+padding, one-token rows, after a commit that moved entries), with stock and packed kernels; decoding through it
+stays identical to HF `generate`; and a model it does not reproduce keeps the transformers path.
+"""
+
+import pytest
+import torch
+from test_batch import Setup, config, flat_profile
+from test_lean import qwen3_model
+
+from eagletree import Decoder
+from eagletree.packing import pack_linears, packing_problem, stock_kernels
+from eagletree.target.lean import SHORT_BLOCK, LeanModel, LeanUnsupported, lean_model
+from eagletree.target.ragged import RaggedCache, causal_block, ragged_forward, use_ragged
+
+from helpers import tiny_model
+
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+def model_for(arch: str):
+    model = qwen3_model() if arch == "qwen3" else tiny_model(arch)
+    use_ragged(model)
+    return model
+
+
+def passes(model, lean) -> list:
+    """The same passes through `lean` (None: the transformers path): three prompts (one longer than a short
+    block), a pass of a 4-node tree, a one-token row and a 2-token chain (padded), a commit of each row's accepted
+    nodes, then one token per row. Returns every output tensor."""
+    g = torch.Generator().manual_seed(1)
+    vocab = model.get_output_embeddings().out_features
+    layers = list(range(model.config.num_hidden_layers))
+    cache = RaggedCache(capacity=8)  # (grown by the passes)
+    for _ in range(3):
+        cache.add_row()
+    out = []
+
+    def run(rows, sizes, blocks, starts):
+        tokens = [torch.randint(vocab, (n,), generator=g) for n in sizes]
+        depths = [b.sum(-1) - 1 for b in blocks]
+        positions = [s + d for s, d in zip(starts, depths)]
+        result = ragged_forward(model, cache, rows, tokens, blocks, positions, layers, lean=lean)
+        out.extend([result.logits, result.hidden, *result.layer_hidden.values()])
+
+    lengths = [5, SHORT_BLOCK + 9, 2]
+    run([0, 1, 2], lengths, [causal_block(n) for n in lengths], [0, 0, 0])
+    run([0, 1, 2], [4, 1, 2], [TREE, causal_block(1), causal_block(2)], lengths)
+    cache.commit([0, 1, 2], lengths, [[0, 1, 3], [0], [0]])
+    starts = list(cache.lengths)
+    run([0, 1, 2], [1, 1, 1], [causal_block(1)] * 3, starts)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_a_lean_pass_gives_what_the_models_own_ragged_forward_gives(arch):
+    """(Mistral's sliding window: a ragged pass refuses a context past it before either path runs.)"""
+    model = model_for(arch)
+    lean = lean_model(model)
+    assert isinstance(lean, LeanModel)
+    got, want = passes(model, lean), passes(model, None)
+    assert len(got) == len(want) == 3 * (2 + model.config.num_hidden_layers)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.skipif(packing_problem(torch.nn.Linear(2, 2)) is not None, reason="this PyTorch has no oneDNN")
+def test_packing_after_the_lean_model_was_built_rebuilds_it_on_the_packed_kernels():
+    model = model_for("llama")
+    stock = lean_model(model)
+    pack_linears(model)
+    packed = lean_model(model)
+    assert packed is not None and packed is not stock
+    for a, b in zip(passes(model, packed), passes(model, None)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    with stock_kernels(model):  # the lean path calls the Linears' own forwards, so it follows them
+        for a, b in zip(passes(model, packed), passes(model, None)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_the_lean_path_does_not_reproduce_keeps_the_transformers_path():
+    model = model_for("llama")
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.up_proj(x)) * mlp.gate_proj(x))  # gate and up swapped
+    assert lean_model(model) is None
+    bf16 = model_for("llama").to(torch.bfloat16)  # (bf16 targets: the transformers path, as measured so far)
+    assert lean_model(bf16) is None
+    del model.model.layers[0].mlp.gate_proj
+    with pytest.raises(LeanUnsupported, match="gate_proj"):
+        LeanModel(model)
+
+
+def test_a_gemma_target_whose_embeddings_are_scaled_keeps_the_transformers_path():
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    config = GemmaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    use_ragged(model)
+    assert lean_model(model) is None
+
+
+@pytest.mark.parametrize("tree", ["eagle2", "chain"])
+def test_decoding_through_lean_passes_equals_hf_generate(tree):
+    lm = Setup()  # (HF's answers come from an untouched copy of the target)
+    decoder = Decoder(lm.model, lm.tok, lm.head, config(tree), profile=flat_profile())
+    results = decoder.generate_batch(lm.prompts, batch_size=4)
+    assert isinstance(lm.model.__dict__["_eagletree_lean"][1], LeanModel)  # the passes went the lean way
+    assert sum(r.stats.passes for r in results) < sum(r.stats.new_tokens for r in results)  # trees were accepted
+    for prompt, result in zip(lm.prompts, results):
+        assert result.token_ids == lm.hf(prompt, 40, decoder.stops)
