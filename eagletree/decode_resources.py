@@ -15,6 +15,7 @@ from .draft_heads import target_identity
 from .packing import kernels_tag, machine_key
 from .target import GQA_SDPA, cache_dir
 from .target.attention import RAGGED
+from .target.lean import lean_model
 from .tree_search import Calibrator, LatencyProfile
 from .tree_search.copy import CopyCalibration, copy_calibration_names
 from .tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
@@ -63,6 +64,8 @@ def profile_path(target) -> Path:
     name += kernels_tag(target)  # other kernels, other costs
     if _reads_grouped_heads_in_place(target.config, device):
         name += "-gqa"
+    if lean_model(target) is not None:  # batch passes through the lean path (target/lean.py) cost less
+        name += "-lean"
     return cache_dir() / "profiles" / f"{name}.json"
 
 
