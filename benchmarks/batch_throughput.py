@@ -22,7 +22,7 @@ from eagletree.bench import load_prompts
 from eagletree.bench.throughput import budget_split, plot_throughput, throughput, throughput_table
 from eagletree.draft_heads import load_head
 from eagletree.loading import head_to_load
-from eagletree.packing import cpu_model
+from eagletree.packing import cpu_model, kernels_tag, pack_target
 from eagletree.target import load_target
 
 
@@ -36,17 +36,19 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=None, help="nodes per sequence (default: by device)")
     ap.add_argument("--split", action="store_true", help="only the budget split (eagle2/optimal: vs an equal split)")
     ap.add_argument("--plot", default=None, help="write the throughput plot to this file (.png)")
+    ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="the target's kernels, as the CLI's")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     target, tok = load_target(args.target)
+    pack_target(target, args.pack)  # (the kernels the command line runs)
     head = load_head(head_to_load(args.target, None), target_config=target.config)
     prompts = load_prompts(args.prompts)
     config = DecodeConfig(tree=args.tree, budget=args.budget, max_new_tokens=args.max_new_tokens)
     trees = Decoder(target, tok, head, config)
     print(
         f"{args.target}, {len(prompts)} prompts x {args.max_new_tokens} tokens, {cpu_model()}, "
-        f"{torch.get_num_threads()} threads; trees: {trees.config.tree.value}, "
-        f"budget {trees.config.budget} per sequence"
+        f"{torch.get_num_threads()} threads, kernels {kernels_tag(target) or 'stock'}; "
+        f"trees: {trees.config.tree.value}, budget {trees.config.budget} per sequence"
     )
     if not args.split:
         result = throughput(target, tok, head, prompts, sizes, config)
