@@ -13,6 +13,7 @@ from test_lean import qwen3_model
 
 from eagletree import Decoder
 from eagletree.packing import pack_linears, packing_problem, stock_kernels
+from eagletree.target.attention import RAGGED
 from eagletree.target.lean import SHORT_BLOCK, LeanModel, LeanUnsupported, lean_model
 from eagletree.target.ragged import RaggedCache, causal_block, ragged_forward, use_ragged
 
@@ -65,6 +66,14 @@ def test_a_lean_pass_gives_what_the_models_own_ragged_forward_gives(arch):
     assert len(got) == len(want) == 3 * (2 + model.config.num_hidden_layers)
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+def test_a_model_not_yet_switched_to_ragged_attention_is_switched_and_checked():
+    """(`plan` asks for the profile's name, which says whether passes go the lean way, before any pass.)"""
+    model = tiny_model("llama")
+    assert model.config._attn_implementation == "sdpa"
+    assert isinstance(lean_model(model), LeanModel)
+    assert model.config._attn_implementation == RAGGED
 
 
 @pytest.mark.skipif(packing_problem(torch.nn.Linear(2, 2)) is not None, reason="this PyTorch has no oneDNN")

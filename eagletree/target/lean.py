@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..packing import PackedLinear, is_packed, pack_weight, packed_linear, packing_problem
-from .ragged import Layout, RaggedCache, causal_block, ragged_attention, ragged_forward
+from .ragged import Layout, RaggedCache, causal_block, ragged_attention, ragged_forward, use_ragged
 
 # Query blocks up to this many rows per sequence attend by plain products (a drafting level, a catch-up, a
 # one-token pass); longer ones (a prompt, a large tree) through SDPA, which is faster there.
@@ -234,8 +234,10 @@ def lean_model(model) -> LeanModel | None:
             lean = LeanModel(model)
         except LeanUnsupported:
             lean = None
-        if lean is not None and not _matches(model, lean):
-            lean = None
+        if lean is not None:
+            use_ragged(model)  # (the probe compares with the model's own ragged forward, which needs it)
+            if not _matches(model, lean):
+                lean = None
     object.__setattr__(model, "_eagletree_lean", (key, lean))
     return lean
 
