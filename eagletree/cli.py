@@ -358,11 +358,11 @@ def _add_head_commands(sub) -> None:
     p.add_argument("--top-k-draft", type=at_least(1), default=10, help="ranks measured per depth")
     p.add_argument(
         "--prompts",
-        default="heldout:8",
-        help="heldout:N, mtbench[:N] or a .jsonl file; the first "
-        "half measures the acceptance, the second checks the tree",
+        default="mtbench:32",
+        help="heldout:N, mtbench[:N] or a .jsonl file, like the prompts served; the first half measures the "
+        "acceptance (at least 1,000 answer positions advised: fewer are warned about), the second checks the tree",
     )
-    p.add_argument("--max-new-tokens", type=at_least(1), default=48)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=96)
     p.add_argument(
         "--acceptance",
         default=None,

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .decoding import _features, encode_prompt, generate
 from .draft_heads import make_drafter, target_to_draft
@@ -36,7 +38,10 @@ from .tree_search.cost import read_profile_json
 from .verify import prefill
 
 ENGINES = ("vllm", "sglang", "eagle")
-CHECK_TOLERANCE = 0.10
+CHECK_TOLERANCE = 0.05
+# Answer positions below which the measured acceptance is warned about: at ~185 positions (8 held-out prompts x
+# 48 tokens) a plan's prediction missed vLLM's measured acceptance at depth >= 2 by up to 24%.
+MIN_POSITIONS = 1000
 
 
 @dataclass
@@ -121,9 +126,10 @@ def _rank(probs: torch.Tensor, index: int) -> int:
 
 @torch.inference_mode()
 def measure_acceptance(
-    target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8, top_k: int = 10
+    target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8, top_k: int = 10, progress=True
 ) -> Acceptance:
-    """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring)."""
+    """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring); a
+    progress bar per prompt on stderr unless progress=False."""
     if not head.drafts_from_own_features:  # engines' EAGLE trees feed each level the head's own output
         raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
     if not prompts:
@@ -138,7 +144,7 @@ def measure_acceptance(
     rank_paths = []
     device = next(target.parameters()).device
     layers = head.fused_layers
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
         ids = encode_prompt(tokenizer, prompt).to(device)
         # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
         answer = generate(
@@ -298,10 +304,10 @@ def load_profile(path):
     )
 
 
-def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int) -> dict:
+def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int, progress=True) -> dict:
     """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
     new = passes = 0
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="plan: check", unit="prompt", file=sys.stderr, disable=not progress):
         stats = generate(
             target,
             tokenizer,
@@ -409,6 +415,12 @@ def summary(result: dict) -> str:
         f"{result['predicted_tokens_per_s']:.1f} tokens/s under the profile (plain decoding "
         f"{result['predicted_plain_tokens_per_s']:.1f})",
     ]
+    positions = result["acceptance"]["positions"]
+    if positions < MIN_POSITIONS:
+        lines.append(
+            f"warning: the acceptance was measured on {positions} answer positions; below {MIN_POSITIONS} the "
+            "prediction is uncertain (more --prompts or --max-new-tokens)"
+        )
     slower = 1 - result["predicted_tokens_per_s"] / result["predicted_plain_tokens_per_s"]
     if slower > 0:
         lines.append(

@@ -162,7 +162,7 @@ def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():
 def test_the_summary_warns_when_the_best_tree_loses_to_plain_decoding():
     from eagletree.plan import summary
 
-    def result(rate, plain):
+    def result(rate, plain, positions=1500):
         return {
             "engine": "sglang",
             "config": {},
@@ -172,6 +172,7 @@ def test_the_summary_warns_when_the_best_tree_loses_to_plain_decoding():
             "predicted_tokens_per_s": rate,
             "predicted_plain_tokens_per_s": plain,
             "check": None,
+            "acceptance": {"positions": positions},
         }
 
     steep = LatencyProfile([1, 2, 64], [0.010, 0.030, 0.700], draft_s_per_level=0.0)  # a drafted node costs 3x
@@ -180,6 +181,8 @@ def test_the_summary_warns_when_the_best_tree_loses_to_plain_decoding():
     text = summary(result(plan.tokens_per_s, plan.plain_tokens_per_s))
     assert "warning: under this profile even the best tree is predicted 46.7% slower than plain decoding" in text
     assert "warning" not in summary(result(120.0, 100.0))
+    few = summary(result(120.0, 100.0, positions=185))  # (8 held-out prompts x 48 tokens: the old default)
+    assert "warning: the acceptance was measured on 185 answer positions; below 1000" in few
 
 
 def test_decoding_the_measured_answers_with_a_tree():
