@@ -10,7 +10,7 @@ load_emb=False: EaModel reads the embedding from the target's folder), loads mod
 `load_state_dict(strict=False)` as `EaModel` does, and reports missing and unexpected keys, shape
 errors, RoPE base and the loaded tensors' agreement with eagletree's. Exit code 1 on any problem.
 Not part of the test run (it needs the EAGLE checkout). scripts/check_engine_loaders.py does the same with
-vLLM's and SGLang's own loaders.
+SGLang's own loaders (read out of its wheel); scripts/check_vllm.py serves the exports in vLLM itself.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The machinery of scripts/check_engine_loaders.py, on a tiny engine written here (the real run needs the wheels).
+"""The machinery of scripts/check_engine_loaders.py, on a tiny engine written here (the real run needs SGLang's wheel).
 
-The fake engine is Python source executed the way the script executes vLLM's and SGLang's files: imports
-resolved from a Sandbox of stand-in modules, a stacked q/k/v loader as both engines write it.
+The fake engine is Python source executed the way the script executes SGLang's files: imports resolved from a
+Sandbox of stand-in modules, a stacked q/k/v loader as SGLang writes it. The self-test's broken copies are made from
+small export folders written here.
 """
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -139,3 +141,40 @@ def test_a_drop_rule_must_be_in_the_engine_source():
     assert cel.drop_rule(source, "t2d", "x.py") == {"t2d": "x.py"}
     with pytest.raises(SystemExit, match="no longer skips 'd2t'"):
         cel.drop_rule(source, "d2t", "x.py")
+
+
+def export_folder(tmp_path, name, fmt, draft_ids, **weights):
+    folder = tmp_path / name
+    folder.mkdir()
+    config = (
+        {"architectures": ["X"], **cel.aux_eagle_config([1, 2, 3])} if fmt == "eagle3" else {"architectures": ["X"]}
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    if fmt == "sglang":
+        torch.save(list(draft_ids), folder / "token_map.pt")  # as the export writes it
+    return cel.Export(folder, fmt, [0, 1, 2] if fmt == "eagle3" else None, draft_ids)
+
+
+def test_the_self_test_breaks_the_exports_over_a_draft_vocabulary_and_expects_sglang_to_report_all_but_one(tmp_path):
+    sglang = export_folder(tmp_path, "s", "sglang", [0, 2, 5], **{"fc.bias": torch.zeros(2)})
+    full = export_folder(tmp_path, "full", "eagle3", None, **{"embed_tokens.weight": torch.zeros(2, 2)})
+    d2t = torch.tensor([0, 1, 3])  # target id = index + offset: 0, 2, 5
+    draft = export_folder(tmp_path, "d", "eagle3", [0, 2, 5], d2t=d2t, **{"embed_tokens.weight": torch.zeros(2, 2)})
+    cases = cel.broken_exports([sglang, full, draft], tmp_path / "work")  # the full-vocabulary one is skipped
+    assert [e.draft_ids for _, e, _ in cases] == [[0, 2, 5]] * len(cases)
+    assert [e.fmt for _, e, _ in cases] == ["sglang"] * 4 + ["eagle3"] * 6
+    assert [what for what, _, reported in cases if not reported] == [
+        "no embed_tokens (SGLang takes the target's; only EAGLE's own code needs it, see check_exports.py)"
+    ]
+    from safetensors.torch import load_file
+
+    by_what = {what: e.folder for what, e, _ in cases}
+    broken_d2t = load_file(str(by_what["d2t as target ids instead of offsets"] / "model.safetensors"))["d2t"]
+    assert broken_d2t.tolist() == [0, 2, 5]
+    assert cel.aux_layer_ids(by_what["eagle_config layer ids + 1 (SGLang adds 1 itself)"]) == [2, 3, 4]
+    assert torch.load(by_what["token_map.pt in another order"] / "token_map.pt") == [5, 2, 0]
+    with pytest.raises(SystemExit, match="each over a draft vocabulary"):
+        cel.broken_exports([sglang, full], tmp_path / "work2")
