@@ -315,7 +315,14 @@ def _add_head_commands(sub) -> None:
     """The subparsers of export, import and plan (a head for the engines)."""
     p = sub.add_parser("export", help="export a head for EAGLE, vLLM or SGLang")
     p.add_argument("--head", required=True)
-    p.add_argument("--format", required=True, choices=["eagle", "vllm", "sglang", "eagle3"])
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=["eagle", "vllm", "sglang", "eagle3", "speculators"],
+        help="EAGLE-1/2 heads: eagle, vllm or sglang; EAGLE-3 heads: eagle3 (SGLang, EAGLE), vllm "
+        '(speculative_config method "eagle3") or speculators (vLLM starts it alone, LLM(model=OUT); its config '
+        "names the --target folder as the verifier vLLM loads)",
+    )
     p.add_argument("--out", required=True, help="a new or empty folder (never the head's own)")
     p.add_argument(
         "--overwrite",

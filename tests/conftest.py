@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
-        if "vllm" in item.keywords and not config.getoption("--vllm"):
+        if item.get_closest_marker("vllm") and not config.getoption("--vllm"):  # (not a parametrize id "vllm")
             item.add_marker(skip_vllm)
 
 

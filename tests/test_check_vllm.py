@@ -203,14 +203,96 @@ def test_a_failing_vllm_run_ends_the_check_with_its_error_line(tmp_path, capsys)
     assert "Traceback" in capsys.readouterr().err  # the log's last lines, above the one-line reason
 
 
+SPECULATORS = {  # the parts of a speculators config.json vLLM reads to start it alone
+    "speculators_model_type": "eagle3",
+    "speculators_config": {
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        "verifier": {"name_or_path": "TARGET"},
+    },
+}
+
+
+def test_export_kind_tells_the_three_exports_apart():
+    assert cv.export_kind({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}) == "eagle"
+    assert cv.export_kind({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}) == "eagle3"
+    assert cv.export_kind({"draft_vocab_size": 8}) == "eagle3"  # an EAGLE-3 checkpoint made elsewhere
+    assert cv.export_kind({**SPECULATORS, "draft_vocab_size": 8}) == "speculators"
+
+
+def test_vllm_starts_eagle_exports_with_the_target_and_a_speculators_export_alone(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    for kind in ("eagle", "eagle3"):
+        assert cv.vllm_start(kind, "EXPORT", str(target), 2, {}) == {
+            "model": str(target),
+            "speculative_config": {"method": kind, "model": "EXPORT", "num_speculative_tokens": 2},
+        }
+    config = json.loads(json.dumps(SPECULATORS).replace("TARGET", str(target)))
+    assert cv.vllm_start("speculators", "EXPORT", str(target), 3, config) == {
+        "model": "EXPORT",  # vLLM serves the verifier and drafts the config's 3 tokens
+        "speculative_config": None,
+    }
+    # another k: vLLM's maybe_override_with_speculators takes num_speculative_tokens from a speculative_config
+    assert cv.vllm_start("speculators", "EXPORT", str(target), 2, config)["speculative_config"] == {
+        "num_speculative_tokens": 2
+    }
+    other = json.loads(json.dumps(SPECULATORS).replace("TARGET", str(tmp_path / "other")))
+    with pytest.raises(ValueError, match="names the verifier .*other', but --target is the folder"):
+        cv.vllm_start("speculators", "EXPORT", str(target), 3, other)
+
+
+class FakeLLM:
+    """vLLM's LLM as the worker uses it: records how it was started; every answer is tokens 7, 8."""
+
+    started = []
+
+    def __init__(self, **kwargs):
+        FakeLLM.started.append(kwargs)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 8])]) for _ in prompts]
+
+    def get_metrics(self):
+        return []
+
+
+@pytest.mark.parametrize("mode", ["plain", "eagle"])
+def test_the_worker_starts_vllm_as_the_job_says(tmp_path, monkeypatch, mode):
+    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    FakeLLM.started.clear()
+    job = {
+        "mode": mode,
+        "target": "TARGET",
+        "start": {"model": "EXPORT", "speculative_config": None},  # a speculators export, alone
+        "max_model_len": 64,
+        "max_new_tokens": 2,
+        "stop": [0],
+        "prompts": [[1, 2], [3]],
+        "out": str(tmp_path / "result.json"),
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    cv.worker(str(tmp_path / "job.json"))
+    (started,) = FakeLLM.started
+    assert started["model"] == ("EXPORT" if mode == "eagle" else "TARGET") and started["speculative_config"] is None
+    assert started["dtype"] == "float32" and started["enable_prefix_caching"] is False
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["one_at_a_time"]["outputs"] == [[7, 8], [7, 8]] and result["batched"]["spec"] is None
+
+
 @pytest.mark.parametrize(
     "argv, error",
-    [(["--head", "h", "--export", "e"], "alternatives"), (["--k", "0"], "--k must be >= 1")],
+    [
+        (["--head", "h", "--export", "e"], "alternatives"),
+        (["--k", "0"], "--k must be >= 1"),
+        (["--format", "eagle3"], "invalid choice: 'eagle3'"),
+    ],
 )
 def test_bad_options_are_refused(argv, error, capsys):
     with pytest.raises(SystemExit):
         cv.parse_args(argv)
     assert error in capsys.readouterr().err
+    assert cv.parse_args(["--format", "speculators"]).format == "speculators" and cv.parse_args([]).format is None
 
 
 @pytest.mark.vllm
@@ -231,3 +313,30 @@ def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
     assert vllm["counts"][0][0] >= 100 and ours["counts"][0][0] >= 100  # the acceptance was compared, not skipped
     answers = result["eagletree_plain"]["one_at_a_time"]["outputs"]
     assert result["vllm_eagle"]["one_at_a_time"]["outputs"] == answers and len(answers) == 4
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"], ids=["method-eagle3", "speculators"])
+def test_vllm_serves_an_eagle3_head_in_both_exports_as_eagletree_decodes(tmp_path, fmt):
+    import torch
+
+    from eagletree.draft_heads import Eagle3Head
+    from eagletree.target import load_target
+
+    target, _ = load_target("smollm2-135m", dtype=torch.float32, device="cpu")
+    torch.manual_seed(0)  # a fresh head (its norm and lm_head the target's): it drafts little, both engines alike
+    Eagle3Head.for_target(target, torch.arange(4096)).save_pretrained(tmp_path / "head")
+    out = tmp_path / "result.json"
+    argv = ["--head", str(tmp_path / "head"), "--format", fmt, "--prompts", "4", "--k", "2", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["settings"]["kind"] == ("speculators" if fmt == "speculators" else "eagle3")
+    assert result["vllm_eagle"]["acceptance"]["counts"][0][0] >= 100

