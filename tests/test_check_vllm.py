@@ -340,3 +340,44 @@ def test_vllm_serves_an_eagle3_head_in_both_exports_as_eagletree_decodes(tmp_pat
     result = json.loads(out.read_text())
     assert result["ok"] and result["settings"]["kind"] == ("speculators" if fmt == "speculators" else "eagle3")
     assert result["vllm_eagle"]["acceptance"]["counts"][0][0] >= 100
+
+
+def plan_json(tmp_path, **changes):
+    plan = {
+        "engine": "vllm",
+        "config": {"speculative_config": {"method": "eagle", "model": "EXPORT_DIR", "num_speculative_tokens": 2}},
+        "expected_tokens_per_pass": 1.52,
+        "decoded_tokens_per_pass": 1.50,
+        "acceptance": {"positions": 1456},
+    }
+    plan.update(changes)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_a_plan_gives_its_k_and_prediction_and_is_judged_against_vllms_tokens_per_pass(tmp_path):
+    plan = cv.read_plan(plan_json(tmp_path))
+    assert plan == {"k": 2, "predicted": 1.50, "positions": 1456}
+    near = cv.plan_vs_engine(plan, {"acceptance": {"tokens_per_pass": 1.53}})
+    assert near["relative_error"] == pytest.approx(0.02) and cv.plan_problems(near) == []
+    far = cv.plan_vs_engine(plan, {"acceptance": {"tokens_per_pass": 1.41}})
+    assert cv.plan_problems(far) == [
+        "the plan predicted 1.500 tokens/pass at K=2, vLLM measured 1.410 (-6.0%, beyond 5%)"
+    ]
+    assert cv.plan_problems(cv.plan_vs_engine(plan, {})) == [
+        "vLLM measured no tokens per pass to compare the plan with"
+    ]
+    assert cv.plan_problems(None) == []
+    undecoded = cv.read_plan(plan_json(tmp_path, decoded_tokens_per_pass=None))
+    assert undecoded["predicted"] == 1.52  # (no decoded answers: the expectation over every position)
+
+
+def test_a_plan_for_another_engine_or_not_a_plan_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="expected a vLLM plan with K >= 1, got engine 'sglang'"):
+        cv.read_plan(plan_json(tmp_path, engine="sglang"))
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a plan's JSON as `eagletree plan --engine vllm -o FILE` writes it"):
+        cv.read_plan(tmp_path / "bad.json")
+    with pytest.raises(SystemExit, match="not a plan's JSON"):
+        cv.read_plan(tmp_path / "missing.json")
