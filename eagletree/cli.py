@@ -276,20 +276,24 @@ def _add_distill_commands(sub) -> None:
 
 
 def _add_distill_decoding_args(p) -> None:
-    """distill's flags of how the answers are decoded: batching, the decoder, sampling, device and precision."""
+    """distill's flags of how the answers are decoded: batching, the engine, sampling, device and precision."""
     p.add_argument(
         "--batch-size",
         type=at_least(1),
-        default=16,
-        help="prompts answered together (hf: a left-padded batch; eagletree: sequences per target pass)",
+        default=None,
+        help="prompts answered together (hf: a left-padded batch; eagletree: sequences per target pass; vllm: "
+        "prompts per LLM.generate call, their records appended together); default: 16, with --engine vllm 64",
     )
     p.add_argument(
+        "--engine",
         "--decoder",
+        dest="decoder",
         default=None,
-        choices=["hf", "eagletree"],
+        choices=["hf", "eagletree", "vllm"],
         help="hf: HF generate on batches of similar length; eagletree: eagletree's own batched speculative "
-        "decoding with --head (greedy only; the same answers and records, written as each finishes); default: "
-        "eagletree for greedy answers, hf with --temperature > 0",
+        "decoding with --head (greedy only; the same answers and records, written as each finishes); vllm: vLLM's "
+        "offline LLM (pip install 'eagletree[vllm]'; the same prompts, stop tokens and greedy answers); default: "
+        "eagletree for greedy answers, hf with --temperature > 0. --decoder is its older name",
     )
     p.add_argument(
         "--head",

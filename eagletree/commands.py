@@ -614,23 +614,34 @@ def cmd_distill(args) -> int:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     if args.match is not None:
         check_match(args.match)  # so does a bad --match
-    head_path = None
+    head_path = engine = None
     if args.decoder is None:  # greedy answers come faster from the head's batched decoding; sampled ones from HF
         args.decoder = "hf" if args.temperature else "eagletree"
-    if args.decoder == "eagletree":
+    if args.batch_size is None:  # vLLM batches each call's prompts itself: larger calls keep it busy
+        args.batch_size = 64 if args.decoder == "vllm" else 16
+    if args.decoder == "vllm":
+        from .train.vllm_engine import VllmEngine, check_vllm_flags, import_vllm, vllm_target
+
+        check_vllm_flags(args.head, args.device, args.pack)
+        import_vllm()  # a missing vLLM fails here, before anything is loaded
+    elif args.decoder == "eagletree":
         if args.temperature:
             raise ValueError(
-                f"--decoder eagletree answers greedily; --temperature {args.temperature:g} samples: use --decoder hf"
+                f"--engine eagletree answers greedily; --temperature {args.temperature:g} samples: use --engine hf"
             )
         head_path = head_to_load(args.target, args.head, required=False)
         if head_path is None:
-            print("distill: --decoder eagletree without a head: plain batched decoding", file=sys.stderr)
+            print("distill: --engine eagletree without a head: plain batched decoding", file=sys.stderr)
     elif args.head is not None:
-        raise ValueError("--head goes with --decoder eagletree (HF generate decodes without a head)")
+        raise ValueError("--head goes with --engine eagletree (HF generate decodes without a head)")
     train_convs = distill_prompts(args.dataset, args.heldout_fraction)
-    model, tok, head, _ = load_models(
-        args.target, head_path, device=args.device, dtype=args.dtype, pack=args.pack, draft_vocab="auto"
-    )
+    if args.decoder == "vllm":  # vLLM loads the weights; distill reads the config, generation_config and tokenizer
+        model, tok, folder = vllm_target(args.target, args.dtype)
+        head, engine = None, VllmEngine(folder, model)
+    else:
+        model, tok, head, _ = load_models(
+            args.target, head_path, device=args.device, dtype=args.dtype, pack=args.pack, draft_vocab="auto"
+        )
     counts = distill(
         model,
         tok,
@@ -648,6 +659,7 @@ def cmd_distill(args) -> int:
         match=args.match,
         decoder=args.decoder,
         head=head,
+        engine=engine,
     )
     print(json.dumps(counts))
     return 0

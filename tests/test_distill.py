@@ -333,7 +333,7 @@ def test_the_eagletree_decoder_writes_the_records_hf_writes(tmp_path, monkeypatc
     assert sorted(mixed.read_text().splitlines()) == sorted((tmp_path / "hf.jsonl").read_text().splitlines())
     for kw, message in (
         (dict(decoder="eagletree", temperature=1.0), "decoder='eagletree' answers greedily"),
-        (dict(decoder="vllm"), "decoder must be one of hf, eagletree, got 'vllm'"),
+        (dict(decoder="sglang"), "decoder must be one of hf, eagletree, vllm, got 'sglang'"),
         (
             dict(decoder="eagletree", max_new_tokens=600),
             r"t\d: its prompt \(\d+ tokens\) \+ max_new_tokens \(600\) exceeds",
@@ -349,14 +349,14 @@ def test_distill_decoder_flags_are_checked_before_loading(tmp_path, capsys, monk
     monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded"))
     out = ["distill", "--out", str(tmp_path / "d.jsonl")]
     for argv, message in (
-        (["--decoder", "eagletree", "--temperature", "1"], "--decoder eagletree answers greedily; --temperature 1"),
-        (["--decoder", "hf", "--head", str(tmp_path)], "--head goes with --decoder eagletree"),
+        (["--decoder", "eagletree", "--temperature", "1"], "--engine eagletree answers greedily; --temperature 1"),
+        (["--decoder", "hf", "--head", str(tmp_path)], "--head goes with --engine eagletree"),
     ):
         assert main([*out, *argv]) == 2
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*out, "--decoder", "vllm"])
-    assert "argument --decoder: invalid choice: 'vllm'" in capsys.readouterr().err
+        main([*out, "--decoder", "sglang"])
+    assert "argument --engine/--decoder: invalid choice: 'sglang'" in capsys.readouterr().err
 
 
 def _cfg(tmp_path, **kw):

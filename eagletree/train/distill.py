@@ -11,7 +11,9 @@ is append-only and resumable: a rerun skips the ids already answered, and a line
 interruption is removed before anything is appended.
 
 The answers come from HF `generate` on left-padded batches (decoder "hf"), or, greedy, from eagletree's own
-batched speculative decoding with a head (decoder "eagletree"): lossless, so the same records either way.
+batched speculative decoding with a head (decoder "eagletree"): lossless, so the same records either way. Decoder
+"vllm" hands the same prompt token ids to vLLM's offline `LLM` (`vllm_engine.VllmEngine`, an optional dependency) in
+chunks of `batch_size`, vLLM batching each chunk itself; its greedy fp32 answers are HF's too.
 """
 
 from __future__ import annotations
@@ -204,6 +206,7 @@ def distill(
     match: str | None = None,
     decoder: str = "hf",
     head=None,
+    engine=None,
 ) -> dict:
     """Answer the user turns of `conversations` that `turns` picks ("first", "later" or "all": see
     `user_turns`) with the target; append JSONL records to `out`.
@@ -219,10 +222,12 @@ def distill(
     answers) are answered, the others counted; `limit` then takes the first N of those. `decoder`: "hf" (HF
     `generate` on left-padded batches of similar length) or "eagletree" (greedy only: eagletree's own lossless
     batched decoding with `head`, None for plain, `batch_size` sequences per target pass, each record written as
-    its answer finishes; the same answers and records). Returns counts.
+    its answer finishes; the same answers and records) or "vllm" (`engine`, a `vllm_engine.VllmEngine`, answers
+    `batch_size` prompts per call, each call's records appended together; sampled answers draw with a seed of their
+    own, so their records name the engine). Returns counts.
     """
     _check_settings(tok, max_new_tokens, max_prompt_tokens, batch_size, temperature, limit, min_prompt_tokens)
-    _check_decoder(decoder, temperature)
+    _check_decoder(decoder, temperature, engine)
     settings = {
         "target": target_identity(model.config)["fingerprint"],
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -230,6 +235,7 @@ def distill(
         "max_new_tokens": max_new_tokens,
         **({"seed": seed} if temperature > 0 else {}),
         **({"turns": turns} if turns != "first" else {}),
+        **({"engine": "vllm"} if decoder == "vllm" and temperature > 0 else {}),  # other draws than HF's
     }
     path = Path(out)
     elsewhere = _answered_elsewhere(skip_answered, path)
@@ -240,7 +246,25 @@ def distill(
     batches, long, short = _batches(items, tok, batch_size, max_prompt_tokens, min_prompt_tokens)
     left_out = done | elsewhere
     todo = [b for b in batches if any(r[0] not in left_out for r in b)]
-    counts = {
+    counts = _new_counts(path, batches, done, elsewhere, (long, short, no_match))
+    bar = tqdm(
+        total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer", disable=not progress
+    )
+    if decoder == "eagletree":
+        _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size)
+    elif decoder == "vllm":
+        how = (max_new_tokens, batch_size, temperature, seed)
+        _engine_answers(engine, model, tok, todo, left_out, path, settings, counts, bar, how)
+    else:
+        _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
+    return counts
+
+
+def _new_counts(path: Path, batches, done: set[str], elsewhere: set[str], skipped: tuple) -> dict:
+    """distill's counts before anything is answered: the prompts already in `path` or answered `elsewhere`, and
+    `skipped` (long prompts, short ones, ones `match` left out)."""
+    long, short, no_match = skipped
+    return {
         "out": str(path),
         "already": sum(r[0] in done for b in batches for r in b),
         "answered": 0,
@@ -253,14 +277,6 @@ def distill(
         "length": 0,
         "skipped_error": 0,
     }
-    bar = tqdm(
-        total=sum(r[0] not in left_out for b in todo for r in b), desc="distill", unit="answer", disable=not progress
-    )
-    if decoder == "eagletree":
-        _decode_answers(model, tok, head, todo, left_out, path, settings, counts, bar, max_new_tokens, batch_size)
-    else:
-        _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max_new_tokens, temperature, seed)
-    return counts
 
 
 def _answered_elsewhere(skip_answered, path: Path) -> set[str]:
@@ -326,9 +342,7 @@ def _answer_batches(model, tok, todo, left_out, path, settings, counts, bar, max
                 _record_line(conv_id, msgs, answer, settings, counts)
                 for (conv_id, msgs, _), answer in zip(pending, answers)
             ]
-            f.write("".join(lines))  # whole records only; flushed per batch so an interruption loses one batch
-            f.flush()
-            os.fsync(f.fileno())
+            _append(f, lines)  # whole records only; flushed per batch so an interruption loses one batch
             counts["answered"] += len(lines)
             bar.update(len(pending))
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
@@ -352,11 +366,11 @@ def _record_line(conv_id: str, msgs: list[dict], answer: tuple, settings: dict, 
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
-DECODERS = ("hf", "eagletree")
+DECODERS = ("hf", "eagletree", "vllm")
 
 
-def _check_decoder(decoder: str, temperature: float) -> None:
-    """DistillError unless `decoder` is one of DECODERS, answering as asked."""
+def _check_decoder(decoder: str, temperature: float, engine=None) -> None:
+    """DistillError unless `decoder` is one of DECODERS, answering as asked (decoder "vllm" with its `engine`)."""
     if decoder not in DECODERS:
         raise DistillError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
     if decoder == "eagletree" and temperature > 0:
@@ -364,6 +378,15 @@ def _check_decoder(decoder: str, temperature: float) -> None:
             f"decoder='eagletree' answers greedily (temperature 0), got temperature {temperature:g}: its sampled "
             "answers would be other draws than HF's for the same seed; use decoder='hf' to sample"
         )
+    if decoder == "vllm" and engine is None:
+        raise DistillError("decoder='vllm' needs engine=, a VllmEngine (eagletree.train.vllm_engine), got None")
+
+
+def _append(f, lines: list[str]) -> None:
+    """Write whole record lines, flushed and synced: an interruption afterwards loses none of them."""
+    f.write("".join(lines))
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _stops(model, tok) -> list[int]:
@@ -385,11 +408,12 @@ def _answer_of(tok, token_ids: list[int], stops) -> tuple[str, int, str]:
     return tok.decode(token_ids[:n], skip_special_tokens=True), n, "eos"
 
 
-def _check_prompts_fit(model, pending, max_new_tokens: int) -> None:
-    """DistillError naming the first prompt of `pending` (id, messages, ids) that eagletree's decoder refuses: one
-    whose tokens + max_new_tokens pass the target's context, or that is longer than its sliding window."""
+def _check_prompts_fit(model, pending, max_new_tokens: int, sliding: bool = True) -> None:
+    """DistillError naming the first prompt of `pending` (id, messages, ids) that eagletree's decoder (or vLLM)
+    refuses: one whose tokens + max_new_tokens pass the target's context, or (`sliding`: eagletree's decoder) that
+    is longer than its sliding window."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    window = sliding_window(model)
+    window = sliding_window(model) if sliding else None
     for conv_id, _, ids in pending:
         if limit is not None and len(ids) + max_new_tokens > limit:
             raise DistillError(
@@ -399,7 +423,7 @@ def _check_prompts_fit(model, pending, max_new_tokens: int) -> None:
         if window is not None and len(ids) > window:
             raise DistillError(
                 f"{conv_id}: its prompt ({len(ids)} tokens) is longer than the target's sliding window of {window} "
-                "tokens, past which --decoder eagletree does not decode; lower max_prompt_tokens or use --decoder hf"
+                "tokens, past which --engine eagletree does not decode; lower max_prompt_tokens or use --engine hf"
             )
 
 
@@ -418,7 +442,7 @@ def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, ba
         for i, result in decoding.results([ids for _, _, ids in pending], batch_size):
             conv_id, msgs, _ = pending[i]
             if result.error is not None:  # a cut answer is not the target's: not written (HF's decoder has it)
-                warnings.warn(f"{conv_id}: not written: {result.error} (--decoder hf answers it)", stacklevel=2)
+                warnings.warn(f"{conv_id}: not written: {result.error} (--engine hf answers it)", stacklevel=2)
                 counts["skipped_error"] += 1
                 bar.update(1)
                 continue
@@ -430,3 +454,43 @@ def _decode_answers(model, tok, head, todo, left_out, path, settings, counts, ba
             bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _engine_answers(engine, model, tok, todo, left_out, path, settings, counts, bar, how):
+    """decoder="vllm": the batches' prompts not in `left_out`, in their order, answered by `engine` in chunks of
+    `batch_size` (`how`: max_new_tokens, batch_size, temperature, seed); each chunk's records are appended, flushed
+    and synced together once the chunk is answered, so an interruption loses at most the chunk being answered and a
+    rerun answers it again. A sampled prompt draws with a seed of its own, the same however the prompts are
+    chunked, so a resumed run writes a straight run's answers. The engine starts only when there is something to
+    answer; its start's seconds are counted apart (engine_start_seconds) from the answering's (seconds)."""
+    max_new_tokens, chunk, temperature, seed = how
+    pending = [r for batch in todo for r in batch if r[0] not in left_out]
+    t0 = time.perf_counter()
+    if pending:
+        _check_prompts_fit(model, pending, max_new_tokens, sliding=False)
+        stops = _stops(model, tok)
+        engine.start(max_model_len=max(len(r[2]) for r in pending) + max_new_tokens, max_seqs=chunk)
+        counts["engine_start_seconds"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        with appending(path) as f:
+            for start in range(0, len(pending), chunk):
+                part = pending[start : start + chunk]
+                seeds = [seed * 1_000_003 + zlib.crc32(conv_id.encode("utf-8")) for conv_id, _, _ in part]
+                answers = engine.generate([ids for _, _, ids in part], max_new_tokens, temperature, seeds, stops)
+                lines = [
+                    _record_line(conv_id, msgs, _engine_answer(tok, ids, finish, stops), settings, counts)
+                    for (conv_id, msgs, _), (ids, finish) in zip(part, answers)
+                ]
+                _append(f, lines)
+                counts["answered"] += len(lines)
+                bar.update(len(part))
+                bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.0f}")
+    bar.close()
+    counts["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _engine_answer(tok, token_ids: list[int], finish: str, stops) -> tuple[str, int, str]:
+    """(text, new token count, finish) of an engine's answer: cut before its first stop token, as HF's are; an
+    answer the engine ended at a stop token it left out of `token_ids` finished with "eos" too."""
+    text, n, how = _answer_of(tok, token_ids, stops)
+    return text, n, "eos" if finish == "stop" else how
