@@ -295,11 +295,10 @@ def test_bad_options_are_refused(argv, error, capsys):
     assert cv.parse_args(["--format", "speculators"]).format == "speculators" and cv.parse_args([]).format is None
 
 
-@pytest.mark.vllm
-def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
-    out = tmp_path / "result.json"
+def run_check(argv: list[str], out) -> dict:
+    """scripts/check_vllm.py run as a user runs it; it must pass; its --json result."""
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--prompts", "4", "--max-new-tokens", "64", "--k", "2", "--json", str(out)],
+        [sys.executable, str(SCRIPT), *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -307,7 +306,13 @@ def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
+    out = tmp_path / "result.json"
+    result = run_check(["--prompts", "4", "--max-new-tokens", "64", "--k", "2", "--json", str(out)], out)
     assert result["ok"] and result["problems"] == []
     vllm, ours = result["vllm_eagle"]["acceptance"], result["eagletree_chain"]["acceptance"]
     assert vllm["counts"][0][0] >= 100 and ours["counts"][0][0] >= 100  # the acceptance was compared, not skipped
@@ -328,16 +333,7 @@ def test_vllm_serves_an_eagle3_head_in_both_exports_as_eagletree_decodes(tmp_pat
     Eagle3Head.for_target(target, torch.arange(4096)).save_pretrained(tmp_path / "head")
     out = tmp_path / "result.json"
     argv = ["--head", str(tmp_path / "head"), "--format", fmt, "--prompts", "4", "--k", "2", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_check(argv, out)
     assert result["ok"] and result["settings"]["kind"] == ("speculators" if fmt == "speculators" else "eagle3")
     assert result["vllm_eagle"]["acceptance"]["counts"][0][0] >= 100
 

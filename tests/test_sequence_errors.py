@@ -14,11 +14,14 @@ import re
 
 import pytest
 import torch
-from test_batch import mimic_head
+from test_batch import (
+    hf_greedy,  # (HF's sliding-window attention runs past the window)
+    mimic_head,
+)
 
 from eagletree.cli import main as cli_main
 from eagletree.decode_config import DecodeConfig
-from eagletree.decoding import Decoder, decode_text, encode_prompt, hf_generation_config
+from eagletree.decoding import Decoder, decode_text, encode_prompt
 from eagletree.draft_heads import EagleHead
 from eagletree.target import TargetError
 from eagletree.train.distill import DistillError, distill
@@ -40,18 +43,6 @@ def windowed(window: int = WINDOW, layers: int = 2):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     ragged._WINDOWS.pop(id(model.config), None)  # (read once per config object, by its id: a freed one's id recurs)
     return model
-
-
-def hf_greedy(model, ids, n: int, eos) -> list[int]:
-    """HF's greedy answer of up to n tokens (its sliding-window attention past the window)."""
-    ids = torch.as_tensor(ids)
-    with torch.no_grad():
-        out = model.generate(
-            ids[None],
-            attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
-            generation_config=hf_generation_config(n, 0.0, list(eos)),
-        )
-    return out[0, ids.numel() :].tolist()
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
