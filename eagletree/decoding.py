@@ -531,7 +531,7 @@ class Decoder:
                 searched.append(i)
         copy_s = time.perf_counter() - copy_t
         # 2. Search: the nodes this pass verifies (the root alone where there is nothing to draft from).
-        trees = [DraftTree([seq.root], [-1], draft_probs=[1.0]) for seq in live]
+        trees = [DraftTree.trusted([seq.root], [-1], [1.0], [0]) for seq in live]
         if jobs:
             rows = [live[i].row for i in searched]
             found = searcher.search_batch(batch.expand_for(rows), jobs)

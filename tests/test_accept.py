@@ -153,6 +153,39 @@ def test_greedy_accepts_the_longest_matching_path():
     assert accept_tree(tree, logits) == ([0], 8)
 
 
+def test_greedy_walk_matches_the_definition_on_random_trees():
+    """accept_greedy's host walk against the definition: the deepest node whose whole root path holds the target's
+    argmax after each parent, a sampled tree's repeated sibling only counting at its first occurrence."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        vocab, sampled = 4, trial % 2 == 1  # (a sampled tree may repeat a token among siblings)
+        parents, tokens = [-1], [int(torch.randint(0, vocab, (1,), generator=g))]
+        for _ in range(int(torch.randint(0, 13, (1,), generator=g))):
+            u = int(torch.randint(0, len(tokens), (1,), generator=g))
+            t = int(torch.randint(0, vocab, (1,), generator=g))
+            if sampled or all(tokens[w] != t for w in range(1, len(tokens)) if parents[w] == u):
+                parents.append(u)
+                tokens.append(t)
+        n = len(tokens)
+        logits = torch.randn(n, vocab, generator=g)
+        best = logits.argmax(-1).tolist()
+        dists = torch.full((n, vocab), 1.0 / vocab) if sampled else None
+        tree = DraftTree(tokens, parents, draft_dists=dists, sampled=sampled, with_replacement=sampled)
+
+        def correct(v):
+            first = min(w for w in range(1, n) if parents[w] == parents[v] and tokens[w] == tokens[v])
+            return tokens[v] == best[parents[v]] and first == v
+
+        def on_path(v):
+            return v == 0 or (correct(v) and on_path(parents[v]))
+
+        deepest = max((v for v in range(n) if on_path(v)), key=lambda v: (int(tree.depths[v]), -v))
+        path = [deepest]
+        while path[-1]:
+            path.append(parents[path[-1]])
+        assert accept_mod.accept_greedy(tree, logits) == (path[::-1], best[deepest]), trial
+
+
 def test_accept_checks_logits_against_the_tree():
     tree = DraftTree([0, 3], [-1, 0])
     with pytest.raises(TreeError, match=r"logits must be \[N=2, vocab\]"):

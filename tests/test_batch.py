@@ -223,6 +223,7 @@ def draft_step(batch, refs, rows, depths, searcher):
 
     def expand(requests):
         probs = batch.expand([(rows[i], *rest) for i, *rest in requests])
+        assert probs.softmax_rows  # (marked: the searches' read-back checks them for NaN only)
         asked.extend(zip(requests, probs))
         return probs
 
@@ -718,6 +719,29 @@ def test_the_largest_seed_decodes_a_batch():
     model = tiny_model("llama")
     decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=3, sampling=Sampling(1.0, seed=2**64 - 1)))
     assert [len(r.token_ids) for r in decoder.generate_batch([[3, 4], [5, 6]])] == [3, 3]
+
+
+def test_a_one_row_layout_is_the_general_one():
+    """plan()'s one-row fast path builds the layout the general construction does (here: the same row planned next
+    to a second one, and the first row's part taken)."""
+    g = torch.Generator().manual_seed(0)
+    for start, n, m, row in ((0, 3, 3, 0), (5, 2, 2, 1), (5, 2, 4, 1), (4, 3, 7, 0), (9, 1, 1, 1), (2, 4, 6, 0)):
+        block = torch.rand(n, m, generator=g) < 0.6
+        block[:, -n:] |= torch.eye(n, dtype=torch.bool)
+        lengths = [start, start] if row else [start, 0]
+        one = plan(lengths, [row], [block], "cpu")
+        other = 1 - row
+        both = plan(
+            lengths, sorted([row, other]), [block, torch.ones(1, 1, dtype=torch.bool)][:: 1 if row == 0 else -1], "cpu"
+        )
+        s = both.rows.index(row)
+        assert one.rows == [row] and one.counts == [n] and one.starts == [start] and one.padded is None
+        assert torch.equal(one.mask[0, :, :n, : start + n], both.mask[s, :, :n, : start + n]), (start, n, m)
+        assert one.kv == start + n and one.single == (row, start, start + n) and one.row_index == slice(row, row + 1)
+        assert torch.equal(one.write_row, torch.full((n,), row)) and torch.equal(
+            one.write_pos, torch.arange(start, start + n)
+        )
+        assert one.unmasked == bool(one.mask.all())
 
 
 def test_a_ragged_block_may_cover_only_the_last_entries_and_a_bad_one_is_named():

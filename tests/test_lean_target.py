@@ -121,6 +121,26 @@ def test_a_gemma_target_whose_embeddings_are_scaled_keeps_the_transformers_path(
     assert lean_model(model) is None
 
 
+def test_norms_run_fused_only_where_that_is_the_modules_own_output_bit_for_bit():
+    """lean_norm: a LLaMA RMSNorm becomes F.rms_norm (equal bit for bit on other inputs too); a norm computing
+    something else (Gemma's 1 + weight) keeps its module's forward."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagletree.target.lean import lean_norm
+
+    llama, gemma = LlamaRMSNorm(48, eps=1e-5), GemmaRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        for norm in (llama, gemma):
+            norm.weight.copy_(torch.randn(48))
+    fused = lean_norm(llama)
+    assert fused.__name__ == "fused"
+    x = torch.randn(7, 48) * 5
+    with torch.inference_mode():
+        assert torch.equal(fused(x), llama(x))
+    assert lean_norm(gemma) == gemma.forward
+
+
 @pytest.mark.parametrize("tree", ["eagle2", "chain"])
 def test_decoding_through_lean_passes_equals_hf_generate(tree):
     lm = Setup()  # (HF's answers come from an untouched copy of the target)

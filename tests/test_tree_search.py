@@ -378,6 +378,26 @@ def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
         drive_batch(searches, nan_batch, top_k=3)
 
 
+def test_softmax_rows_are_checked_for_nan_on_the_read_back():
+    """The batch drafter's levels (`SoftmaxRows`) skip the two passes of check_distribution: the same top-k lists
+    as the checked path, and a NaN anywhere in a row still raises, named as the check names it."""
+    from eagletree.draft_heads.batch_drafter import SoftmaxRows
+    from eagletree.tree_search.dynamic import top_k_lists
+
+    g = torch.Generator().manual_seed(0)
+    probs = [torch.softmax(torch.randn(n, 50, generator=g), -1) for n in (3, 1, 2)]
+    token_map = torch.randperm(200, generator=g)[:50]
+    checked = top_k_lists(list(probs), 4, 2, token_map)
+    fast = top_k_lists(SoftmaxRows(probs), 4, 2, token_map)
+    assert [t.lists for t in checked] == [t.lists for t in fast]
+    probs[1][0, 17] = float("nan")
+    with pytest.raises(ValueError, match="drafter output at level 2 contains NaN"):
+        top_k_lists(SoftmaxRows(probs), 4, 2)
+    bad = [torch.tensor([[0.5, 0.2, 0.1]])]  # unmarked rows get the full check
+    with pytest.raises(ValueError, match="sums to 0.800000"):
+        top_k_lists(bad, 2, 1)
+
+
 def test_search_trees_built_unchecked_pass_the_checks():
     """The searches and DraftTree.prefix build their trees with DraftTree.trusted (no checks, for speed); every
     such tree is one the checked constructor accepts, with the same depths."""

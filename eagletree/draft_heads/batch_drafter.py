@@ -20,6 +20,13 @@ from .lean import lean_forward, lean_layer
 Request = tuple  # (row, nodes [F], tokens [F], parents [F], level): one row's frontier, as `Drafter.__call__` takes
 
 
+class SoftmaxRows(list):
+    """A level's distributions, each row a softmax of the head's logits: the searches' top-k read-back checks them
+    for NaN only (`tree_search.dynamic.top_k_lists`)."""
+
+    softmax_rows = True
+
+
 class _Row:
     """One sequence's drafting state: its committed length, the root's feature and child distribution, and the
     tree drafted this step (node id -> slot, each slot's output feature and its ancestor row over the slots)."""
@@ -102,7 +109,7 @@ class RaggedTreeDrafter:
     @torch.inference_mode()
     def expand(self, requests: list[Request]) -> list[torch.Tensor]:
         """One search level for several rows in one head call: each request's child distributions [F, V']."""
-        out: list = [None] * len(requests)
+        out = SoftmaxRows([None] * len(requests))
         called = []  # (request index, row, inputs) of the rows past level 1
         for i, (r, nodes, tokens, parents, level) in enumerate(requests):
             row = self.rows[r]

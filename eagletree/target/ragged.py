@@ -65,16 +65,14 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     if min(counts) < 1:
         raise ValueError(f"every row of a ragged pass adds at least one token, got counts {counts}")
     starts = [lengths[r] for r in rows]
+    _check_blocks(rows, starts, counts, blocks)
+    if len(rows) == 1:
+        return _plan_one(rows[0], starts[0], blocks[0], device)
     n_max, kv = max(counts), max(s + n for s, n in zip(starts, counts))
     mask = torch.zeros(len(rows), 1, n_max, kv, dtype=torch.bool)
     mask[:, 0, :, 0] = True  # padding slots attend to something (their outputs are dropped)
     for s, (start, n, block) in enumerate(zip(starts, counts, blocks)):
         m = block.shape[1]
-        if not n <= m <= start + n:
-            raise ValueError(
-                f"row {rows[s]}: a block of {n} new tokens is [{n}, m] with {n} <= m <= {start + n}, got "
-                f"{list(block.shape)}"
-            )
         mask[s, 0, :n, : start + n - m] = True
         mask[s, 0, :n, start + n - m : start + n] = block.cpu()
     q_row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
@@ -90,6 +88,36 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     if len(rows) == 1:
         layout.single = (rows[0], starts[0], starts[0] + counts[0])
     layout.unmasked = bool(mask.all())
+    return layout
+
+
+def _check_blocks(rows, starts, counts, blocks) -> None:
+    for row, start, n, block in zip(rows, starts, counts, blocks):
+        if not n <= block.shape[1] <= start + n:
+            raise ValueError(
+                f"row {row}: a block of {n} new tokens is [{n}, m] with {n} <= m <= {start + n}, got "
+                f"{list(block.shape)}"
+            )
+
+
+def _plan_one(row: int, start: int, block: torch.Tensor, device) -> Layout:
+    """`plan`'s layout of one row (every drafting call of one sequence, every pass of a batch of one), built with
+    fewer small tensor operations: everything before the block is visible, and no query is padded."""
+    n, m = block.shape
+    mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)
+    mask[0, 0, :, start + n - m :] = block.cpu()
+    on = dict(device=device)
+    layout = Layout(
+        [row],
+        [n],
+        [start],
+        torch.full((n,), row, **on),
+        torch.arange(start, start + n, **on),
+        mask.to(**on),
+        row_index=slice(row, row + 1),
+        single=(row, start, start + n),
+    )
+    layout.unmasked = bool(block.all())
     return layout
 
 

@@ -93,10 +93,20 @@ class Calibrator:
         if self.method == "identity":
             return q
         if self.method == "isotonic":
-            out = np.interp(q.cpu().numpy(), self.xs, self.ys)
+            out = np.interp(q.cpu().numpy(), *self._knots())
             return torch.as_tensor(out, dtype=torch.float64, device=q.device)
         qc = q.clamp(1e-9, 1 - 1e-9)
         return torch.sigmoid(self.scale * (qc.log() - (-qc).log1p()) + self.bias)
+
+    def _knots(self) -> tuple[np.ndarray, np.ndarray]:
+        """The isotonic knots as arrays, made once (a fitted head's calibration has thousands of knots, and
+        converting the lists cost more than the interpolation, at every search); remade when the lists are replaced."""
+        key = (id(self.xs), id(self.ys), len(self.xs), len(self.ys))
+        cached = self.__dict__.get("_arrays")
+        if cached is None or cached[0] != key:
+            cached = (key, np.asarray(self.xs, dtype=np.float64), np.asarray(self.ys, dtype=np.float64))
+            self.__dict__["_arrays"] = cached
+        return cached[1], cached[2]
 
     def expected_tokens(self, tree: DraftTree) -> float:
         """Predicted tokens per pass: 1 + sum over nodes of the product of calibrated acceptance."""

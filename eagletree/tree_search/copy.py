@@ -302,7 +302,7 @@ def copy_trie(
     reaching at most max_len tokens below the root; the trie is then returned even when empty.
     """
     max_len = max_len or calibration.max_len
-    rate = calibration.rate()
+    rate = calibration.rate().tolist()  # (host lists: a span's nodes read it one cell at a time)
     trie = _matches_trie(index, calibration, rate, max_spans, max_len, (), store)
     if at_nodes:
 
@@ -320,7 +320,7 @@ def copy_trie(
 def _matches_trie(
     index: NgramIndex,
     calibration: CopyCalibration,
-    rate: torch.Tensor,
+    rate: list[list[float]],
     max_spans: int,
     max_len: int,
     suffix: tuple,
@@ -341,7 +341,7 @@ def _matches_trie(
                 child[(u, t)] = v
                 trie.tokens.append(t)
                 trie.parents.append(u)
-                trie.factors.append(float(rate[b, calibration.cell(j)]))
+                trie.factors.append(rate[b][calibration.cell(j)])
                 trie.info.append((b, calibration.cell(j)))
                 trie.depths.append(j + 1)
                 new = True

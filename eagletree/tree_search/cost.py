@@ -7,14 +7,36 @@ on a CPU); drafting costs per depth level. The profile is measured on the runnin
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from ..files import write_json_atomic
+
+
+def _interpolate(xs: list[float], ys: list[float], n) -> torch.Tensor:
+    """ys at n (a number or a tensor), piecewise linear in xs (ascending); beyond the last x the last slope goes
+    on. A number is interpolated on the host (the search asks once or twice a step, and each small tensor operation
+    costs more), in the float64 arithmetic the tensor path does."""
+    if isinstance(n, numbers.Real):
+        n = float(n)
+        if len(xs) == 1:
+            return torch.tensor(float(ys[0]) * n / xs[0], dtype=torch.float64)
+        i = min(max(bisect.bisect_left(xs, min(n, xs[-1])), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], float(ys[i - 1]), float(ys[i])
+        return torch.tensor(y0 + (n - x0) * (y1 - y0) / (x1 - x0), dtype=torch.float64)
+    n = torch.as_tensor(n, dtype=torch.float64)
+    xt, yt = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    if xt.numel() == 1:
+        return yt[0] * n / xt[0]
+    i = torch.searchsorted(xt, n.clamp(max=xs[-1])).clamp(1, xt.numel() - 1)
+    x0, x1, y0, y1 = xt[i - 1], xt[i], yt[i - 1], yt[i]
+    return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
 
 
 def read_profile_json(path):
@@ -57,14 +79,7 @@ class LatencyProfile:
 
     def verify(self, n) -> torch.Tensor:
         """t_verify(n), piecewise linear in n; beyond the last size the last slope continues."""
-        n = torch.as_tensor(n, dtype=torch.float64)
-        xs = torch.tensor(self.sizes, dtype=torch.float64)
-        ys = torch.tensor(self.verify_s, dtype=torch.float64)
-        if xs.numel() == 1:
-            return ys[0] * n / xs[0]
-        i = torch.searchsorted(xs, n.clamp(max=float(xs[-1]))).clamp(1, xs.numel() - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
+        return _interpolate([float(x) for x in self.sizes], self.verify_s, n)
 
     def batch_time(self, batch: int, rows) -> torch.Tensor:
         """Seconds of one pass verifying `rows` nodes of `batch` sequences: t(rows) for one sequence; else from
@@ -73,14 +88,7 @@ class LatencyProfile:
             return self.verify(rows)
         measured = min(self.batch_verify_s, key=lambda b: abs(math.log(int(b) / batch)))
         times = self.batch_verify_s[measured]
-        xs = torch.tensor([int(measured) * n for n in self.sizes[: len(times)]], dtype=torch.float64)
-        ys = torch.tensor(times, dtype=torch.float64)
-        rows = torch.as_tensor(rows, dtype=torch.float64)
-        if xs.numel() == 1:
-            return ys[0] * rows / xs[0]
-        i = torch.searchsorted(xs, rows.clamp(max=float(xs[-1]))).clamp(1, xs.numel() - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (rows - x0) * (y1 - y0) / (x1 - x0)
+        return _interpolate([float(int(measured) * n) for n in self.sizes[: len(times)]], times, rows)
 
     def has_batch(self, batch: int) -> bool:
         return batch == 1 or str(batch) in self.batch_verify_s

@@ -66,15 +66,24 @@ class TopK(NamedTuple):
 
 def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=None) -> list[TopK]:
     """The top_k children of every row of several requests' distributions ([F_i, V] each, checked), as host lists:
-    one check, one top-k and one read back for the whole batch (each costs tens of microseconds on a CPU)."""
+    one check, one top-k and one read back for the whole batch (each costs tens of microseconds on a CPU).
+
+    Distributions marked `softmax_rows` (a list whose producer made every row by a softmax, as the batch drafter
+    does) cannot be negative or sum to anything but 1; only a NaN can spoil them (from a NaN or infinite logit), and
+    top-k ranks a NaN first, so their check is on the values read back instead of two passes over [F, V]."""
+    where = f"drafter output at level {level}"
     counts = [p.shape[0] for p in probs]
     table = probs[0] if len(probs) == 1 else torch.cat(probs)
-    check_distribution(table, f"drafter output at level {level}")
+    softmax_rows = getattr(probs, "softmax_rows", False)
+    if not softmax_rows:
+        check_distribution(table, where)
     q, tok = torch.topk(table, min(top_k, table.shape[-1]), dim=-1)  # [F, k]
     if token_map is not None:  # a draft vocabulary: its ids -> target ids
         tok = token_map.to(tok.device)[tok]
     # path products in float64; the [F, V] table stays in the drafter's precision (token ids < 2^53: exact)
     q, tok = torch.stack([q.double(), tok.double()]).tolist()
+    if softmax_rows and any(x != x for row in q for x in row):
+        raise ValueError(f"{where} contains NaN")
     out, start = [], 0
     for n in counts:
         out.append(TopK(q[start : start + n], tok[start : start + n]))

@@ -423,13 +423,17 @@ def trees_can_pay(profile: LatencyProfile, budget: int, batch: int = 1) -> bool:
 
 
 def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
-    """Path values with the head's draft probabilities calibrated; copied nodes' are calibrated already."""
-    a = calibrator(tree.draft_probs).clamp(1e-30, 1.0)
+    """Path values [N - 1] (float64, the root left out) with the head's draft probabilities calibrated; copied
+    nodes' are calibrated already. Host lists: a step's tree has tens of nodes, and the products along parents
+    (which precede their children) cost less than the small tensor operations of an ancestor-matrix product."""
+    a = calibrator(tree.draft_probs).clamp(1e-30, 1.0).tolist()
     if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
-        copied = torch.tensor([copy_only(info) for info in tree.copy_info])
-        a = torch.where(copied.to(a.device), tree.draft_probs.to(a.dtype), a)
-    a[0] = 1.0
-    return torch.exp(tree.ancestors().double() @ a.log())[1:]
+        raw = tree.draft_probs.tolist()
+        a = [raw[v] if copy_only(info) else a[v] for v, info in enumerate(tree.copy_info)]
+    parents, values = tree.parents.tolist(), [1.0] * len(a)
+    for v in range(1, len(a)):
+        values[v] = values[parents[v]] * a[v]
+    return torch.tensor(values[1:], dtype=torch.float64)
 
 
 def make_searcher(

@@ -35,24 +35,22 @@ def target_probs(logits, temperature=1.0, top_k=None, top_p=None) -> torch.Tenso
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Longest root path whose every token is the target's argmax after its parent."""
-    device = logits.device
-    tokens, parents = tree.tokens.to(device), tree.parents.to(device)
-    best = logits.argmax(dim=-1)  # [N]
-    n = len(tree)
-    correct = torch.ones(n, dtype=torch.bool, device=device)
-    if n > 1:
-        correct[1:] = tokens[1:] == best[parents[1:]]
-        if tree.sampled:
-            # Repeated sibling tokens: only the first in draft order is ever tried.
-            same = (parents[1:, None] == parents[None, 1:]) & (tokens[1:, None] == tokens[None, 1:])
-            earlier = torch.tril(same, diagonal=-1).any(dim=1)
-            correct[1:] &= ~earlier
-    anc = tree.ancestors().to(device)  # [N, N]
-    on_path = ~(anc & ~correct[None, :]).any(dim=1)  # every node from the root to v is correct
-    depth = torch.where(on_path, tree.depths.to(device), torch.full_like(tree.depths.to(device), -1))
-    last = int(depth.argmax())  # correct nodes form one chain: the deepest one ends it
-    return tree.path_to(last), int(best[last])
+    """Longest root path whose every token is the target's argmax after its parent.
+
+    Walked on the host from one read-back of the argmaxes (a tree has tens of nodes; the tensor form of the walk
+    cost a dozen small operations per sequence and pass). Among siblings with the same token (a sampled tree's
+    repeats) only the first in draft order is ever tried."""
+    best = logits.argmax(dim=-1).tolist()  # [N]
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    correct_child: dict[int, int] = {}  # node -> its first child holding the target's argmax after it
+    for v in range(1, len(tokens)):
+        u = parents[v]
+        if tokens[v] == best[u] and u not in correct_child:
+            correct_child[u] = v
+    path = [0]
+    while path[-1] in correct_child:
+        path.append(correct_child[path[-1]])
+    return path, best[path[-1]]
 
 
 def _sample(p: torch.Tensor, generator) -> int:

@@ -236,8 +236,15 @@ class DraftTree:
 
     @property
     def expected_tokens(self) -> float:
-        """Predicted tokens per pass: 1 + sum of the non-root path products."""
-        return 1.0 + float(self.path_products()[1:].sum())
+        """Predicted tokens per pass: 1 + sum of the non-root path products (`path_products`' values, multiplied
+        along the parents on the host: the decoding loop asks once per pass, for a tree of tens of nodes)."""
+        if self.draft_probs is None:
+            raise TreeError("path products need draft_probs")
+        probs, parents = self.draft_probs.clamp_min(1e-30).tolist(), self.parents.tolist()
+        products = [1.0] * len(probs)
+        for v in range(1, len(probs)):  # (parents precede their children)
+            products[v] = products[parents[v]] * probs[v]
+        return 1.0 + sum(products[1:])
 
     def to(self, device) -> DraftTree:
         """The same tree with its tensors on `device` (validation is not repeated)."""
