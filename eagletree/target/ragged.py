@@ -204,10 +204,14 @@ class RaggedCache:
             dst += [d for _, d in moved]
         if not src:
             return
+        index = {}  # device -> (rows, sources, destinations), made once for all the layers' buffers
         for store in (self.keys, self.values):
             for buf in store.values():
-                on = dict(dtype=torch.long, device=buf.device)
-                r, s, d = (torch.tensor(x, **on) for x in (src_row, src, dst))
+                if buf.device not in index:
+                    index[buf.device] = tuple(
+                        torch.tensor(x, dtype=torch.long, device=buf.device) for x in (src_row, src, dst)
+                    )
+                r, s, d = index[buf.device]
                 buf[r, :, d] = buf[r, :, s]  # gathered first (a copy), so overlapping ranges are safe
 
 

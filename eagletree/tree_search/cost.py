@@ -166,12 +166,7 @@ def choose_batch(
     batch = len(values)
     per_level = profile.draft_s_per_level + profile.search_s_per_level
     if batch == 1:
-        v = values[0].double().flatten()
-        v = torch.sort(v[torch.isfinite(v)], descending=True).values
-        if max_nodes is not None:
-            v = v[: max(max_nodes - 1, 0)]
-        expected = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v, 0)])
-        rows = torch.arange(1, expected.numel() + 1)
+        return _choose_one(values[0], profile, levels * per_level, max_nodes, fixed)
     else:
         sums = [
             torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v.double()[torch.isfinite(v)], 0)])
@@ -187,11 +182,24 @@ def choose_batch(
     cost = levels * per_level + profile.batch_time(batch, rows) + fixed * (rows > batch)
     rate = expected / cost
     best = int(rate.argmax())
-    if batch == 1:
-        counts = [best + 1]
-    else:
-        counts = [1 + min(best, s.numel() - 1) for s in sums]
+    counts = [1 + min(best, s.numel() - 1) for s in sums]
     return counts, float(expected[best]), float(rate[best])
+
+
+def _choose_one(values: torch.Tensor, profile: LatencyProfile, drafting: float, max_nodes, fixed: float):
+    """`choose_batch` for one sequence, on host lists (asked every step; a tree has tens of candidates, and each
+    small tensor operation costs more than the Python it replaces): its best nodes, by the same rule."""
+    v = sorted((x for x in values.double().flatten().tolist() if math.isfinite(x)), reverse=True)
+    if max_nodes is not None:
+        v = v[: max(max_nodes - 1, 0)]
+    expected, total = [1.0], 0.0
+    for x in v:
+        total += x
+        expected.append(1.0 + total)
+    times = profile.verify(torch.arange(1, len(expected) + 1)).tolist()
+    rate = [e / (drafting + t + (fixed if n else 0.0)) for n, (e, t) in enumerate(zip(expected, times))]
+    best = max(range(len(rate)), key=rate.__getitem__)  # (the first of equal rates, as argmax)
+    return [best + 1], expected[best], rate[best]
 
 
 def choose_depth_and_budget(expected: dict[tuple[int, int], float], profile: LatencyProfile):

@@ -80,8 +80,11 @@ def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=Non
     q, tok = torch.topk(table, min(top_k, table.shape[-1]), dim=-1)  # [F, k]
     if token_map is not None:  # a draft vocabulary: its ids -> target ids
         tok = token_map.to(tok.device)[tok]
-    # path products in float64; the [F, V] table stays in the drafter's precision (token ids < 2^53: exact)
-    q, tok = torch.stack([q.double(), tok.double()]).tolist()
+    # path products in float64 (Python floats); the [F, V] table stays in the drafter's precision
+    if q.device.type == "cpu":
+        q, tok = q.tolist(), tok.tolist()
+    else:  # one read back (one wait for the device); token ids < 2^53 are exact in float64
+        q, tok = torch.stack([q.double(), tok.double()]).tolist()
     if softmax_rows and any(x != x for row in q for x in row):
         raise ValueError(f"{where} contains NaN")
     out, start = [], 0
