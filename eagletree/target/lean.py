@@ -190,8 +190,12 @@ class LeanLayer:
         # [S, n, kv_heads, groups, dim] -> [S, kv_heads, groups * n, dim]
         block = q.view(s, n_max, self.kv_heads, groups, self.dim).permute(0, 2, 3, 1, 4)
         block = block.reshape(s, self.kv_heads, groups * n_max, self.dim)
-        if layout.unmasked:  # (every query sees every entry: a plain one-token pass) SDPA's fused kernel is faster
+        # SDPA's fused kernel is faster than the products below where every query sees every entry (a plain
+        # one-token pass) and for one sequence's block under its mask; for several sequences' blocks it is not.
+        if layout.unmasked:
             out = F.scaled_dot_product_attention(block, keys, values, scale=self.scaling)
+        elif s == 1:
+            out = F.scaled_dot_product_attention(block, keys, values, _grouped_mask(layout, groups), scale=self.scaling)
         else:
             scores = torch.matmul(block, keys.transpose(-1, -2)).view(s, self.kv_heads, groups, n_max, kv)
             scores = (scores * self.scaling).masked_fill(~layout.mask[:, :, None], float("-inf"))
@@ -200,6 +204,17 @@ class LeanLayer:
         out = out.view(s, self.kv_heads, groups, n_max, self.dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(s * n_max, self.heads, self.dim)
         return out if layout.padded is None else out.index_select(0, layout.padded)
+
+
+def _grouped_mask(layout: Layout, groups: int) -> torch.Tensor:
+    """The layout's mask [S, 1, groups * n, kv] for query blocks that stack `groups` query heads (made once per
+    pass, kept on the layout for the other layers)."""
+    mask = layout.grouped_mask
+    s, _, n, kv = layout.mask.shape
+    if mask is None or mask.shape[2] != groups * n:
+        mask = layout.mask[:, :, None].expand(s, 1, groups, n, kv).reshape(s, 1, groups * n, kv)
+        layout.grouped_mask = mask
+    return mask
 
 
 # How far the lean path's logits and features may be from the model's own on the probe, relative to their scale.

@@ -47,6 +47,7 @@ class Layout:
     row_index: slice | torch.Tensor | None = None  # `rows` as an index into the cache rows (a slice when contiguous)
     single: tuple[int, int, int] | None = None  # one row: (row, first, end) of the positions it writes
     unmasked: bool = False  # every query sees every entry up to kv (SDPA without a mask)
+    grouped_mask: torch.Tensor | None = None  # the mask as the lean layers' stacked query heads read it (cached)
 
     @property
     def kv(self) -> int:
