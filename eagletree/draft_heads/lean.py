@@ -4,9 +4,9 @@ A drafting level runs the head's one decoder layer over a few dozen rows at most
 per-call work (module dispatch, mask and rotary construction, cache bookkeeping) costs more than the
 arithmetic. `LeanLayer` (target/lean.py; the target's passes use it too) computes the same layer from the same
 weights with the projections fused (q, k and v in one product; gate and up in another), rotary embeddings read
-from a table, keys and values written by position into the drafter's `RaggedCache`, and attention over short
-query blocks as two batched products and a softmax (the CPU's SDPA kernel is several times slower than that for
-a handful of bf16 queries over a long context; long blocks, a prompt's, still go through SDPA).
+from a table, keys and values written by position into the drafter's `RaggedCache`, and attention in fp32 over
+short query blocks (a bf16 product of a shape not seen before builds a oneDNN kernel first, and the context grows
+every step): SDPA's fused kernel for one sequence's block, two batched products and a softmax for several.
 
 It covers the LLaMA family's layer (attention with q/k/v/o projections, optional per-head q/k norms, a
 gated MLP, a post-attention norm, residual adds). `lean_layer(head)` builds one and checks it against the

@@ -5,9 +5,10 @@ construction, cache bookkeeping, output capture) than for some of its arithmetic
 pass makes about 400 module calls. `LeanLayer` computes a LLaMA-family decoder layer from the same weights as
 a few direct products (its Linears' own kernels, packed or not; fused into one product for q/k/v and one for
 gate/up where the caller allows the extra copy of the weights), rotary embeddings read from a table, keys and
-values written by position into a `RaggedCache`, and attention over short query blocks as two batched products
-and a softmax (the CPU's SDPA kernel is several times slower than that for a handful of queries over a long
-context; long blocks, a prompt's, still go through SDPA).
+values written by position into a `RaggedCache`, and attention over short query blocks with the query heads that
+share a key/value head stacked as one block: SDPA's fused kernel where every query sees every entry or the block
+is one sequence's, two batched products and a softmax for several sequences' masked blocks (measured faster
+there); long blocks, a prompt's, go through the ragged SDPA path.
 
 `LeanModel` runs a whole target that way (embedding, the layers, the final norm and the lm_head at the rows
 asked for); `lean_model(model)` builds one and checks it against the model's own ragged forward on a probe, and
