@@ -37,7 +37,10 @@ def main(argv=None):
     ap.add_argument("--split", action="store_true", help="only the budget split (eagle2/optimal: vs an equal split)")
     ap.add_argument("--plot", default=None, help="write the throughput plot to this file (.png)")
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="the target's kernels, as the CLI's")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds per batch size, methods alternating (medians)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     target, tok = load_target(args.target)
     pack_target(target, args.pack)  # (the kernels the command line runs)
@@ -51,7 +54,7 @@ def main(argv=None):
         f"trees: {trees.config.tree.value}, budget {trees.config.budget} per sequence"
     )
     if not args.split:
-        result = throughput(target, tok, head, prompts, sizes, config)
+        result = throughput(target, tok, head, prompts, sizes, config, repeats=args.repeats)
         print(throughput_table(result))
         if args.plot:
             plot_throughput(result, args.plot)

@@ -479,6 +479,13 @@ def _add_bench_command(sub) -> None:
         "of these batch sizes, e.g. 1,2,4,8,16",
     )
     p.add_argument(
+        "--repeats",
+        type=at_least(1),
+        default=1,
+        help="with --batch-sizes: rounds per batch size, the methods alternating; the table shows median rates "
+        "and each round's trees / plain range",
+    )
+    p.add_argument(
         "--datastore",
         default="auto",
         choices=["auto", "none"],

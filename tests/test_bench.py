@@ -770,3 +770,22 @@ def test_bench_batch_sizes_writes_the_throughput_table_and_plot(tiny_setup, tmp_
     for bad in ("1,0", "2,2"):
         assert cli_main([*argv, "--batch-sizes", bad]) == 2
         assert "--batch-sizes must be distinct integers >= 1" in capsys.readouterr().err
+    assert cli_main([*argv, "--repeats", "2"]) == 2
+    assert "--repeats 2 repeats the throughput sweep: pass --batch-sizes too" in capsys.readouterr().err
+
+
+def test_bench_batch_sizes_repeats_rounds_and_reports_medians(tiny_setup, tmp_path, monkeypatch, capsys):
+    """--repeats: every method measured in each round at each batch size, the table's rates the rounds' medians."""
+    argv = _bench_cli(tiny_setup, tmp_path, monkeypatch)
+    argv += ["--max-new-tokens", "4", "--pack", "off", "-o", str(tmp_path / "out")]
+    assert cli_main([*argv, "--batch-sizes", "1,2", "--repeats", "3"]) == 0
+    data = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert data["repeats"] == 3 and data["identical"] is True
+    for method, by_size in data["rounds"].items():
+        for b, rates in by_size.items():
+            assert len(rates) == 3 and data["rates"][method][b] == sorted(rates)[1], (method, b)
+    out = capsys.readouterr().out
+    assert "medians of 3 rounds per batch size" in out and "B=1: " in out and "B=2: " in out
+    with pytest.raises(SystemExit) as e:
+        cli_main([*argv, "--batch-sizes", "1", "--repeats", "0"])
+    assert e.value.code == 2 and "--repeats: must be an integer >= 1, got '0'" in capsys.readouterr().err

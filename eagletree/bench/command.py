@@ -59,6 +59,8 @@ def main(args) -> int:
     batch_sizes = None if args.batch_sizes is None else parse_list(args.batch_sizes, int, "batch-sizes")
     if batch_sizes is not None and (min(batch_sizes) < 1 or len(set(batch_sizes)) < len(batch_sizes)):
         raise ValueError(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
+    if getattr(args, "repeats", 1) != 1 and batch_sizes is None:
+        raise ValueError(f"--repeats {args.repeats} repeats the throughput sweep: pass --batch-sizes too")
 
     head_dir = head_to_load(args.target, args.head or None, required=False)
     if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
@@ -124,7 +126,9 @@ def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, co
 
     if head is None:
         raise ValueError("--batch-sizes compares decoding with the head's trees: pass --head DIR")
-    result = throughput(model, tok, head, prompts, batch_sizes, DecodeConfig(max_new_tokens=max_new_tokens))
+    result = throughput(
+        model, tok, head, prompts, batch_sizes, DecodeConfig(max_new_tokens=max_new_tokens), repeats=args.repeats
+    )
     result.update(command=command, machine=machine_info(model), max_new_tokens=max_new_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,9 @@ For each batch size B, in one run: HF `generate` on the prompts B at a time (lef
 tokens), eagletree plain (no head: the same decoding loop, one root per sequence per pass) and eagletree with
 the head (`Decoder.generate_batch(prompts, B)`, continuous batching). `bench --batch-sizes` and
 `benchmarks/batch_throughput.py` print the table; every eagletree answer is checked against plain decoding of
-its prompt alone.
+its prompt alone. With `repeats` > 1 each batch size is measured in that many rounds, the methods' order rotating
+from round to round, and the table shows each method's median rate (a shared 2-core machine moves one run's rate
+by 10% and more; the rounds' trees / plain ratios are kept too).
 """
 
 from __future__ import annotations
@@ -46,27 +48,44 @@ def hf_batched(target, tok, prompts, batch: int, max_new_tokens: int) -> tuple[l
     return answers, time.perf_counter() - t0
 
 
-def throughput(target, tok, head, prompts, sizes: list[int], config: DecodeConfig, progress: bool = True) -> dict:
-    """Tokens/s of each method at each batch size, with the checks: {"rates": {method: {B: tok/s}}, "identical":
-    every eagletree answer equals plain decoding alone, "hf_identical": {B: HF batched answers equal to it}}."""
+def throughput(
+    target, tok, head, prompts, sizes: list[int], config: DecodeConfig, progress: bool = True, repeats: int = 1
+) -> dict:
+    """Tokens/s of each method at each batch size, with the checks: {"rates": {method: {B: tok/s, the median of
+    the rounds}}, "rounds": {method: {B: [tok/s per round]}}, "identical": every eagletree answer equals plain
+    decoding alone, "hf_identical": {B: HF batched answers equal to it (the last round's)}}."""
     if not sizes or min(sizes) < 1:
         raise ValueError(f"batch sizes must be integers >= 1, got {sizes}")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     plain = Decoder(target, tok, None, replace(config, copy=replace(config.copy, enabled=False)))  # no copies
     trees = Decoder(target, tok, head, config)
     trees.prepare(min(max(sizes), len(prompts)))  # the batch passes' profile: measured once, not timed
     reference = [r.token_ids for r in plain.generate_batch(prompts, 1)]
-    rates = {m: {} for m in METHODS}
+    rounds = {m: {b: [] for b in sizes} for m in METHODS}
     identical, hf_identical = True, {}
     for b in tqdm(sizes, desc="batch sizes", disable=not progress):
-        answers, seconds = hf_batched(target, tok, prompts, b, config.max_new_tokens)
-        rates[METHODS[0]][b] = sum(map(len, answers)) / seconds
-        hf_identical[b] = sum(a == r for a, r in zip(answers, reference))
-        for name, decoder in zip(METHODS[1:], (plain, trees)):
-            t0 = time.perf_counter()
-            results = decoder.generate_batch(prompts, b)
-            rates[name][b] = sum(r.stats.new_tokens for r in results) / (time.perf_counter() - t0)
-            identical &= [r.token_ids for r in results] == reference
-    return {"rates": rates, "identical": identical, "hf_identical": hf_identical, "prompts": len(prompts)}
+        for k in range(repeats):
+            for name in METHODS[k % 3 :] + METHODS[: k % 3]:  # (the order rotates: no method always runs first)
+                if name == METHODS[0]:
+                    answers, seconds = hf_batched(target, tok, prompts, b, config.max_new_tokens)
+                    rounds[name][b].append(sum(map(len, answers)) / seconds)
+                    hf_identical[b] = sum(a == want for a, want in zip(answers, reference))
+                    continue
+                decoder = plain if name == METHODS[1] else trees
+                t0 = time.perf_counter()
+                results = decoder.generate_batch(prompts, b)
+                rounds[name][b].append(sum(r.stats.new_tokens for r in results) / (time.perf_counter() - t0))
+                identical &= [r.token_ids for r in results] == reference
+    rates = {m: {b: statistics.median(rounds[m][b]) for b in sizes} for m in METHODS}
+    return {
+        "rates": rates,
+        "rounds": rounds,
+        "repeats": repeats,
+        "identical": identical,
+        "hf_identical": hf_identical,
+        "prompts": len(prompts),
+    }
 
 
 def throughput_table(result: dict) -> str:
@@ -84,6 +103,17 @@ def throughput_table(result: dict) -> str:
         ratios = (trees / plain, plain / hf, plain / rates[METHODS[1]][sizes[0]])
         lines.append(
             f"| {b} | {hf:.1f} | {plain:.1f} | {trees:.1f} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
+        )
+    repeats = result.get("repeats", 1)
+    if repeats > 1:
+        rounds = result["rounds"]
+        spans = []
+        for b in sizes:
+            ratios = [t / p for t, p in zip(rounds[METHODS[2]][b], rounds[METHODS[1]][b])]
+            spans.append(f"B={b}: {min(ratios):.2f}-{max(ratios):.2f}x")
+        lines.append(
+            f"\nmedians of {repeats} rounds per batch size (the methods' order rotating); trees / plain in each "
+            "round: " + ", ".join(spans)
         )
     lines.append(f"\nevery eagletree answer identical to plain decoding alone: {result['identical']}")
     lines.append(
