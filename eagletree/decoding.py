@@ -513,11 +513,12 @@ class Decoder:
         if inspect_step is not None and drafts[0]:
             inspect_step(batch.drafter.view(live[0].row), live[0].root)
             batch.drafter.begin_tree(live[0].row)
-        jobs, searched = [], []
+        jobs, searched, looked_up = [], [], False
         copy_t = time.perf_counter()
         for i, (seq, n, d) in enumerate(zip(live, reach, depths)):
             copies = None
             if seq.index is not None and n > 1 and searcher.takes_copies():
+                looked_up = True
                 copies = copy_trie(
                     seq.index,
                     seq.calibration,
@@ -530,6 +531,8 @@ class Decoder:
                 jobs.append(Job(drafts[i], seq.root, max(d, 1), copies))
                 searched.append(i)
         copy_s = time.perf_counter() - copy_t
+        if looked_up:
+            searcher.observe_lookups(len(live), any(job.copies is not None for job in jobs))
         # 2. Search: the nodes this pass verifies (the root alone where there is nothing to draft from).
         trees = [DraftTree.trusted([seq.root], [-1], [1.0], [0]) for seq in live]
         if jobs:
@@ -615,15 +618,23 @@ class _Batch:
         )
 
     def release(self, done: list[_Sequence], live: list[_Sequence]) -> None:
-        """Drop finished sequences' rows (the live ones are renumbered)."""
+        """Drop finished sequences' rows: the live ones take rows 0..n-1, those past n moving into the freed rows
+        (the fewest rows' caches are copied), and `live` is put in row order (a pass's rows ascend)."""
         if not done:
             return
-        keep = [seq.row for seq in live]
+        n = len(live)
+        staying = {seq.row for seq in live if seq.row < n}
+        holes = (r for r in range(n) if r not in staying)
+        new_row = {id(seq): seq.row if seq.row < n else next(holes) for seq in sorted(live, key=lambda s: s.row)}
+        keep = [0] * n
+        for seq in live:
+            keep[new_row[id(seq)]] = seq.row
         self.cache.keep_rows(keep)
         if self.drafter is not None:
             self.drafter.keep_rows(keep)
-        for i, seq in enumerate(live):
-            seq.row = i
+        for seq in live:
+            seq.row = new_row[id(seq)]
+        live.sort(key=lambda seq: seq.row)
 
     def catch_up(self, seqs: list[_Sequence]) -> None:
         """The drafter reads the committed tokens of every sequence that drafts this step, in one call."""

@@ -694,6 +694,49 @@ def test_in_a_batch_copied_spans_alone_stop_where_their_steps_measure_slower_tha
     assert copied > 180 if most else copied < 40
 
 
+def test_in_a_batch_lookups_that_find_no_span_pause_and_a_sequence_alone_keeps_looking(lm, monkeypatch):
+    """Copied spans looked up for every sequence of a batch and found for none: the lookups pause (4 passes, then
+    longer), as where copied spans chose no node; one sequence alone looks every step. Through the decoding loop:
+    the searcher is told whether a step's lookups found anything, and the answers stay the same."""
+    searcher = AutoSearcher(SATURATED, None, budget=16, top_k=4)
+    assert searcher.takes_copies()
+    searcher.observe_lookups(1, False)
+    assert searcher.takes_copies()  # (alone: lookups are a small share of a step)
+    searcher.observe_lookups(4, False)
+    skipped = 0
+    while not searcher.takes_copies():
+        searcher.observe(4, 1.0, batch=4)
+        skipped += 1
+    assert skipped == 4
+    searcher.observe_lookups(4, False)
+    assert searcher.copy_skip == 8  # doubling, as the other pauses
+    searcher.observe_lookups(4, True)
+    assert searcher.copy_skip == 8  # (a found span does not end a pause early)
+
+    from eagletree import decoding
+
+    told, calls = [], []
+    real_copy_trie = decoding.copy_trie
+
+    def nothing_found(*args, **kwargs):
+        calls.append(1)
+        trie = real_copy_trie(*args, **kwargs)
+        return None if not kwargs.get("at_nodes") else trie
+
+    monkeypatch.setattr(decoding, "copy_trie", nothing_found)
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("auto", n=24, copy=True), profile=SATURATED)
+    real = type(decoder.searcher).observe_lookups
+    monkeypatch.setattr(
+        type(decoder.searcher), "observe_lookups", lambda self, b, f: (told.append((b, f)), real(self, b, f))[1]
+    )
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13], [14, 15]]
+    results = decoder.generate_batch(prompts, 4)
+    assert told and all(not found for _, found in told) and all(b > 1 for b, _ in told)
+    assert len(calls) < 4 * 24 // 2  # paused for most steps
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == lm.hf(prompt, 24, decoder.stops)
+
+
 # ---------------------------------------------------------------------------------------------
 # Edge cases
 # ---------------------------------------------------------------------------------------------
@@ -719,6 +762,48 @@ def test_the_largest_seed_decodes_a_batch():
     model = tiny_model("llama")
     decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=3, sampling=Sampling(1.0, seed=2**64 - 1)))
     assert [len(r.token_ids) for r in decoder.generate_batch([[3, 4], [5, 6]])] == [3, 3]
+
+
+def test_cache_rows_are_added_without_copying_and_kept_by_moving_only_the_rows_that_change_places():
+    """RaggedCache: add_row reuses room kept in the buffers (they grow by doubling their rows), keep_rows moves
+    only the rows whose place changes, in place; either way every kept row holds its entries."""
+    cache = RaggedCache(capacity=4)
+    for _ in range(3):
+        cache.add_row()
+    g = torch.Generator().manual_seed(0)
+    for layer in (0, 1):
+        cache.keys[layer] = torch.randn(3, 2, 4, 5, generator=g)
+        cache.values[layer] = torch.randn(3, 2, 4, 5, generator=g)
+    cache.lengths = [4, 2, 3]
+    rows = {layer: (cache.keys[layer].clone(), cache.values[layer].clone()) for layer in (0, 1)}
+    assert cache.add_row() == 3 and cache.keys[0].shape[0] == 6  # full: doubled
+    buffer = cache.keys[0]
+    assert cache.add_row() == 4 and cache.keys[0] is buffer  # room kept: nothing copied
+    cache.keep_rows([0, 2, 1])  # rows 3 and 4 dropped, 1 and 2 swapped
+    assert cache.lengths == [4, 3, 2] and cache.keys[0] is buffer
+    for layer, (k, v) in rows.items():
+        assert torch.equal(cache.keys[layer][:3], k[[0, 2, 1]]) and torch.equal(cache.values[layer][:3], v[[0, 2, 1]])
+    with pytest.raises(ValueError, match=r"keep_rows needs distinct rows of the 3, got \[0, 0\]"):
+        cache.keep_rows([0, 0])
+
+
+def test_a_released_batch_fills_the_freed_rows_from_the_end_and_stays_in_row_order(lm):
+    """_Batch.release: live sequences below the new size keep their rows, those past it move into the freed ones,
+    and the live list is put in row order; decoding on stays each sequence's own (a long batch with uneven
+    answers, so rows are freed in the middle)."""
+    from types import SimpleNamespace
+
+    from eagletree.decoding import _Batch
+
+    moves = []
+    batch = SimpleNamespace(cache=SimpleNamespace(keep_rows=moves.append), drafter=None)
+    live = [SimpleNamespace(row=r) for r in (0, 2, 4, 5)]  # rows 1 and 3 finished
+    _Batch.release(batch, ["done"], live)
+    assert moves == [[0, 4, 2, 5]] and [s.row for s in live] == [0, 1, 2, 3]
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", n=12, copy=True))
+    prompts = [[3 + i, 4, 5 + (i % 3)] for i in range(7)]
+    for prompt, result in zip(prompts, decoder.generate_batch(prompts, 3)):
+        assert result.token_ids == lm.hf(prompt, 12, decoder.stops)
 
 
 def test_a_one_row_layout_is_the_general_one():

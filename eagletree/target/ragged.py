@@ -132,7 +132,10 @@ class RaggedCache:
     def __init__(self, capacity: int = 256):
         self.capacity = capacity
         self.lengths: list[int] = []
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, kv_heads, capacity, dim]
+        # layer -> [rows, kv_heads, capacity, dim]: rows >= batch (room kept for rows to come: a batch's sequences
+        # end and new ones take their places all the time, and copying every row's cache for each costs more than a
+        # decoding step)
+        self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.layout: Layout | None = None
 
@@ -142,20 +145,31 @@ class RaggedCache:
 
     @torch.inference_mode()
     def add_row(self) -> int:
-        """A new empty row (appended); returns its index."""
+        """A new empty row (appended); returns its index. The buffers grow (doubling their rows) only when full; a
+        reused row's old entries lie past its length 0, where no mask reaches."""
         self.lengths.append(0)
         for store in (self.keys, self.values):
             for layer, t in store.items():
-                store[layer] = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+                if t.shape[0] < self.batch:
+                    grown = t.new_zeros(max(self.batch, 2 * t.shape[0]), *t.shape[1:])
+                    grown[: t.shape[0]] = t
+                    store[layer] = grown
         return self.batch - 1
 
     @torch.inference_mode()
     def keep_rows(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (in that order): row keep[i] becomes row i."""
+        """Keep only rows `keep` (in that order): row keep[i] becomes row i. Only the rows that change places are
+        copied, in place."""
+        if len(set(keep)) != len(keep) or any(not 0 <= r < self.batch for r in keep):
+            raise ValueError(f"keep_rows needs distinct rows of the {self.batch}, got {keep}")
         self.lengths = [self.lengths[r] for r in keep]
+        moved = [(i, r) for i, r in enumerate(keep) if i != r]
+        if not moved:
+            return
         for store in (self.keys, self.values):
-            for layer, t in store.items():
-                store[layer] = t[torch.tensor(keep, dtype=torch.long, device=t.device)]
+            for t in store.values():
+                dst, src = (torch.tensor(x, dtype=torch.long, device=t.device) for x in zip(*moved))
+                t[dst] = t[src]  # (gathered first: safe whatever the order)
 
     @torch.inference_mode()
     def reserve(self, length: int) -> None:

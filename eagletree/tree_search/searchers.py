@@ -74,6 +74,9 @@ class Searcher:
         search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
         `drafted`: the head drafted."""
 
+    def observe_lookups(self, batch: int, found: bool) -> None:
+        """Told when copied spans were looked up for a step's `batch` sequences: whether any of them found one."""
+
     def _options(self, copies) -> dict:
         return dict(device=self.device, token_map=self.token_map, copies=copies)
 
@@ -380,6 +383,12 @@ class AutoSearcher(Searcher):
             self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
         return self._chosen(fulls, values, counts)
+
+    def observe_lookups(self, batch, found):
+        # In a batch the lookups cost a share of a step (8 sequences: about 5% of a pass on 2 CPU cores); where none
+        # of them found a span they pause as where copied spans chose no node (a sequence alone keeps looking).
+        if batch > 1 and not found:
+            self._pause_copies(True)
 
     def _pause_copies(self, idle: bool) -> None:
         """A batch's copied spans alone chose no node: skip looking them up for a while (4 passes, then twice as
