@@ -9,10 +9,11 @@ belongs where travels in a `Layout`, set for the duration of one forward (`ragge
 implementation is the project's SDPA (`attention.sdpa_gqa_attention`), so a switched model runs as before
 everywhere else.
 
-`RaggedCache` holds every sequence's keys and values in preallocated rows [B, kv_heads, capacity, dim],
+`RaggedCache` holds every sequence's keys and values in preallocated rows [rows >= B, kv_heads, capacity, dim],
 written by position: row b's committed entries are [0, length_b) and entries past it are never attended
 (the masks end there), so dropping a rejected tree costs nothing and committing an accepted path moves only
-that path's entries.
+that path's entries; a new row goes into room kept in the buffers, and dropping rows moves only the rows that
+change places.
 """
 
 from __future__ import annotations
