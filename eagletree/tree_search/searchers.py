@@ -439,10 +439,7 @@ def calibrated_values(tree: DraftTree, calibrator) -> torch.Tensor:
     if tree.copy_info is not None:  # a copy the head proposed too is valued like the head's own candidates
         raw = tree.draft_probs.tolist()
         a = [raw[v] if copy_only(info) else a[v] for v, info in enumerate(tree.copy_info)]
-    parents, values = tree.parents.tolist(), [1.0] * len(a)
-    for v in range(1, len(a)):
-        values[v] = values[parents[v]] * a[v]
-    return torch.tensor(values[1:], dtype=torch.float64)
+    return torch.tensor(tree.products_along(a)[1:], dtype=torch.float64)
 
 
 def make_searcher(

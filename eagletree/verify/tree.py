@@ -240,11 +240,15 @@ class DraftTree:
         along the parents on the host: the decoding loop asks once per pass, for a tree of tens of nodes)."""
         if self.draft_probs is None:
             raise TreeError("path products need draft_probs")
-        probs, parents = self.draft_probs.clamp_min(1e-30).tolist(), self.parents.tolist()
-        products = [1.0] * len(probs)
-        for v in range(1, len(probs)):  # (parents precede their children)
-            products[v] = products[parents[v]] * probs[v]
-        return 1.0 + sum(products[1:])
+        return 1.0 + sum(self.products_along(self.draft_probs.clamp_min(1e-30).tolist())[1:])
+
+    def products_along(self, factors: list[float]) -> list[float]:
+        """Per node, the product of `factors` (one per node, host floats) over its root path, the root's left out
+        (1.0 at the root): multiplied along the parents, which precede their children."""
+        parents, products = self.parents.tolist(), [1.0] * len(factors)
+        for v in range(1, len(factors)):
+            products[v] = products[parents[v]] * factors[v]
+        return products
 
     def to(self, device) -> DraftTree:
         """The same tree with its tensors on `device` (validation is not repeated)."""
