@@ -67,7 +67,18 @@ def main(argv=None) -> int:
             out_dir.rmdir()  # a failed run leaves no empty folder it made
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Under torchrun every process leaves its gloo group before exiting: a group left to the interpreter's shutdown
+    sometimes aborted a process after the run had finished ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
