@@ -404,7 +404,8 @@ class Decoder:
                 yield i, GenerationResult("", [], stats)
             return
         tokens: dict[int, list[int]] = {i: [] for i, _, _ in checked}
-        for seq, step in self._run(iter(checked), min(batch_size, max(len(checked), 1)), None):
+        longest = max((ids.numel() for _, ids, _ in checked), default=0)
+        for seq, step in self._run(iter(checked), min(batch_size, max(len(checked), 1)), None, longest):
             i = seq.key
             if step is not None:
                 tokens[i] += step.tokens
@@ -458,14 +459,16 @@ class Decoder:
             copy_calibration = deepcopy(copy_calibration)  # each prompt starts from the head's table
         return _Sequence(key, ids, stats, generator, copy_calibration, self.store)
 
-    def _run(self, jobs, batch_size: int, inspect_step):
+    def _run(self, jobs, batch_size: int, inspect_step, longest: int = 0):
         """The decoding loop over (key, ids, stats) jobs, `batch_size` sequences at a time: yields (sequence, Step)
         per sequence and pass (recorded in its stats), and (sequence, None) when a sequence is done: finished, or
-        ended by `error` (its answer reached the target's sliding window; the others go on)."""
+        ended by `error` (its answer reached the target's sliding window; the others go on). `longest`: the
+        longest prompt of the jobs, when known (the cache's rows get their room once)."""
         self.prepare(batch_size)
         if self.searcher is not None:
             self.searcher.start()
         batch = _Batch(self)
+        batch.reserve(longest)
         if self.searcher is not None and batch.drafter is not None:
             self.searcher.token_map = batch.drafter.token_map  # the drafter's draft ids -> target ids
         live: list[_Sequence] = []
@@ -585,9 +588,28 @@ class _Batch:
         self.cache = RaggedCache()
         self.drafter = make_batch_drafter(head, self.target) if head is not None else None
         self.draft_s = 0.0  # the drafter's seconds in the current step
+        # the most entries a row holds past its prompt: the answer, and a pass's tree on top (a very long answer's
+        # room past RESERVED_ANSWER is made as it grows)
+        answer = min(decoder.config.max_new_tokens, self.RESERVED_ANSWER)
+        self.beyond_prompt = answer + (decoder.searcher.budget if decoder.searcher else 1)
+        self.limit = getattr(self.target.config, "max_position_embeddings", None)
+
+    RESERVED_ANSWER = 2048
+
+    def reserve(self, longest: int) -> None:
+        """Room in every cache row for a prompt of `longest` tokens and its answer: allocated once, where growing
+        the rows during decoding would copy the whole cache (and a pass would wait for it)."""
+        if longest > 0:
+            need = longest + self.beyond_prompt
+            if self.limit is not None:  # (prompt and answer fit the context: `_prompt_ids`)
+                need = min(need, self.limit + self.beyond_prompt)
+            self.cache.reserve(need, exact=True)
+            if self.drafter is not None:
+                self.drafter.reserve(need)
 
     def admit(self, new: list[_Sequence], live: list[_Sequence]) -> None:
         """Give each new sequence a row and prefill its prompt (all of them in one pass)."""
+        self.reserve(max(seq.ids.numel() for seq in new))
         for seq in new:
             seq.row = self.cache.add_row()
             seq.done = False

@@ -787,6 +787,36 @@ def test_cache_rows_are_added_without_copying_and_kept_by_moving_only_the_rows_t
         cache.keep_rows([0, 0])
 
 
+def test_a_batch_reserves_its_rows_room_once_and_decoding_never_grows_the_cache(lm, monkeypatch):
+    """The rows get room for the longest prompt, its answer and a tree at the start (reserve(exact=True): rounded
+    up to 64, the entries kept), so no pass waits for the whole cache to be copied into bigger buffers; prompts
+    admitted later fit too, and the answers stay the ones decoded alone."""
+    cache = RaggedCache(capacity=4)
+    cache.add_row()
+    cache.keys[0] = cache.values[0] = torch.arange(8.0).reshape(1, 1, 4, 2)
+    cache.reserve(70, exact=True)
+    assert cache.capacity == 128 and torch.equal(cache.keys[0][0, 0, :4], torch.arange(8.0).reshape(4, 2))
+    cache.reserve(100, exact=True)  # (room enough: nothing changes)
+    assert cache.capacity == 128
+    grown = []
+    real = RaggedCache.reserve
+
+    def watched(self, length, exact=False):
+        before = self.capacity
+        real(self, length, exact)
+        if self.capacity != before:
+            grown.append((exact, bool(self.keys), self.capacity))
+
+    monkeypatch.setattr(RaggedCache, "reserve", watched)
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", n=30))
+    prompts = [[3, 4, 5], [3 + i % 90 for i in range(247)], [6, 7]]  # the long one is admitted after the first pass
+    for prompt, result in zip(prompts, decoder.generate_batch(prompts, 2)):
+        assert result.token_ids == lm.hf(prompt, 30, decoder.stops)
+    # once each (the target's cache and the head's), before any buffer existed: 247 prompt tokens + 30 answer
+    # tokens + a tree of 10, rounded up
+    assert grown == [(True, False, 320)] * 2
+
+
 def test_a_released_batch_fills_the_freed_rows_from_the_end_and_stays_in_row_order(lm):
     """_Batch.release: live sequences below the new size keep their rows, those past it move into the freed ones,
     and the live list is put in row order; decoding on stays each sequence's own (a long batch with uneven

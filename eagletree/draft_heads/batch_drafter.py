@@ -63,6 +63,10 @@ class RaggedTreeDrafter:
         self.rows = [self.rows[r] for r in keep]
         self.cache.keep_rows(keep)
 
+    def reserve(self, length: int) -> None:
+        """Room for `length` entries in every row's head cache, made now (`RaggedCache.reserve`, exact)."""
+        self.cache.reserve(length, exact=True)
+
     def _call(self, rows: list[int], feats, tokens, positions, blocks) -> torch.Tensor:
         """One head call over the rows' packed inputs; returns the packed output features [R, H]."""
         device = feats[0].device
@@ -177,6 +181,9 @@ class PerRowDrafter:
 
     def keep_rows(self, keep: list[int]) -> None:
         self.drafters = [self.drafters[r] for r in keep]
+
+    def reserve(self, length: int) -> None:
+        """(Each reference drafter keeps its own state.)"""
 
     def extend(self, rows, features, next_tokens) -> None:
         for r, f, t in zip(rows, features, next_tokens):

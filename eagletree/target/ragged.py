@@ -173,11 +173,12 @@ class RaggedCache:
                 t[dst] = t[src]  # (gathered first: safe whatever the order)
 
     @torch.inference_mode()
-    def reserve(self, length: int) -> None:
-        """Room for `length` entries in every row (the buffers grow, doubling, when needed)."""
+    def reserve(self, length: int, exact: bool = False) -> None:
+        """Room for `length` entries in every row: the buffers grow when needed, doubling, or with exact=True to
+        `length` rounded up to a multiple of 64 (a batch's need known ahead: one allocation, no room unused)."""
         if length <= self.capacity:
             return
-        new = max(length, 2 * self.capacity)
+        new = -(-length // 64) * 64 if exact else max(length, 2 * self.capacity)
         for store in (self.keys, self.values):
             for layer, t in store.items():
                 grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
