@@ -194,6 +194,45 @@ def test_ragged_forward_equals_a_pass_per_sequence_and_commit_keeps_the_accepted
         plan(cache.lengths, [0, 1], [torch.ones(1, 1, dtype=torch.bool)], "cpu")
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_long_blocks_of_several_rows_attend_row_by_row_as_passes_of_each_row_alone(lean, monkeypatch):
+    """Prompts (and trees) longer than PER_ROW_BLOCK in a pass of several rows attend one row at a time over
+    the row's own entries, not over a block padded to the longest: every row still gets what a pass of its own
+    gives, through the transformers path and the lean one."""
+    import eagletree.target.ragged as ragged_module
+    from eagletree.target.lean import lean_model
+
+    calls = []
+    per_row = ragged_module._attend_per_row
+    monkeypatch.setattr(ragged_module, "_attend_per_row", lambda lay, *a: calls.append(lay.counts) or per_row(lay, *a))
+    model = tiny_model("llama")
+    use_ragged(model)
+    engine = lean_model(model) if lean else None
+    assert (engine is not None) == lean
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(97, (n,), generator=g) for n in (6, 31, 42)]
+    cache = RaggedCache(capacity=8)
+    rows = [cache.add_row() for _ in prompts]
+    features = prefill_rows(model, cache, rows, prompts)
+    for prompt, (hidden, _) in zip(prompts, features):  # each prompt's features as it alone would have them
+        alone = RaggedCache()
+        alone.add_row()
+        want = prefill_rows(model, alone, [0], [prompt])[0][0]
+        assert torch.allclose(hidden, want, atol=1e-5)
+    trees = [random_tree(n, 4, 97, g, root_token=int(p[-1])) for p, n in zip(prompts, (20, 3, 1))]
+    out = ragged_forward(
+        model,
+        cache,
+        rows,
+        [t.tokens for t in trees],
+        [t.ancestors() for t in trees],
+        [t.position_ids(cache.lengths[r]) for r, t in zip(rows, trees)],
+        lean=engine,
+    )
+    assert_rows_equal(model, out, [p[:-1] for p in prompts], trees)
+    assert [5, 30, 41] in calls and [20, 3, 1] in calls  # (the prompts, then the trees, row by row)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The batch drafter
 # ---------------------------------------------------------------------------------------------
