@@ -722,6 +722,18 @@ def test_in_a_batch_auto_weighs_drafted_steps_by_their_measured_rate_against_pla
     assert all(run_batch_steps(alone, 1, 50, drafted_rate=80.0)) and alone.plain_scale is None
 
 
+def test_a_pause_at_a_large_batch_does_not_hold_back_the_last_few_answers():
+    """Drafting paused because trees measured slower at 8 sequences a pass; when the batch shrinks to its last
+    answers (2 a pass), where trees measure faster, the head drafts at once: each batch size class (1, 2, 3-4,
+    5-8, ...) keeps its own running gain and pause. Back at 8 (a 6 and a 7 too), the pause there goes on."""
+    searcher = AutoSearcher(flat_profile(batches=(2, 8)), None, budget=8, top_k=4)
+    at_eight = run_batch_steps(searcher, 8, 100, drafted_rate=80.0)
+    assert sum(at_eight) < 25 and searcher.pause.skip > 0  # paused at 8, in the middle of a pause
+    at_two = run_batch_steps(searcher, 2, 20, drafted_rate=130.0, plain_rate=25.0)
+    assert at_two[:4] == [True] * 4 and sum(at_two) >= 18  # (the reference plain steps aside)
+    assert not searcher.drafts(6) and not searcher.drafts(7)
+
+
 @pytest.mark.parametrize("copy_rate, most", [(80.0, False), (120.0, True)])
 def test_in_a_batch_copied_spans_alone_stop_where_their_steps_measure_slower_than_plain(copy_rate, most):
     """Where trees cannot pay (a saturated batch) copied spans may still be verified alone; in a batch they go on

@@ -182,6 +182,8 @@ class AutoSearcher(Searcher):
     trees do not pay `auto` decodes at about plain speed; where the profile says no tree of any size could
     pay even if every drafted token were accepted (t(N) >= N t(1)), it never drafts. The search width
     follows the budgets chosen lately, and drafting stops early once a deeper level could not pay for itself.
+    In a batch each size class (1, 2, 3-4, 5-8, ...) keeps its own running gain and pause (`pauses`): trees that
+    lose at 8 sequences a pass may pay for a batch's last few answers.
     The profile's verify times are rescaled by what the passes of this generation actually took (`observe`),
     so drafting (timed live) and verifying are weighed under the same load: on a machine busier than when the
     profile was measured, both are slower, not only drafting. Likewise the trees' values are rescaled by how many
@@ -225,11 +227,12 @@ class AutoSearcher(Searcher):
     def start(self) -> None:
         # the profile's drafting cost is updated as drafting is timed: each generation starts from the given one
         self.profile = deepcopy(self.initial_profile)
-        self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
+        # the head's pause state per batch size class (1, 2, 3-4, 5-8, ...): trees that lose at 8 sequences a pass
+        # may pay once the batch shrinks to its last few answers, so each class keeps its own running gain
+        self.pauses: dict[int, _Pause] = {}
+        self.pause = self._pause_for(1)  # the current step's
         self.search_budget = self.budget
         self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
-        self.gain = 1.0  # running estimate of a tree step's tokens/s over a plain pass's
-        self.searched = 0  # drafted steps so far
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
         self.predicted = self.accepted = 0.0  # drafted tokens the verified trees' values predicted, and accepted
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
@@ -283,10 +286,15 @@ class AutoSearcher(Searcher):
             return False
         if self.never or not self._can_pay(batch):
             return False
-        if self.skip > 0:
-            self.skip -= 1
+        self.pause = self._pause_for(batch)
+        if self.pause.skip > 0:
+            self.pause.skip -= 1
             return False
         return True
+
+    def _pause_for(self, batch: int) -> _Pause:
+        """The pause state of `batch`'s size class: 1, 2, 3-4, 5-8, 9-16, ..."""
+        return self.pauses.setdefault((batch - 1).bit_length(), _Pause())
 
     def plain_rate(self, batch: int) -> float | None:
         """Tokens/s of a plain step of `batch` sequences, from the plain steps timed so far (None: none yet)."""
@@ -312,6 +320,7 @@ class AutoSearcher(Searcher):
             return
         gain = tokens / seconds / self.plain_rate(batch)
         if drafted:
+            self.pause = self._pause_for(batch)
             self._update_gain(gain)
         else:
             self._pause_copies(gain < 1.0)
@@ -406,21 +415,31 @@ class AutoSearcher(Searcher):
         tree of a generation decides nothing: its first token, the answer's first, is the least predictable (it
         was the answer's lowest estimate on every prompt measured: docs/results.md), and its drafting cost is the
         first measured."""
-        if self.wait:  # the first tree after a pause
-            self.gain = 1.0 - (1.0 - self.gain) * self.PAUSE_MEMORY
-        self.gain += self.GAIN_SMOOTHING * (gain - self.gain)
-        self.searched += 1
-        if self.searched > 1 and self.gain < 1.0:
-            self.wait = min((4 if self.gain < 0.9 else 2) * self.wait or 4, self.max_wait)
-            self.skip = self.wait
+        p = self.pause  # (the current step's batch size class)
+        if p.wait:  # the first tree after a pause
+            p.gain = 1.0 - (1.0 - p.gain) * self.PAUSE_MEMORY
+        p.gain += self.GAIN_SMOOTHING * (gain - p.gain)
+        p.searched += 1
+        if p.searched > 1 and p.gain < 1.0:
+            p.wait = min((4 if p.gain < 0.9 else 2) * p.wait or 4, self.max_wait)
+            p.skip = p.wait
         else:
-            self.wait = 0
+            p.wait = 0
 
     def _chosen(self, fulls: list[DraftTree], values: list[torch.Tensor], counts: list[int]) -> list[DraftTree]:
         """Each tree's prefix of the chosen size; the drafted tokens their (unscaled) values predict are kept for
         `observe`."""
         self._pending = sum(float(v[: n - 1].double().sum()) for v, n in zip(values, counts))
         return [f.prefix(n) for f, n in zip(fulls, counts)]
+
+
+class _Pause:
+    """`AutoSearcher`'s drafting pause for one batch size class."""
+
+    def __init__(self):
+        self.gain = 1.0  # running estimate of a tree step's tokens/s over a plain pass's
+        self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
+        self.searched = 0  # drafted steps so far
 
 
 def trees_can_pay(profile: LatencyProfile, budget: int, batch: int = 1) -> bool:
