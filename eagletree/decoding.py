@@ -102,6 +102,16 @@ class GenerationResult:
     error: str | None = None
 
 
+def whole_answers(results: list[GenerationResult]) -> list[GenerationResult]:
+    """`results` (in prompt order) when every answer finished; else a TargetError naming the first prompt whose
+    decoding ended early and why: for measurements and comparisons that need whole answers (a cut one would pass
+    for the target's answer, its tokens/s and tokens/pass counted), as decoding one prompt alone raises it."""
+    for i, result in enumerate(results):
+        if result.error is not None:
+            raise TargetError(f"prompt {i}: {result.error}")
+    return results
+
+
 def is_token_ids(prompt) -> bool:
     """Whether `prompt` is one prompt of token ids: a list or tuple of integers."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(_is_int(t) for t in prompt)

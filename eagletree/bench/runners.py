@@ -12,7 +12,15 @@ import torch
 from tqdm import tqdm
 
 from ..decode_config import DecodeConfig
-from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt, hf_generation_config, stop_token_ids
+from ..decoding import (
+    Decoder,
+    GenerationStats,
+    decode_steps,
+    encode_prompt,
+    hf_generation_config,
+    stop_token_ids,
+    whole_answers,
+)
 from ..packing import stock_kernels
 from ..tree_search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
@@ -146,7 +154,7 @@ def run_tree_batch(
     )
     decoder = Decoder(model, tok, None if method.name in HEADLESS else head, config)
     t0 = time.perf_counter()
-    results = decoder.generate_batch(prompts, batch_size)
+    results = whole_answers(decoder.generate_batch(prompts, batch_size))
     seconds = time.perf_counter() - t0
     answers = [r.token_ids for r in results]
     run = Run(

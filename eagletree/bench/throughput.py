@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..decode_config import DecodeConfig
-from ..decoding import Decoder, hf_generation_config, stop_token_ids
+from ..decoding import Decoder, hf_generation_config, stop_token_ids, whole_answers
 
 METHODS = ("HF generate", "eagletree plain", "eagletree trees")
 
@@ -61,7 +61,7 @@ def throughput(
     plain = Decoder(target, tok, None, replace(config, copy=replace(config.copy, enabled=False)))  # no copies
     trees = Decoder(target, tok, head, config)
     trees.prepare(min(max(sizes), len(prompts)))  # the batch passes' profile: measured once, not timed
-    reference = [r.token_ids for r in plain.generate_batch(prompts, 1)]
+    reference = [r.token_ids for r in whole_answers(plain.generate_batch(prompts, 1))]
     rounds = {m: {b: [] for b in sizes} for m in METHODS}
     identical, hf_identical = True, {}
     for b in tqdm(sizes, desc="batch sizes", disable=not progress):
@@ -74,7 +74,7 @@ def throughput(
                     continue
                 decoder = plain if name == METHODS[1] else trees
                 t0 = time.perf_counter()
-                results = decoder.generate_batch(prompts, b)
+                results = whole_answers(decoder.generate_batch(prompts, b))
                 rounds[name][b].append(sum(r.stats.new_tokens for r in results) / (time.perf_counter() - t0))
                 identical &= [r.token_ids for r in results] == reference
     rates = {m: {b: statistics.median(rounds[m][b]) for b in sizes} for m in METHODS}
@@ -159,7 +159,7 @@ def budget_split(decoder: Decoder, prompts, batch: int) -> dict:
 
     decoder._pass = recording
     try:
-        results = decoder.generate_batch(prompts, batch)
+        results = whole_answers(decoder.generate_batch(prompts, batch))
     finally:
         del decoder._pass
     full = [p for p in passes if len(p) == batch] or passes

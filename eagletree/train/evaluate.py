@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .. import target as targets
 from ..decode_config import DecodeConfig
-from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt
+from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt, whole_answers
 from ..draft_heads import TreeDrafter, load_head
 from ..errors import EagletreeError
 from ..files import check_output_folder, write_json_atomic
@@ -164,7 +164,7 @@ def decoded_batch(head, target, tokenizer, prompts, max_new_tokens, batch_size, 
     results = [None] * len(prompts)
     for i, result in tqdm(decoder.results(prompts, batch_size), total=len(prompts), desc="tokens/pass", leave=False):
         results[i] = result
-    return results
+    return whole_answers(results)
 
 
 def measure_copy_calibration(
