@@ -800,13 +800,19 @@ def test_a_prompt_past_a_sliding_window_targets_window_is_refused_before_decodin
 
     model = tiny_model("mistral")
     model.config.sliding_window = 8
-    ragged._WINDOWS.pop(id(model.config), None)  # (read once per config object, by its id: a freed one's id recurs)
     prompts = [torch.randint(97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (8, 12)]
     decoder = Decoder(model, tiny_tokenizer(), None, config("eagle2", n=12))
     with pytest.raises(
         ValueError, match=r"^prompt 1: prompt \(12 tokens\) is longer than the target's sliding window of 8"
     ):
         decoder.generate_batch(prompts, batch_size=2)
+    # The window is read once per config object, kept by its id: an entry left by a freed config whose id this
+    # one reuses (here: another config's) is not taken for this one's.
+    import weakref
+
+    other = tiny_config("llama")
+    ragged._WINDOWS[id(model.config)] = (weakref.ref(other), None)
+    assert ragged.sliding_window(model) == 8
 
 
 def test_the_largest_seed_decodes_a_batch():

@@ -35,13 +35,10 @@ def windowed(window: int = WINDOW, layers: int = 2):
     """A tiny random Mistral whose sliding window is `window` tokens (its context, 512, is longer)."""
     from transformers import AutoModelForCausalLM
 
-    from eagletree.target import ragged
-
     config = tiny_config("mistral")
     config.sliding_window, config.num_hidden_layers = window, layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    ragged._WINDOWS.pop(id(model.config), None)  # (read once per config object, by its id: a freed one's id recurs)
     return model
 
 

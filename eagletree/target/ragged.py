@@ -19,6 +19,7 @@ change places.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -329,17 +330,20 @@ def use_ragged_layer(layer, *configs) -> None:
 
 
 def sliding_window(model) -> int | None:
-    """The smallest sliding window of the model's attention layers (as its own KV cache sets them up), or None."""
-    key = id(model.config)
-    if key not in _WINDOWS:
+    """The smallest sliding window of the model's attention layers (as its own KV cache sets them up), or None.
+    Read once per config object (every pass asks; a config is unhashable, so it is kept by id with a weak
+    reference that tells a live config from a freed one whose id was reused)."""
+    config = model.config
+    known = _WINDOWS.get(id(config))
+    if known is None or known[0]() is not config:
         from transformers import DynamicCache
 
-        windows = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=model.config).layers]
-        _WINDOWS[key] = min((w for w in windows if w), default=None)
-    return _WINDOWS[key]
+        windows = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=config).layers]
+        known = _WINDOWS[id(config)] = (weakref.ref(config), min((w for w in windows if w), default=None))
+    return known[1]
 
 
-_WINDOWS: dict[int, int | None] = {}
+_WINDOWS: dict[int, tuple[weakref.ref, int | None]] = {}
 
 
 class ragged_pass:
