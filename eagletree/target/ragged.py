@@ -266,7 +266,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 # On a CPU, a pass of several rows with a block longer than this (a prompt's) attends row by row: one SDPA call
 # per row over its own entries, as a pass of that row alone would, where one call over the padded
 # [S, n_max, kv] block computes (and allocates) every row up to the longest prompt's size: 32 MT-bench prompts
-# of 44-402 tokens took 2.9 s prefilled 8 at a time, 2.4 s one at a time, and 2.2 s 8 at a time row by row.
+# of 44-402 tokens prefilled 8 at a time took 2.84-2.90 s padded, 2.46-2.54 s row by row (2.45-2.57 one at a time).
 # Larger trees gain too (8 rows, one tree of 20 nodes and seven of 3: 59-61 ms against 78-79 a pass), and
 # even ones cost the same (8 trees of 20 or 40 nodes, 2 of 30 or 60). Shorter blocks, a pass's usual trees, go
 # through the lean layers' products (`target.lean`).
