@@ -76,7 +76,8 @@ def test_generate_json_and_compare_plain(tiny_cli, capsys):
 
 def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cli, capsys, monkeypatch):
     # Sampled, each run draws its own answer: one that stops early has more of its time in the prefill, so the
-    # speedups compare the rates after each run's first pass (as bench does), and say so.
+    # speedups compare the rates after each run's first pass (as bench does), and say so. (A fixed tree: `auto`'s
+    # choice follows the machine's timing, and with it the sampled answer, which may then stop in its first pass.)
     import eagletree.commands as commands
     from eagletree.bench.runners import Run
 
@@ -96,6 +97,8 @@ def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cl
                 "--compare-plain",
                 "--budget",
                 "6",
+                "--tree",
+                "eagle2",
                 "--temperature",
                 "1",
                 "--seed",
@@ -123,6 +126,8 @@ def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cl
                 "--compare-plain",
                 "--budget",
                 "6",
+                "--tree",
+                "eagle2",
                 "--temperature",
                 "1",
                 "--seed",
@@ -154,6 +159,8 @@ def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cl
                 "--compare-plain",
                 "--budget",
                 "6",
+                "--tree",
+                "eagle2",
                 "--temperature",
                 "1",
                 "--seed",
