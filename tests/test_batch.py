@@ -127,7 +127,7 @@ def one_sequence(model, context: torch.Tensor, tree: DraftTree, layers=None):
     return out.logits[0], out.hidden[0], None if not layers else {k: h[0] for k, h in out.layer_hidden.items()}
 
 
-def ragged_pass(model, cache, rows, trees, layers=None):
+def ragged_pass(model, cache, rows, trees, layers=None, lean=None):
     return ragged_forward(
         model,
         cache,
@@ -136,6 +136,7 @@ def ragged_pass(model, cache, rows, trees, layers=None):
         [t.ancestors() for t in trees],
         [t.position_ids(cache.lengths[r]) for r, t in zip(rows, trees)],
         layers,
+        lean=lean,
     )
 
 
@@ -220,15 +221,7 @@ def test_long_blocks_of_several_rows_attend_row_by_row_as_passes_of_each_row_alo
         want = prefill_rows(model, alone, [0], [prompt])[0][0]
         assert torch.allclose(hidden, want, atol=1e-5)
     trees = [random_tree(n, 4, 97, g, root_token=int(p[-1])) for p, n in zip(prompts, (20, 3, 1))]
-    out = ragged_forward(
-        model,
-        cache,
-        rows,
-        [t.tokens for t in trees],
-        [t.ancestors() for t in trees],
-        [t.position_ids(cache.lengths[r]) for r, t in zip(rows, trees)],
-        lean=engine,
-    )
+    out = ragged_pass(model, cache, rows, trees, lean=engine)
     assert_rows_equal(model, out, [p[:-1] for p in prompts], trees)
     assert [5, 30, 41] in calls and [20, 3, 1] in calls  # (the prompts, then the trees, row by row)
 
