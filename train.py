@@ -74,8 +74,8 @@ def main(argv=None) -> int:
 
 
 def _leave_process_group() -> None:
-    """Under torchrun every process leaves its gloo group before exiting: a group left to the interpreter's shutdown
-    sometimes aborted a process after the run had finished ("terminate called without an active exception")."""
+    """Under torchrun every process leaves its gloo group when its run ends, whatever the outcome (the group is
+    not left to the interpreter's shutdown; a finished worker then ends by `_exit_worker`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

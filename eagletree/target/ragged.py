@@ -50,6 +50,7 @@ class Layout:
     single: tuple[int, int, int] | None = None  # one row: (row, first, end) of the positions it writes
     unmasked: bool = False  # every query sees every entry up to kv (SDPA without a mask)
     grouped_mask: torch.Tensor | None = None  # the mask as the lean layers' stacked query heads read it (cached)
+    row_masks: list | None = None  # each row's own mask, None where it sees all its entries (cached: per-row attention)
 
     @property
     def kv(self) -> int:
@@ -276,16 +277,18 @@ PER_ROW_BLOCK = 16
 def _attend_per_row(lay: Layout, query, key, value, scaling, gqa: bool) -> torch.Tensor:
     """`ragged_attention`'s output [1, R, heads, dim], each row's queries (query [1, heads, R, dim] packed) over
     its own entries [0, start + n) under its own mask (none where it sees them all), one SDPA call per row."""
+    if lay.row_masks is None:  # (made once per pass, for every layer)
+        cuts = [lay.mask[b : b + 1, :, :n, : start + n] for b, (start, n) in enumerate(zip(lay.starts, lay.counts))]
+        lay.row_masks = [None if bool(m.all()) else m for m in cuts]
     outs, offset = [], 0
     for b, (start, n) in enumerate(zip(lay.starts, lay.counts)):
         kv = start + n
-        mask = lay.mask[b : b + 1, :, :n, :kv]
         outs.append(
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, offset : offset + n],
                 key[b : b + 1, :, :kv],
                 value[b : b + 1, :, :kv],
-                attn_mask=None if bool(mask.all()) else mask,
+                attn_mask=lay.row_masks[b],
                 scale=scaling,
                 enable_gqa=gqa,
             )
