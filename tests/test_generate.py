@@ -426,11 +426,11 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     now = {"t1": 0.03}  # the one-token pass on this machine right now
     calls = []
 
-    def fake_measure(target, sizes, prefix, reps, progress):
+    def fake_measure(target, sizes, reps):
         calls.append(tuple(sizes))
-        return {n: {"mask": 0.0, "forward": now["t1"] * (1 + n / 16), "accept": 0.0, "commit": 0.0} for n in sizes}
+        return [now["t1"] * (1 + n / 16) for n in sizes]
 
-    monkeypatch.setattr(decoding, "measure_verify", fake_measure)
+    monkeypatch.setattr(decoding, "measure_passes", fake_measure)
     first = decoding.latency_profile(model)  # nothing cached: measured once and cached
     assert calls == [PROFILE_SIZES] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
     (cached,) = (tmp_path / "profiles").glob("*.json")

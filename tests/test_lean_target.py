@@ -13,8 +13,9 @@ from test_lean import qwen3_model
 
 from eagletree import Decoder
 from eagletree.packing import pack_linears, packing_problem, stock_kernels
+from eagletree.target import lean as lean_module
 from eagletree.target.attention import RAGGED
-from eagletree.target.lean import SHORT_BLOCK, LeanModel, LeanUnsupported, lean_model
+from eagletree.target.lean import SHORT_BLOCK, FusedPacked, LeanModel, LeanUnsupported, lean_model
 from eagletree.target.ragged import RaggedCache, causal_block, ragged_forward, use_ragged
 
 from helpers import tiny_model
@@ -76,7 +77,10 @@ def test_a_model_not_yet_switched_to_ragged_attention_is_switched_and_checked():
     assert model.config._attn_implementation == RAGGED
 
 
-@pytest.mark.skipif(packing_problem(torch.nn.Linear(2, 2)) is not None, reason="this PyTorch has no oneDNN")
+PACKS = pytest.mark.skipif(packing_problem(torch.nn.Linear(2, 2)) is not None, reason="this PyTorch has no oneDNN")
+
+
+@PACKS
 def test_packing_after_the_lean_model_was_built_rebuilds_it_on_the_packed_kernels():
     model = model_for("llama")
     stock = lean_model(model)
@@ -88,6 +92,54 @@ def test_packing_after_the_lean_model_was_built_rebuilds_it_on_the_packed_kernel
     with stock_kernels(model):  # the lean path calls the Linears' own forwards, so it follows them
         for a, b in zip(passes(model, packed), passes(model, None)):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@PACKS
+def test_a_packed_target_runs_q_k_v_and_gate_up_as_one_packed_product_each(monkeypatch):
+    """(Qwen2: q/k/v with biases, fused with them.) Inside `stock_kernels` the fused products give way to the
+    Linears' own stock forwards, as the Linears do."""
+    model = model_for("qwen2")
+    pack_linears(model)
+    lean = lean_model(model)
+    for layer in lean.layers:
+        assert isinstance(layer.qkv, FusedPacked) and len(layer.qkv.linears) == 3 and layer.qkv.bias is not None
+        assert isinstance(layer.gate_up, FusedPacked) and len(layer.gate_up.linears) == 2
+    used = []
+    packed_linear = lean_module.packed_linear
+    monkeypatch.setattr(lean_module, "packed_linear", lambda x, w, b: used.append(w) or packed_linear(x, w, b))
+    for a, b in zip(passes(model, lean), passes(model, None)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    fused = {id(p.packed) for layer in lean.layers for p in (layer.qkv, layer.gate_up)}
+    assert fused <= {id(w) for w in used}
+    used.clear()
+    with stock_kernels(model):
+        for a, b in zip(passes(model, lean), passes(model, None)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert not used
+
+
+@PACKS
+@pytest.mark.parametrize("change", ["in place", "replaced"])
+def test_fused_products_are_packed_again_when_the_targets_weights_change(change):
+    """Decoding, then the same new up/gate weights in the target and in HF's copy: the next answers are HF's with
+    the new weights (the fused copies are packed again at the next prefill), not the old weights'."""
+    lm = Setup()
+    pack_linears(lm.model)
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2"), profile=flat_profile())
+    before = [r.token_ids for r in decoder.generate_batch(lm.prompts, batch_size=4)]
+    g = torch.Generator().manual_seed(5)
+    new = [torch.randn(m.weight.shape, generator=g) for m in (lm.model.model.layers[0].mlp.up_proj,)]
+    for model in (lm.model, lm.reference):
+        up = model.model.layers[0].mlp.up_proj
+        with torch.no_grad():
+            if change == "in place":
+                up.weight.copy_(new[0])
+            else:
+                up.weight = torch.nn.Parameter(new[0].clone())
+    after = [r.token_ids for r in decoder.generate_batch(lm.prompts, batch_size=4)]
+    assert after != before
+    for prompt, result in zip(lm.prompts, after):
+        assert result == lm.hf(prompt, 40, decoder.stops)
 
 
 def test_a_model_the_lean_path_does_not_reproduce_keeps_the_transformers_path():
@@ -141,9 +193,12 @@ def test_norms_run_fused_only_where_that_is_the_modules_own_output_bit_for_bit()
     assert lean_norm(gemma) == gemma.forward
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=PACKS)])
 @pytest.mark.parametrize("tree", ["eagle2", "chain"])
-def test_decoding_through_lean_passes_equals_hf_generate(tree):
+def test_decoding_through_lean_passes_equals_hf_generate(tree, packed):
     lm = Setup()  # (HF's answers come from an untouched copy of the target)
+    if packed:
+        pack_linears(lm.model)  # (q/k/v and gate/up as fused packed products)
     decoder = Decoder(lm.model, lm.tok, lm.head, config(tree), profile=flat_profile())
     results = decoder.generate_batch(lm.prompts, batch_size=4)
     assert isinstance(lm.model.__dict__["_eagletree_lean"][1], LeanModel)  # the passes went the lean way

@@ -3,8 +3,9 @@
 On a CPU a pass over a few rows pays more for the framework's per-call work (module dispatch, mask and rotary
 construction, cache bookkeeping, output capture) than for some of its arithmetic: a 30-layer target's one-token
 pass makes about 400 module calls. `LeanLayer` computes a LLaMA-family decoder layer from the same weights as
-a few direct products (its Linears' own kernels, packed or not; fused into one product for q/k/v and one for
-gate/up where the caller allows the extra copy of the weights), rotary embeddings read from a table, keys and
+a few direct products (its Linears' own kernels, packed or not; q/k/v fused into one product and gate/up into
+another, from a copy of their weights: the drafter's always, the target's where its Linears are packed, as one
+more packed copy: about 0.7 of a layer's weights), rotary embeddings read from a table, keys and
 values written by position into a `RaggedCache`, and attention over short query blocks with the query heads that
 share a key/value head stacked as one block: SDPA's fused kernel where every query sees every entry or the block
 is one sequence's, two batched products and a softmax for several sequences' masked blocks (measured faster
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..packing import PackedLinear, is_packed, pack_weight, packed_linear, packing_problem
+from ..packing import PackedLinear, is_packed, pack_weight, packed_linear, packing_problem, weight_key
 from .ragged import Layout, RaggedCache, causal_block, ragged_attention, ragged_forward, use_ragged
 
 # Query blocks up to this many rows per sequence attend by plain products (a drafting level, a catch-up, a
@@ -75,11 +76,75 @@ def _plain(linear: nn.Linear):
     return lambda x: F.linear(x, weight, bias)
 
 
-def _linears(fuse: bool, pack: bool, choice):
-    """How a LeanLayer builds its products: fused copies (packed where `pack`) or the modules' own."""
-    if fuse:
+class FusedPacked:
+    """The products of PackedLinears fused along their outputs as one oneDNN call on a packed copy of their
+    concatenated weights (one Linear: its own packed copy), where the Linears themselves would run packed (not
+    inside `stock_kernels`, and their kernel choice packs at this row count); elsewhere their own forwards. No
+    unpacked copy of the weights is kept; `refresh` makes the packed one again when a weight or bias changed (in
+    place, or replaced), as a PackedLinear does at each call (`LeanModel.refresh`, at every prefill). Called only on CPU
+    tensors of the weights' dtype, without gradients (the lean path's passes), so the PackedLinear's other checks
+    are left out."""
+
+    def __init__(self, linears: list[PackedLinear]):
+        self.linears, self.first = linears, linears[0]
+        self.own = ModuleLinears(linears)
+        self.packed, self.bias, self.key = None, None, None
+        self._pack()
+
+    def _key(self) -> tuple:
+        return tuple(weight_key(t) for t in self.tensors())
+
+    def _pack(self) -> None:
+        linears = self.linears
+        if len(linears) == 1:
+            linear = linears[0]
+            if weight_key(linear.weight) != linear._packed_key:
+                linear._pack()
+            self.packed, self.bias = linear.packed, linear.bias
+        else:
+            self.packed = pack_weight(torch.cat([m.weight.detach() for m in linears]))
+            self.bias = None
+            if any(m.bias is not None for m in linears):
+                self.bias = torch.cat(
+                    [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+                )
+        self.key = self._key()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.linears for t in (m.weight, m.bias) if t is not None]
+
+    def refresh(self) -> None:
+        if self._key() != self.key:
+            self._pack()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.first
+        if not first.enabled or (first.choice is not None and not first.choice.packs(x)):
+            return self.own(x)
+        return packed_linear(x, self.packed, self.bias)
+
+
+def _fused_packed(linears: list[nn.Module]):
+    """`FusedPacked` over `linears` when every one is a PackedLinear of the same dtype, else their own forwards."""
+    if all(isinstance(m, PackedLinear) for m in linears) and len({m.weight.dtype for m in linears}) == 1:
+        return FusedPacked(linears)
+    return ModuleLinears(linears)
+
+
+def _linears(fuse: str, pack: bool, choice):
+    """How a LeanLayer builds its products (`fuse`): "copy", fused copies of the weights (packed where `pack`,
+    under `choice`); "packed", one packed copy of the fused weights where the Linears are packed (their own
+    kernel choice), else their own forwards; "off", the Linears' own forwards (no copy)."""
+    if fuse not in FUSE_MODES:
+        raise ValueError(f"fuse must be one of {FUSE_MODES}, got {fuse!r}")
+    if fuse == "copy":
         return lambda linears: LeanLinear(linears, pack, choice)
+    if fuse == "packed":
+        return _fused_packed
     return ModuleLinears
+
+
+FUSE_MODES = ("copy", "packed", "off")
 
 
 @torch.inference_mode()
@@ -109,10 +174,11 @@ class LeanLayer:
     """A decoder layer over packed rows: (attention input [R, D], residual [R, H], positions [R]) on top of the
     cache rows of a `Layout` -> output features [R, H]; its keys and values go to layer `index` of the cache.
 
-    fuse: q/k/v and gate/up as one product each from fused copies of the weights (packed when the layer is, under
-    `choice`); False: through the layer's own Linears, no copy."""
+    fuse: how q/k/v and gate/up run, each as one product from fused copies of the weights ("copy": packed when the
+    layer is, under `choice`; "packed": only where the layer's Linears are packed, one packed copy, their own
+    kernel choice) or through the layer's own Linears ("off": no copy)."""
 
-    def __init__(self, layer, rotary, choice=None, index: int = 0, fuse: bool = True):
+    def __init__(self, layer, rotary, choice=None, index: int = 0, fuse: str = "copy"):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         needed = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         needed += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -235,7 +301,7 @@ class LeanModel:
             raise LeanUnsupported(f"{type(model).__name__} is not laid out as model.{{{', '.join(parts)}}} + lm_head")
         count = model.config.num_hidden_layers
         self.layers = [
-            LeanLayer(layer, parts["rotary_emb"], None, i, fuse=False)
+            LeanLayer(layer, parts["rotary_emb"], None, i, fuse="packed")
             for i, layer in enumerate(parts["layers"][:count])
         ]
         if any(lean.input_norm is None for lean in self.layers):
@@ -244,6 +310,22 @@ class LeanModel:
         self.norm = lean_norm(parts["norm"])
         self.lm_head = ModuleLinears([lm_head])
         self.norms = [lean_norm(lean.input_norm) for lean in self.layers]
+        products = [(lean.qkv, lean.o, lean.gate_up, lean.down) for lean in self.layers]
+        self.fused = [p for four in products for p in four if isinstance(p, FusedPacked)]
+        self.weights_key = self._weights_key()
+
+    def _weights_key(self) -> tuple:
+        return tuple(weight_key(t) for p in self.fused for t in p.tensors())
+
+    def refresh(self) -> None:
+        """Pack the fused products again where their Linears' weights changed since they were packed: asked at each
+        prefill, as every sequence starts with one (checking at every pass would cost about 0.25 ms of a 15 ms
+        one-token pass of SmolLM2-135M)."""
+        key = self._weights_key()
+        if key != self.weights_key:
+            for product in self.fused:
+                product.refresh()
+            self.weights_key = key
 
     @torch.inference_mode()
     def __call__(self, cache: RaggedCache, layout: Layout, input_ids, positions, layers=None, logits=True):

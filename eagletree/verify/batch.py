@@ -23,6 +23,9 @@ def prefill_rows(model, cache: RaggedCache, rows: list[int], prompts: list[torch
     """Run each prompt (all but its last token, the first root) causally into its empty cache row, all in one
     pass; returns each row's features ([n, H] hidden states, and EAGLE-3's fused layers), None for a one-token
     prompt."""
+    lean = lean_model(model)
+    if lean is not None:
+        lean.refresh()  # (its fused products are packed again if the weights changed since they were packed)
     todo = [(r, p[:-1]) for r, p in zip(rows, prompts) if p.numel() > 1]
     out: list = [None] * len(rows)
     if not todo:
@@ -36,7 +39,7 @@ def prefill_rows(model, cache: RaggedCache, rows: list[int], prompts: list[torch
         [torch.arange(ids.numel()) for _, ids in todo],
         layers,
         logits=False,
-        lean=lean_model(model),
+        lean=lean,
     )
     hidden = result.split(result.hidden)
     layer_hidden = {k: result.split(h) for k, h in (result.layer_hidden or {}).items()}
