@@ -81,9 +81,9 @@ class FusedPacked:
     concatenated weights (one Linear: its own packed copy), where the Linears themselves would run packed (not
     inside `stock_kernels`, and their kernel choice packs at this row count); elsewhere their own forwards. No
     unpacked copy of the weights is kept; `refresh` makes the packed one again when a weight or bias changed (in
-    place, or replaced), as a PackedLinear does at each call (`LeanModel.refresh`, at every prefill). Called only on CPU
-    tensors of the weights' dtype, without gradients (the lean path's passes), so the PackedLinear's other checks
-    are left out."""
+    place, or replaced), as a PackedLinear does at each call (`LeanModel.refresh`, at every prefill). Called
+    only on CPU tensors of the weights' dtype, without gradients (the lean path's passes), so the PackedLinear's
+    other checks are left out."""
 
     def __init__(self, linears: list[PackedLinear]):
         self.linears, self.first = linears, linears[0]
