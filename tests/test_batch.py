@@ -715,6 +715,23 @@ def test_in_a_batch_auto_weighs_drafted_steps_by_their_measured_rate_against_pla
     assert all(run_batch_steps(alone, 1, 50, drafted_rate=80.0)) and alone.plain_scale is None
 
 
+def test_in_a_batch_a_probe_far_below_the_plain_rate_pauses_long_enough_to_cost_little():
+    """A drafted step at 8 sequences measured at 0.4x the plain rate (2 tokens a sequence where a plain step emits 1,
+    in 5 plain steps' time: it cost 3 plain steps more): the head pauses for the longest pause at once, which
+    is long enough that such probes cost at most PROBE_SHARE of the paused steps, not 64 steps (max_wait). At
+    0.8x (half a plain step more) the pauses grow 4, 16, 64 as before."""
+    searcher = AutoSearcher(flat_profile(batches=(8,)), None, budget=8, top_k=4)
+    drafted = run_batch_steps(searcher, 8, 700, drafted_rate=40.0)
+    pause = searcher.pauses[(8 - 1).bit_length()]
+    assert pause.probe_cost == pytest.approx(3.0)
+    assert pause.wait == math.ceil(3.0 / searcher.PROBE_SHARE) == 300
+    probes = [i for i, d in enumerate(drafted) if d][searcher.FIRST_PROBE :]  # (the steps before the reference)
+    assert len(probes) <= 4 and probes[-1] - probes[-2] > 300
+    steady = AutoSearcher(flat_profile(batches=(8,)), None, budget=8, top_k=4)
+    drafted = run_batch_steps(steady, 8, 300, drafted_rate=80.0)
+    assert steady.pauses[3].wait == steady.max_wait and sum(drafted) >= 8
+
+
 def test_a_pause_at_a_large_batch_does_not_hold_back_the_last_few_answers():
     """Drafting paused because trees measured slower at 8 sequences a pass; when the batch shrinks to its last
     answers (2 a pass), where trees measure faster, the head drafts at once: each batch size class (1, 2, 3-4,

@@ -17,6 +17,7 @@ when the head does not draft this step; `copies` is a CopyTrie of copied spans, 
 
 from __future__ import annotations
 
+import math
 import time
 from copy import deepcopy
 from dataclasses import dataclass, replace
@@ -204,6 +205,13 @@ class AutoSearcher(Searcher):
     # tokens/s over theirs (everything a step costs, as decoding paid it), not the profile's estimate; a plain step
     # is taken as the reference after the first few drafted steps and then every PLAIN_PROBE drafted steps.
     FIRST_PROBE, PLAIN_PROBE = 4, 32
+    # In a batch, a drafted step after a pause (a probe) costs more than its own tree: it first catches the head up
+    # on every sequence's committed tokens. A probe measured at less than HOPELESS times the plain rate pauses at
+    # once for the longest pause, which is long enough that the probes' measured cost (in plain steps) is at most
+    # PROBE_SHARE of the steps paused (never shorter than max_wait, at most MAX_PAUSE): at 8 sequences a pass on 2
+    # CPU cores a probe ran at about half the plain rate and cost about 2.5 plain steps, and 8 of them cost 1-3% of a
+    # run of 32 answers (docs/results.md).
+    HOPELESS, PROBE_SHARE, MAX_PAUSE = 0.6, 0.01, 1024
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
     def __init__(
@@ -321,7 +329,9 @@ class AutoSearcher(Searcher):
         gain = tokens / seconds / self.plain_rate(batch)
         if drafted:
             self.pause = self._pause_for(batch)
-            self._update_gain(gain)
+            plain_step = batch / self.plain_rate(batch)  # seconds of a plain step of this batch
+            self.pause.probe_cost = max(seconds - tokens / self.plain_rate(batch), 0.0) / plain_step
+            self._update_gain(gain, hopeless=gain < self.HOPELESS)
         else:
             self._pause_copies(gain < 1.0)
 
@@ -408,8 +418,9 @@ class AutoSearcher(Searcher):
         else:
             self.copy_wait = 0
 
-    def _update_gain(self, gain: float) -> None:
-        """One step's estimated speed-up over plain passes moves the running gain; pause drafting if it is < 1.
+    def _update_gain(self, gain: float, hopeless: bool = False) -> None:
+        """One step's estimated speed-up over plain passes moves the running gain; pause drafting if it is < 1
+        (`hopeless`: a batch's measured step far below plain, for the longest pause at once).
 
         One step's estimate is noisy: pause only when the recent ones say trees lose to plain passes. The first
         tree of a generation decides nothing: its first token, the answer's first, is the least predictable (it
@@ -421,7 +432,8 @@ class AutoSearcher(Searcher):
         p.gain += self.GAIN_SMOOTHING * (gain - p.gain)
         p.searched += 1
         if p.searched > 1 and p.gain < 1.0:
-            p.wait = min((4 if p.gain < 0.9 else 2) * p.wait or 4, self.max_wait)
+            longest = max(self.max_wait, min(math.ceil(p.probe_cost / self.PROBE_SHARE), self.MAX_PAUSE))
+            p.wait = longest if hopeless else min((4 if p.gain < 0.9 else 2) * p.wait or 4, longest)
             p.skip = p.wait
         else:
             p.wait = 0
@@ -440,6 +452,7 @@ class _Pause:
         self.gain = 1.0  # running estimate of a tree step's tokens/s over a plain pass's
         self.skip = self.wait = 0  # steps left without drafting; the length of the last pause
         self.searched = 0  # drafted steps so far
+        self.probe_cost = 0.0  # in a batch: the last drafted step's cost beyond a plain step's, in plain steps
 
 
 def trees_can_pay(profile: LatencyProfile, budget: int, batch: int = 1) -> bool:
