@@ -326,11 +326,13 @@ class AutoSearcher(Searcher):
         self.since_plain += 1
         if self.plain_scale is None:
             return
-        gain = tokens / seconds / self.plain_rate(batch)
+        rate = self.plain_rate(batch)
+        gain = tokens / seconds / rate
         if drafted:
             self.pause = self._pause_for(batch)
-            plain_step = batch / self.plain_rate(batch)  # seconds of a plain step of this batch
-            self.pause.probe_cost = max(seconds - tokens / self.plain_rate(batch), 0.0) / plain_step
+            plain_step = batch / rate  # seconds of a plain step of this batch
+            # what the step cost beyond plain steps emitting its tokens, in plain steps
+            self.pause.probe_cost = max(seconds - tokens / rate, 0.0) / plain_step
             self._update_gain(gain, hopeless=gain < self.HOPELESS)
         else:
             self._pause_copies(gain < 1.0)
