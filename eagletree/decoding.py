@@ -28,7 +28,7 @@ from .decode_resources import (
     profile_path,
     resolve_store,
 )
-from .draft_heads.batch_drafter import make_batch_drafter
+from .draft_heads.batch_drafter import drafter_key, make_batch_drafter
 from .target.loading import TargetError
 from .target.ragged import RaggedCache, sliding_window, use_ragged
 from .tree_search.copy import CopyCalibration, NgramIndex, copy_only, copy_trie
@@ -335,6 +335,8 @@ class Decoder:
             config.copy.datastore, head, tokenizer, copies, target.get_input_embeddings().num_embeddings
         )
         self.window = sliding_window(target)  # a sliding-window target's: no prompt or answer goes past it
+        self._drafter, self._drafter_key = None, None  # the batch drafter, kept across runs (`batch_drafter`)
+        self._drafter_busy = False
         self.searcher = None
         self._profile_path = None  # the cached profile's file (batch sizes measured later are added to it)
         if head is not None or copies:
@@ -429,6 +431,29 @@ class Decoder:
         if isinstance(self.searcher, AutoSearcher) and batch_size > 1:
             add_batch_times(self.target, self.searcher.initial_profile, batch_size, self._profile_path)
 
+    def batch_drafter(self):
+        """A batch drafter of the head with no rows for a decoding run (None without a head); hand it back with
+        `drafter_done`. One is kept across runs (its lean layer and kernel choice cost milliseconds, a few percent
+        of a short answer) while the head and the target's embedding and lm_head are the same modules with the
+        same weights; a run that starts while another is unfinished (two `steps` iterators read in turns) gets
+        one of its own."""
+        if self.head is None:
+            return None
+        if self._drafter_busy:
+            return make_batch_drafter(self.head, self.target)
+        if self._drafter is None or drafter_key(self.head, self.target) != self._drafter_key:
+            self._drafter = None
+            self._drafter = make_batch_drafter(self.head, self.target)
+            self._drafter_key = drafter_key(self.head, self.target)
+        self._drafter.reset()
+        self._drafter_busy = True
+        return self._drafter
+
+    def drafter_done(self, drafter) -> None:
+        """A run is over with `drafter` (from `batch_drafter`)."""
+        if drafter is not None and drafter is self._drafter:
+            self._drafter_busy = False
+
     def _prompt_ids(self, prompt) -> torch.Tensor:
         """The prompt's ids, checked against the vocabulary and the context (cut to its end with truncate_prompt)."""
         ids = encode_prompt(self.tokenizer, prompt)
@@ -478,9 +503,16 @@ class Decoder:
         if self.searcher is not None:
             self.searcher.start()
         batch = _Batch(self)
-        batch.reserve(longest)
-        if self.searcher is not None and batch.drafter is not None:
-            self.searcher.token_map = batch.drafter.token_map  # the drafter's draft ids -> target ids
+        try:
+            batch.reserve(longest)
+            if self.searcher is not None and batch.drafter is not None:
+                self.searcher.token_map = batch.drafter.token_map  # the drafter's draft ids -> target ids
+            yield from self._loop(jobs, batch, batch_size, inspect_step)
+        finally:
+            self.drafter_done(batch.drafter)
+
+    def _loop(self, jobs, batch: _Batch, batch_size: int, inspect_step):
+        """`_run`'s loop: admit jobs into free places, one pass over the live sequences, release the done ones."""
         live: list[_Sequence] = []
         while True:
             admitted = [self._new_sequence(*job) for job in itertools.islice(jobs, batch_size - len(live))]
@@ -596,7 +628,7 @@ class _Batch:
         use_ragged(self.target)
         self.window = decoder.window  # (None: attention over the whole context)
         self.cache = RaggedCache()
-        self.drafter = make_batch_drafter(head, self.target) if head is not None else None
+        self.drafter = decoder.batch_drafter()
         self.draft_s = 0.0  # the drafter's seconds in the current step
         # the most entries a row holds past its prompt: the answer, and a pass's tree on top (a very long answer's
         # room past RESERVED_ANSWER is made as it grows)

@@ -12,6 +12,7 @@ embeddings), so drafts are accepted several tokens at a time and the accepted pa
 paths are exercised (a random head's drafts are almost never accepted).
 """
 
+import itertools
 import math
 
 import pytest
@@ -368,6 +369,41 @@ def test_results_yield_every_prompt_once_and_a_batch_of_one_is_decoding_alone(lm
     ):
         with pytest.raises(ValueError, match=message):
             decoder.generate_batch([[3, 4], [5, 6], bad])
+
+
+def test_a_decoder_keeps_its_drafter_across_runs_until_the_head_changes(lm):
+    """The batch drafter is built once per Decoder (it costs milliseconds a run); two runs read in turns get one
+    each, and a head whose weights change gets a new one that drafts with them."""
+    head = mimic_head(lm.model)
+    decoder = Decoder(lm.model, lm.tok, head, config("eagle2", n=16))
+    alone = [decoder.generate(p).token_ids for p in lm.prompts[:2]]
+    first = decoder.batch_drafter()
+    decoder.drafter_done(first)
+    assert decoder.batch_drafter() is first and first.rows == []  # kept, emptied
+    decoder.drafter_done(first)
+    # two step iterators read in turns: each run has its own drafter, and both answers are as alone
+    runs = [decoder.steps(p) for p in lm.prompts[:2]]
+    tokens: list[list[int]] = [[], []]
+    for pair in itertools.zip_longest(*runs):
+        for i, step in enumerate(pair):
+            if step is not None:
+                tokens[i] += step.tokens
+    assert tokens == alone
+    assert decoder.batch_drafter() is first  # handed back by the finished runs
+    decoder.drafter_done(first)
+    rows = (0, torch.tensor([1]), torch.tensor([3]), torch.tensor([0]), 2)
+    first.add_row()
+    first.extend([0], [torch.randn(3, lm.model.config.hidden_size)], [torch.tensor([5, 6, 7])])
+    before = first.expand([rows])[0]
+    with torch.no_grad():
+        head.fc.weight.mul_(0.5)  # in place: the same modules, other weights
+    second = decoder.batch_drafter()
+    assert second is not first
+    torch.manual_seed(0)
+    second.add_row()
+    second.extend([0], [torch.randn(3, lm.model.config.hidden_size)], [torch.tensor([5, 6, 7])])
+    assert not torch.allclose(second.expand([rows])[0], before)
+    assert [decoder.generate(p).token_ids for p in lm.prompts[:2]] == alone  # (lossless with any drafts)
 
 
 @pytest.mark.parametrize("kind", ["eagle-vocab", "eagle3", "medusa"])

@@ -193,6 +193,30 @@ def test_norms_run_fused_only_where_that_is_the_modules_own_output_bit_for_bit()
     assert lean_norm(gemma) == gemma.forward
 
 
+def test_rotary_embeddings_and_silu_are_transformers_own_bit_for_bit():
+    """The lean layer's rope (x rolled by half, times a signed sin table) equals transformers' rotate_half form
+    exactly, at positions past the table's first size too; lean_act takes F.silu only for a SiLU."""
+    from transformers.activations import ACT2FN
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    layer = lean_module.LeanLayer(model.model.layers[0], model.model.rotary_emb)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 5, 255, 256, 700])
+    heads = attn.q_proj.out_features // layer.dim
+    q, k = torch.randn(2, 5, heads, layer.dim, generator=g)
+    cos, sin = model.model.rotary_emb(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    with torch.inference_mode():
+        rope = layer._rotary(positions)
+        assert torch.equal(layer._rope(q, *rope), want_q[0].transpose(0, 1))
+        assert torch.equal(layer._rope(k, *rope), want_k[0].transpose(0, 1))
+    assert lean_module.lean_act(ACT2FN["silu"]) is torch.nn.functional.silu
+    gelu = ACT2FN["gelu"]
+    assert lean_module.lean_act(gelu) is gelu
+
+
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=PACKS)])
 @pytest.mark.parametrize("tree", ["eagle2", "chain"])
 def test_decoding_through_lean_passes_equals_hf_generate(tree, packed):

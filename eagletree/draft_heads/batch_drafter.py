@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..packing import weight_key
 from ..target.ragged import RaggedCache, causal_block, plan, ragged_pass, use_ragged_layer
 from .drafter import TreeDrafter
 from .lean import lean_forward, lean_layer
@@ -58,6 +59,11 @@ class RaggedTreeDrafter:
     def add_row(self) -> int:
         self.rows.append(_Row())
         return self.cache.add_row()
+
+    def reset(self) -> None:
+        """Drop every row (a new decoding run): the head's layer, lm_head slice and kernels stay."""
+        self.cache = RaggedCache()
+        self.rows = []
 
     def keep_rows(self, keep: list[int]) -> None:
         self.rows = [self.rows[r] for r in keep]
@@ -182,6 +188,9 @@ class PerRowDrafter:
     def keep_rows(self, keep: list[int]) -> None:
         self.drafters = [self.drafters[r] for r in keep]
 
+    def reset(self) -> None:
+        self.drafters = []
+
     def reserve(self, length: int) -> None:
         """(Each reference drafter keeps its own state.)"""
 
@@ -223,6 +232,14 @@ def make_batch_drafter(head, target_model):
     if type(head).make_drafter in _tree_drafting():
         return RaggedTreeDrafter(head, target_model)
     return PerRowDrafter(head, target_model)
+
+
+def drafter_key(head, target_model) -> tuple:
+    """Changes when what a batch drafter was built from changes: the head's modules or any of its weights (in
+    place or replaced), the target's embedding or lm_head (the drafter reads both)."""
+    own = [head, target_model.get_input_embeddings(), target_model.get_output_embeddings()]
+    modules = tuple(id(m) for part in own for m in part.modules())
+    return modules + tuple(weight_key(t) for part in own for t in part.parameters())
 
 
 def _tree_drafting() -> set:

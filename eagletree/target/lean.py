@@ -170,6 +170,19 @@ def lean_norm(norm: nn.Module):
     return fused
 
 
+@torch.inference_mode()
+def lean_act(act):
+    """`act` as F.silu where it gives the module's output bit for bit on a probe (transformers' SiLU module costs a
+    module call more, once a layer); else `act` itself."""
+    generator = torch.Generator().manual_seed(0)
+    probes = [4 * torch.randn(rows, 64, generator=generator) for rows in (1, 5)]
+    try:
+        same = all(torch.equal(F.silu(x), act(x)) for x in probes)
+    except (RuntimeError, TypeError, ValueError):  # (an activation that does not take these inputs)
+        same = False
+    return F.silu if same else act
+
+
 class LeanLayer:
     """A decoder layer over packed rows: (attention input [R, D], residual [R, H], positions [R]) on top of the
     cache rows of a `Layout` -> output features [R, H]; its keys and values go to layer `index` of the cache.
@@ -202,27 +215,30 @@ class LeanLayer:
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if (self.q_norm is None) != (self.k_norm is None):
             raise LeanUnsupported("a per-head norm on only one of q and k")
-        self.act, self.norm = mlp.act_fn, lean_norm(layer.post_attention_layernorm)
+        self.act, self.norm = lean_act(mlp.act_fn), lean_norm(layer.post_attention_layernorm)
         self.input_norm = getattr(layer, "input_layernorm", None)
         self.inter = mlp.gate_proj.out_features
         self.rotary, self.index = rotary, index
         self.dtype = attn.q_proj.weight.dtype
-        self.cos = self.sin = torch.zeros(0, self.dim)
+        self.cos = self.sin = torch.zeros(0, 1, self.dim)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [R, dim] of the rows' positions, from a table grown (doubling) as positions grow."""
+        """cos and signed sin [R, 1, dim] of the rows' positions (`_rope`), from a table grown (doubling) as
+        positions grow."""
         top = int(positions.max()) + 1
         if top > self.cos.shape[0]:
             size = max(top, 2 * self.cos.shape[0], 256)
             ref = torch.zeros(1, 1, dtype=torch.float32, device=positions.device)
             cos, sin = self.rotary(ref, torch.arange(size, device=positions.device)[None])
-            self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+            half = self.dim // 2
+            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+            self.cos, self.sin = cos[0, :, None].to(self.dtype), sin[:, None].to(self.dtype)
         return self.cos[positions], self.sin[positions]
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.dim // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos[:, None] + rotated * sin[:, None]
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) is [-x2, x1], so its product
+        with sin is [x2, x1] (x rolled by half) times sin with its first half negated (a sign flip is exact)."""
+        return x * cos + x.roll(self.dim // 2, -1) * signed_sin
 
     @torch.inference_mode()
     def __call__(self, attn_in, residual, positions, cache: RaggedCache, layout: Layout, rope=None) -> torch.Tensor:
@@ -245,7 +261,7 @@ class LeanLayer:
             out = ragged_attention(None, q.transpose(0, 1)[None], keys, values, None, scaling=self.scaling)[0][0]
         h = residual + self.o(out.reshape(r, self.heads * self.dim).to(self.dtype))
         gate, up = self.gate_up(self.norm(h)).split(self.inter, -1)
-        return h + self.down(self.act(gate) * up)
+        return h + self.down(self.act(gate).mul_(up))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Attention of short query blocks: q [R, heads, dim] packed -> [R, heads, dim]; each row's queries over its
