@@ -254,14 +254,21 @@ class _Sequence:
 
     Committed (features, next tokens) wait in `pending` until the drafter drafts: it catches up right before
     (one call for every sequence that drafts), so steps that do not draft (tree="auto" pausing) cost it nothing.
+    Past the prompt, only the last MAX_BACKLOG committed positions wait: after a long pause (hundreds of steps in a
+    large batch) the drafter sees the prompt and the recent tokens, at their positions, and a catch-up costs about
+    a level's call rather than one row per step paused. Drafts only: the target verifies them.
     """
+
+    MAX_BACKLOG = 64
 
     def __init__(self, key, ids: torch.Tensor, stats, generator, copy_calibration: CopyCalibration | None, store):
         self.key, self.ids, self.stats, self.generator = key, ids, stats, generator
         self.row = -1
         self.root = int(ids[-1])
         self.emitted = 0
-        self.pending = []
+        self.pending: list[tuple] = []  # (features [m, F], next tokens [m], position of the first)
+        self.fed = 0  # committed positions so far: the next one's position
+        self.prompt_pending = False  # pending[0] is the prompt's
         self.calibration = copy_calibration
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
         self.store = store  # a corpus copied from too (retrieved spans), or None
@@ -280,12 +287,38 @@ class _Sequence:
         """A verified pass's tokens reach the drafter (at its next catch-up) and the copy index."""
         if drafting:
             device = step.hidden.device
-            self.pending.append(
-                (_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
-            )
+            self.feed(_features(step.hidden, step.layer_hidden, layers), torch.tensor(step.tokens, device=device))
         if self.index is not None:
             self.index.extend(step.tokens)
         self.root = step.tokens[-1]
+
+    def feed(self, features: torch.Tensor, next_tokens: torch.Tensor, prompt: bool = False) -> None:
+        """Committed positions (features [m, F] and the token after each) for the drafter's next catch-up; past the
+        prompt's, the oldest beyond MAX_BACKLOG are dropped."""
+        self.pending.append((features, next_tokens, self.fed))
+        self.fed += features.shape[0]
+        if prompt:
+            self.prompt_pending = True
+            return
+        first = 1 if self.prompt_pending else 0
+        over = sum(f.shape[0] for f, _, _ in self.pending[first:]) - self.MAX_BACKLOG
+        while over > 0:
+            f, n, start = self.pending[first]
+            if f.shape[0] <= over:
+                del self.pending[first]
+                over -= f.shape[0]
+            else:
+                self.pending[first] = (f[over:], n[over:], start + over)
+                over = 0
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(features, next tokens, positions) of every pending position, in order; none is pending after."""
+        feats = torch.cat([f for f, _, _ in self.pending])
+        tokens = torch.cat([n for _, n, _ in self.pending])
+        positions = torch.cat([torch.arange(start, start + f.shape[0]) for f, _, start in self.pending])
+        self.pending.clear()
+        self.prompt_pending = False
+        return feats, tokens, positions
 
 
 def _features(hidden, layer_hidden, layers):
@@ -661,7 +694,7 @@ class _Batch:
         features = prefill_rows(self.target, self.cache, [s.row for s in new], [s.ids for s in new], self.layers)
         for seq, out in zip(new, features):
             if self.drafter is not None and out is not None:
-                seq.pending.append((_features(out[0], out[1], self.layers), seq.ids[1:]))
+                seq.feed(_features(out[0], out[1], self.layers), seq.ids[1:], prompt=True)
             seq.stats.times["prefill"] += time.perf_counter() - t
 
     def room(self, seq: _Sequence) -> int:
@@ -705,13 +738,8 @@ class _Batch:
         if not seqs:
             return
         t = time.perf_counter()
-        self.drafter.extend(
-            [s.row for s in seqs],
-            [torch.cat([f for f, _ in s.pending]) for s in seqs],
-            [torch.cat([n for _, n in s.pending]) for s in seqs],
-        )
-        for s in seqs:
-            s.pending.clear()
+        feats, tokens, positions = zip(*(s.take_pending() for s in seqs))
+        self.drafter.extend([s.row for s in seqs], list(feats), list(tokens), list(positions))
         self.draft_s += time.perf_counter() - t
 
     def expand_for(self, rows: list[int]):

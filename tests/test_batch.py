@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from eagletree.decode_config import CopyOptions, DecodeConfig, Sampling
-from eagletree.decoding import Decoder, GenerationStats, hf_generation_config
+from eagletree.decoding import Decoder, GenerationStats, _Sequence, hf_generation_config
 from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
 from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
 from eagletree.target import new_cache
@@ -369,6 +369,54 @@ def test_results_yield_every_prompt_once_and_a_batch_of_one_is_decoding_alone(lm
     ):
         with pytest.raises(ValueError, match=message):
             decoder.generate_batch([[3, 4], [5, 6], bad])
+
+
+def test_after_a_pause_the_drafter_reads_the_prompt_and_only_the_recent_positions(lm, monkeypatch):
+    """Past the prompt, a sequence keeps at most MAX_BACKLOG committed positions for the drafter's next catch-up
+    (a long pause in a large batch would otherwise cost one head row per step paused); the drafter reads them at
+    their own positions (the gap is not closed up), and decoding with such gaps stays lossless."""
+    monkeypatch.setattr(_Sequence, "MAX_BACKLOG", 4)
+    h = lm.model.config.hidden_size
+    seq = _Sequence(0, torch.tensor([1, 2, 3]), GenerationStats(), None, None, None)
+    seq.feed(torch.randn(10, h), torch.arange(10), prompt=True)
+    for i in range(5):
+        seq.feed(torch.full((3, h), float(i)), torch.full((3,), i))
+    feats, tokens, positions = seq.take_pending()
+    assert positions.tolist() == list(range(10)) + [21, 22, 23, 24]  # the prompt, then the last 4 of 15
+    assert tokens[10:].tolist() == [3, 4, 4, 4] and feats[10:, 0].tolist() == [3.0, 4.0, 4.0, 4.0]
+    assert seq.pending == [] and seq.fed == 25 and not seq.prompt_pending
+    # the drafter reads the given positions, in its lean layer as in the transformers one
+    g = torch.Generator().manual_seed(0)
+    feats, tokens = torch.randn(6, h, generator=g), torch.randint(97, (6,), generator=g)
+    gapped = torch.tensor([0, 1, 2, 7, 8, 9])
+    probs = {}
+    for lean, where in ((True, gapped), (False, gapped), (True, None)):
+        drafter = RaggedTreeDrafter(lm.head, lm.model, lean=lean)
+        drafter.add_row()
+        drafter.extend([0], [feats], [tokens], None if where is None else [where])
+        assert drafter.rows[0].position == (10 if where is not None else 6)
+        probs[lean, where is None] = drafter.expand([(0, torch.tensor([1]), torch.tensor([5]), torch.tensor([0]), 2)])[
+            0
+        ]
+    assert torch.allclose(probs[True, False], probs[False, False], atol=1e-5)
+    assert not torch.allclose(probs[True, False], probs[True, True], atol=1e-5)  # (positions matter)
+    with pytest.raises(ValueError, match="row 0: positions must be 2 ascending from 6 on, got \\[3, 4\\]"):
+        drafter.extend([0], [feats[:2]], [tokens[:2]], [torch.tensor([3, 4])])
+    # decoding where the head drafts one step in six: each catch-up after a pause skips positions
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", n=40))
+    turns = itertools.cycle([True] + [False] * 5)
+    decoder.searcher.drafts = lambda batch=1: next(turns)
+    caught_up = []
+    extend = RaggedTreeDrafter.extend
+    monkeypatch.setattr(
+        RaggedTreeDrafter, "extend", lambda self, *a: caught_up.append([p.tolist() for p in a[3]]) or extend(self, *a)
+    )
+    for prompt in lm.prompts[2:4]:
+        assert decoder.generate(prompt).token_ids == lm.hf(prompt, 40, decoder.stops)
+    calls = [rows[0] for rows in caught_up]  # (one sequence a run)
+    skipped = [b[0] - a[-1] - 1 for a, b in zip(calls, calls[1:]) if b[0] > 0]  # (0: the next prompt's run)
+    assert max(skipped) >= 2 and min(skipped) >= 0
+    assert all(len(p) <= 4 for p in calls if p[0] > 0)  # after the prompt: the last 4 positions at most
 
 
 def test_a_decoder_keeps_its_drafter_across_runs_until_the_head_changes(lm):

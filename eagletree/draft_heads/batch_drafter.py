@@ -33,7 +33,8 @@ class _Row:
     tree drafted this step (node id -> slot, each slot's output feature and its ancestor row over the slots)."""
 
     def __init__(self):
-        self.committed = 0
+        self.committed = 0  # cache entries of the committed prefix
+        self.position = 0  # the next committed position (past `committed` where positions were skipped)
         self.root_feature = self.root_probs = None
         self.begin_tree()
 
@@ -93,21 +94,29 @@ class RaggedTreeDrafter:
         return out[0]
 
     @torch.inference_mode()
-    def extend(self, rows: list[int], features: list[torch.Tensor], next_tokens: list[torch.Tensor]) -> None:
+    def extend(self, rows: list[int], features: list[torch.Tensor], next_tokens: list[torch.Tensor], positions=None):
         """Commit target features ([m, F] each) and the token after each, for several rows in one call; drops
-        their drafted trees. Each row's root distribution is then the head's prediction after its last position."""
-        feats, positions = [], []
-        for r, f in zip(rows, features):
+        their drafted trees. Each row's root distribution is then the head's prediction after its last position.
+        positions: each row's [m] ascending positions, past its committed ones (a gap: positions the head is not
+        shown); None: the next m positions."""
+        feats, where = [], []
+        for i, (r, f) in enumerate(zip(rows, features)):
             row = self.rows[r]
             self.cache.lengths[r] = row.committed  # drop the last step's tree
             feats.append(self.head.fuse(f.to(self.dtype)))
-            positions.append(torch.arange(row.committed, row.committed + f.shape[0]))
-        out = self._call(rows, feats, next_tokens, positions, [causal_block(f.shape[0]) for f in feats])
+            pos = torch.arange(row.position, row.position + f.shape[0]) if positions is None else positions[i]
+            if pos.shape[0] != f.shape[0] or int(pos[0]) < row.position:
+                raise ValueError(
+                    f"row {r}: positions must be {f.shape[0]} ascending from {row.position} on, got {pos.tolist()}"
+                )
+            where.append(pos)
+        out = self._call(rows, feats, next_tokens, where, [causal_block(f.shape[0]) for f in feats])
         last = torch.stack([piece[-1] for piece in out.split([f.shape[0] for f in feats])])
         probs = self.one.draft_probs(last)
         for i, (r, f) in enumerate(zip(rows, feats)):
             row = self.rows[r]
             row.committed += f.shape[0]
+            row.position = int(where[i][-1]) + 1
             row.root_feature, row.root_probs = last[i], probs[i]
             row.begin_tree()
 
@@ -150,8 +159,8 @@ class RaggedTreeDrafter:
         block = torch.zeros(f, s + f, dtype=torch.bool)
         block[:, :s] = torch.cat([torch.zeros(1, s, dtype=torch.bool), row.slot_rows])[picks]  # the ancestors
         block[torch.arange(f), s + torch.arange(f)] = True
-        # The root sits at position committed - 1, so a node at depth d sits at committed - 1 + d.
-        positions = torch.full((f,), row.committed + level - 2)
+        # The root sits at the last committed position, so a node at depth d (level d + 1) sits d past it.
+        positions = torch.full((f,), row.position + level - 2)
         return feats, tokens, positions, block, nodes
 
     @staticmethod
@@ -194,7 +203,8 @@ class PerRowDrafter:
     def reserve(self, length: int) -> None:
         """(Each reference drafter keeps its own state.)"""
 
-    def extend(self, rows, features, next_tokens) -> None:
+    def extend(self, rows, features, next_tokens, positions=None) -> None:
+        """(positions: unused, these heads draft from the last feature alone.)"""
         for r, f, t in zip(rows, features, next_tokens):
             self.drafters[r].extend(f, t)
 
