@@ -567,5 +567,14 @@ def main(argv=None) -> int:
         warnings.formatwarning = shown
 
 
+def run() -> None:
+    """The `eagletree` command: `main` in a process whose memory may come in huge pages (`hugepages`: the command
+    starts itself again with glibc's tunable set, before anything is loaded)."""
+    from .hugepages import relaunch_with_huge_pages
+
+    relaunch_with_huge_pages(sys.argv)
+    sys.exit(main())
+
+
 if __name__ == "__main__":
     sys.exit(main())
