@@ -107,13 +107,13 @@ def instrument(head):
             return timed("call", real_expand)(self, requests)
         return real_expand(self, requests)
 
-    def extend(self, rows, features, next_tokens):
+    def extend(self, rows, features, next_tokens, positions=None):
         saved = dict(clock)
         if any(self.rows[r].committed == 0 for r in rows):  # a prompt's first call: its prefill, paid once
-            out = real_extend(self, rows, features, next_tokens)
+            out = real_extend(self, rows, features, next_tokens, positions)
         else:
             counts["extend"] += 1
-            out = timed("extend", real_extend)(self, rows, features, next_tokens)
+            out = timed("extend", real_extend)(self, rows, features, next_tokens, positions)
         clock["head"], clock["lm"] = saved["head"], saved["lm"]  # the catch-up is reported on its own
         return out
 
