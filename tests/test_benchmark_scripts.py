@@ -1,0 +1,45 @@
+"""The benchmark scripts that reach into the decoder's internals (benchmarks/draft_cost.py wraps the batch
+drafter's and the search's calls to time them) still run against them: a tiny model and head, two prompts."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from eagletree.draft_heads import EagleHead
+
+from helpers import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_draft_cost_times_every_part_of_a_drafting_level(monkeypatch):
+    draft_cost = script("draft_cost")
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(97, (n,), generator=g).tolist() for n in (5, 9)]
+    monkeypatch.setattr(draft_cost, "load_prompts", lambda spec: prompts)
+    # (the script wraps RaggedTreeDrafter's and decoding's functions for the process; undone after the test)
+    for owner, name in ((draft_cost.RaggedTreeDrafter, "expand"), (draft_cost.RaggedTreeDrafter, "extend")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(draft_cost.decoding, "verify_rows", draft_cost.decoding.verify_rows)
+    monkeypatch.setattr(draft_cost.TreeDrafter, "draft_probs", draft_cost.TreeDrafter.draft_probs)
+    monkeypatch.setattr(draft_cost.batch_drafter, "lean_forward", draft_cost.batch_drafter.lean_forward)
+    args = argparse.Namespace(
+        max_new_tokens=12, tree="eagle2", budget=8, depth=4, copy="on", batch_size=2, prompts="two", lean="on"
+    )
+    clock, counts, timed = draft_cost.instrument(head)
+    rows, skipped = draft_cost.measure(model, tok, head, args, clock, counts, timed)
+    assert rows and skipped == 0
+    for row in rows:
+        assert row["levels_per_pass"] > 0 and row["level"] > 0 and row["extend"] > 0 and row["verify_one"] > 0
