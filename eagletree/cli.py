@@ -572,7 +572,7 @@ def run() -> None:
     starts itself again with glibc's tunable set, before anything is loaded)."""
     from .hugepages import relaunch_with_huge_pages
 
-    relaunch_with_huge_pages(sys.argv)
+    relaunch_with_huge_pages()
     sys.exit(main())
 
 

@@ -485,6 +485,7 @@ class Decoder:
     def drafter_done(self, drafter) -> None:
         """A run is over with `drafter` (from `batch_drafter`)."""
         if drafter is not None and drafter is self._drafter:
+            drafter.reset()  # (its cache's memory goes now, not at the next run)
             self._drafter_busy = False
 
     def _prompt_ids(self, prompt) -> torch.Tensor:

@@ -27,7 +27,7 @@ def glibc_version() -> tuple[int, int] | None:
     """(major, minor) of the C library this process runs on when it is glibc, else None."""
     try:
         name = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError):  # (no such name on this platform)
+    except (AttributeError, ValueError, OSError):  # (no confstr, or no such name, on this platform)
         return None
     parts = name.split()
     if len(parts) != 2 or parts[0] != "glibc":
@@ -63,12 +63,17 @@ def relaunch_environment(environ, platform: str, glibc: tuple[int, int] | None, 
     return env
 
 
-def relaunch_with_huge_pages(argv: list[str]) -> None:
-    """Start `python -m eagletree.cli argv[1:]` again in place of this process with the tunable set, where it
-    applies (`relaunch_environment`); return without doing anything otherwise."""
+def relaunch_with_huge_pages() -> None:
+    """Run this process's command line again in its place with the tunable set, where it applies
+    (`relaunch_environment`); return without doing anything otherwise, or where the relaunch fails to start."""
+    if sys.platform != "linux":
+        return
     env = relaunch_environment(os.environ, sys.platform, glibc_version(), thp_mode())
     if env is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "eagletree.cli", *argv[1:]], env)
+    try:  # the same interpreter, flags, script and arguments (its path search as the first start had it)
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:  # (an interpreter that cannot be started again: an embedded or frozen one)
+        return

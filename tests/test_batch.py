@@ -395,6 +395,8 @@ def test_after_a_pause_the_drafter_reads_the_prompt_and_only_the_recent_position
         drafter.add_row()
         drafter.extend([0], [feats], [tokens], None if where is None else [where])
         assert drafter.rows[0].position == (10 if where is not None else 6)
+        node = drafter._level_inputs(drafter.rows[0], torch.tensor([1]), torch.tensor([5]), torch.tensor([0]), 2)
+        assert node[2].tolist() == [drafter.rows[0].position]  # a child of the root: one past its last position
         probs[lean, where is None] = drafter.expand([(0, torch.tensor([1]), torch.tensor([5]), torch.tensor([0]), 2)])[
             0
         ]
@@ -425,6 +427,7 @@ def test_a_decoder_keeps_its_drafter_across_runs_until_the_head_changes(lm):
     head = mimic_head(lm.model)
     decoder = Decoder(lm.model, lm.tok, head, config("eagle2", n=16))
     alone = [decoder.generate(p).token_ids for p in lm.prompts[:2]]
+    assert decoder._drafter is not None and not decoder._drafter.cache.keys  # (its cache's memory goes at the end)
     first = decoder.batch_drafter()
     decoder.drafter_done(first)
     assert decoder.batch_drafter() is first and first.rows == []  # kept, emptied

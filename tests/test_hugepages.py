@@ -47,31 +47,43 @@ def test_the_kernels_mode_and_the_c_librarys_version_are_read(tmp_path):
     assert version is None or (len(version) == 2 and version >= (2, 0))
 
 
-def test_the_relaunch_runs_the_command_module_with_the_same_arguments(monkeypatch):
-    calls = []
+def test_the_relaunch_runs_the_same_command_line_again(monkeypatch):
+    calls, real_glibc_version = [], hugepages.glibc_version
     monkeypatch.setattr(hugepages, "glibc_version", lambda: GLIBC)
     monkeypatch.setattr(hugepages, "thp_mode", lambda: "madvise")
     monkeypatch.setattr(hugepages.sys, "platform", "linux")
+    monkeypatch.setattr(hugepages.sys, "orig_argv", ["/venv/bin/python", "-X", "utf8", "/venv/bin/eagletree", "a b"])
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("EAGLETREE_HUGEPAGES", raising=False)
     monkeypatch.setattr(hugepages.os, "execve", lambda path, args, env: calls.append((path, args, env)))
-    hugepages.relaunch_with_huge_pages(["/venv/bin/eagletree", "generate", "--prompt", "a b"])
+    hugepages.relaunch_with_huge_pages()
     [(path, args, env)] = calls
-    assert path == sys.executable
-    assert args == [sys.executable, "-m", "eagletree.cli", "generate", "--prompt", "a b"]
+    assert path == sys.executable and args == ["/venv/bin/python", "-X", "utf8", "/venv/bin/eagletree", "a b"]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     monkeypatch.setenv("EAGLETREE_HUGEPAGES", "0")
-    hugepages.relaunch_with_huge_pages(["eagletree"])
+    hugepages.relaunch_with_huge_pages()
     assert len(calls) == 1
+
+    def cannot(path, args, env):
+        raise OSError("exec format error")
+
+    monkeypatch.delenv("EAGLETREE_HUGEPAGES")
+    monkeypatch.setattr(hugepages.os, "execve", cannot)
+    hugepages.relaunch_with_huge_pages()  # (runs on in place)
+    monkeypatch.setattr(hugepages.sys, "platform", "win32")
+    monkeypatch.delattr(hugepages.os, "confstr")
+    assert real_glibc_version() is None
+    hugepages.relaunch_with_huge_pages()
 
 
 @pytest.mark.skipif(
     hugepages.relaunch_environment(os.environ, sys.platform, hugepages.glibc_version(), hugepages.thp_mode()) is None,
     reason="huge pages do not apply on this machine (or are set or turned off already)",
 )
-def test_the_command_starts_again_as_the_command_module_and_runs_in_place_when_off(tmp_path):
-    """The real relaunch on this machine: the process starts again as `python -m eagletree.cli` (whose main, the
-    real one, shows its usage); turned off, the command runs in place with its arguments."""
+def test_the_command_starts_again_with_the_tunable_and_runs_in_place_when_off(tmp_path):
+    """The real relaunch on this machine: the same command line runs again, now with the tunable in its
+    environment and its arguments as given (the command's exit status is the process's); turned off, it runs in
+    place."""
     script = tmp_path / "probe.py"
     script.write_text(
         "import os, sys\n"
@@ -79,20 +91,13 @@ def test_the_command_starts_again_as_the_command_module_and_runs_in_place_when_o
         "cli.main = lambda argv=None: print(os.environ.get('GLIBC_TUNABLES'), sys.argv[1:]) or 3\n"
         "cli.run()\n"
     )
-    # (a relaunch runs `python -m eagletree.cli`, whose main is the real one: --help shows it got there)
-    done = subprocess.run(
-        [sys.executable, str(script), "--help"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent.parent,
-        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)),
-    )
-    assert done.returncode == 0 and "usage: eagletree" in done.stdout
-    # no relaunch where it is turned off: the script's own main runs, with the arguments as given
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    done = subprocess.run([sys.executable, str(script), "generate", "--x"], capture_output=True, text=True, env=env)
+    assert done.returncode == 3 and done.stdout.strip() == "glibc.malloc.hugetlb=1 ['generate', '--x']"
     off = subprocess.run(
         [sys.executable, str(script), "generate", "--x"],
         capture_output=True,
         text=True,
-        env=dict(os.environ, EAGLETREE_HUGEPAGES="0", PYTHONPATH=str(Path(__file__).parent.parent)),
+        env=dict(env, EAGLETREE_HUGEPAGES="0"),
     )
     assert off.returncode == 3 and off.stdout.strip() == "None ['generate', '--x']"

@@ -245,11 +245,14 @@ def make_batch_drafter(head, target_model):
 
 
 def drafter_key(head, target_model) -> tuple:
-    """Changes when what a batch drafter was built from changes: the head's modules or any of its weights (in
-    place or replaced), the target's embedding or lm_head (the drafter reads both)."""
+    """Changes when what a batch drafter was built from changes: the head's modules or any of its weights or
+    buffers (in place or replaced), the target's embedding or lm_head (the drafter reads both). (A change made
+    through `.data` escapes it: such a change is not counted as one by PyTorch either.)"""
     own = [head, target_model.get_input_embeddings(), target_model.get_output_embeddings()]
+    own = [part for part in own if part is not None]
     modules = tuple(id(m) for part in own for m in part.modules())
-    return modules + tuple(weight_key(t) for part in own for t in part.parameters())
+    tensors = [t for part in own for t in (*part.parameters(), *part.buffers())]
+    return modules + tuple(weight_key(t) for t in tensors)
 
 
 def _tree_drafting() -> set:
