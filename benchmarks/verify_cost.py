@@ -10,6 +10,10 @@ table reports medians. Overhead = mask + acceptance + KV commit, as a fraction o
 Linears packed for oneDNN (`--pack`, on by default on CPU, as in the CLI) every N is also measured with the
 stock kernels in the same loop (the two kernels' order alternating from round to round), and a column
 compares each pass with a stock one-token pass. N = 1 is always measured: it is the base of the ratios.
+
+A last table times the passes decoding itself runs (`verify.batch.verify_rows`: the ragged pass, through the
+lean path where the target has one, with greedy acceptance and commit), as `auto`'s profile measures them:
+their level and shape differ from transformers' tree pass.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from eagletree.bench import build_config, parse_list, random_target
 from eagletree.cli import at_least
 from eagletree.loading import load_models
 from eagletree.packing import pack_target, packing_problem, stock_kernels
-from eagletree.verify.profile import measure_verify
+from eagletree.verify.profile import measure_batch_verify, measure_verify
 
 
 def load(args):
@@ -97,6 +101,16 @@ def main(argv=None):
                 for n in sizes
             )
         )
+
+    ragged = measure_batch_verify(model, 1, sizes, prefix=args.prefix, depth=args.depth, reps=args.reps)
+    print(
+        f"\nthe passes decoding runs ({'packed' if packed else 'stock'} kernels; ragged, lean path where there is "
+        f"one; forward, greedy acceptance and commit), prefix {args.prefix}, median of {args.reps} reps"
+    )
+    print("| N | step ms | t(N)/t(1) |")
+    print("|---|---|---|")
+    for n, t in zip(sizes, ragged):
+        print(f"| {n} | {t * 1e3:.1f} | {t / ragged[0]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from eagletree.draft_heads import EagleHead
 
-from helpers import tiny_model, tiny_tokenizer
+from helpers import tiny_config, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +43,13 @@ def test_draft_cost_times_every_part_of_a_drafting_level(monkeypatch):
     assert rows and skipped == 0
     for row in rows:
         assert row["levels_per_pass"] > 0 and row["level"] > 0 and row["extend"] > 0 and row["verify_one"] > 0
+
+
+def test_verify_cost_prints_transformers_and_the_decoding_passes(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    tiny_config("llama").to_json_file(config)
+    script("verify_cost").main(["--config", str(config), "--sizes", "1,3", "--reps", "1", "--prefix", "6"])
+    out = capsys.readouterr().out
+    assert "stock kernels" in out and "the passes decoding runs" in out
+    last = out.split("the passes decoding runs")[1]
+    assert "| 1 |" in last and "| 3 |" in last and "| 1.00 |" in last
