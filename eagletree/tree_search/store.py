@@ -33,11 +33,14 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+_MULT_INT = int(_MULT)
+
+
 def _hash(tokens) -> int:
     """The hash `TokenStore` gives an n-gram (Python ints, wrapped as numpy's uint64 arithmetic wraps)."""
     h = 0
     for t in tokens:
-        h = (h * int(_MULT) + int(t) + 1) & _MASK
+        h = (h * _MULT_INT + int(t) + 1) & _MASK
     return h
 
 
@@ -89,7 +92,7 @@ class TokenStore:
             gram = context[-n:]
             key = np.uint64(_hash(gram))
             keys = self.keys[n]
-            lo, hi = int(np.searchsorted(keys, key, "left")), int(np.searchsorted(keys, key, "right"))
+            lo, hi = int(keys.searchsorted(key, "left")), int(keys.searchsorted(key, "right"))
             best, seen = None, 0
             for end in self.ends[n][lo:hi][::-1].tolist():  # the latest first
                 if self._list[end - n : end] != gram:  # a hash collision
