@@ -477,9 +477,8 @@ class Decoder:
         if self._drafter is None or drafter_key(self.head, self.target) != self._drafter_key:
             self._drafter = None
             self._drafter = make_batch_drafter(self.head, self.target)
-            self._drafter_key = drafter_key(self.head, self.target)
-        self._drafter.reset()
-        self._drafter_busy = True
+            self._drafter_key = drafter_key(self.head, self.target)  # (building may swap the head's Linears)
+        self._drafter_busy = True  # (a kept drafter was emptied when its last run ended: `drafter_done`)
         return self._drafter
 
     def drafter_done(self, drafter) -> None:

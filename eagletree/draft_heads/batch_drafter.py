@@ -104,11 +104,14 @@ class RaggedTreeDrafter:
             row = self.rows[r]
             self.cache.lengths[r] = row.committed  # drop the last step's tree
             feats.append(self.head.fuse(f.to(self.dtype)))
-            pos = torch.arange(row.position, row.position + f.shape[0]) if positions is None else positions[i]
-            if pos.shape[0] != f.shape[0] or int(pos[0]) < row.position:
-                raise ValueError(
-                    f"row {r}: positions must be {f.shape[0]} ascending from {row.position} on, got {pos.tolist()}"
-                )
+            if positions is None:
+                pos = torch.arange(row.position, row.position + f.shape[0])
+            else:
+                pos = positions[i]
+                if pos.shape[0] != f.shape[0] or int(pos[0]) < row.position:
+                    raise ValueError(
+                        f"row {r}: positions must be {f.shape[0]} ascending from {row.position} on, got {pos.tolist()}"
+                    )
             where.append(pos)
         out = self._call(rows, feats, next_tokens, where, [causal_block(f.shape[0]) for f in feats])
         last = torch.stack([piece[-1] for piece in out.split([f.shape[0] for f in feats])])
