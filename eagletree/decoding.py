@@ -9,8 +9,8 @@ time went). `generate` and `decode_steps` are the one-call forms.
 
 from __future__ import annotations
 
-import itertools
 import numbers
+import statistics
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -273,8 +273,15 @@ class _Sequence:
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
         self.store = store  # a corpus copied from too (retrieved spans), or None
         self.started = time.perf_counter()
+        self.tree_passes = self.tree_tokens = 0  # passes that verified drafted nodes, and the tokens they emitted
         self.done = False
         self.error: str | None = None  # why the sequence ended before finishing (the tokens so far are kept)
+
+    @property
+    def tree_rate(self) -> float:
+        """Tokens per pass of this sequence's passes with drafted nodes, with a prior of 2 worth one pass (a
+        sequence that has not drafted yet is expected to gain what trees usually gain)."""
+        return (self.tree_tokens + 2.0) / (self.tree_passes + 1.0)
 
     def learn(self, draft: DraftTree, accepted: list[int]) -> int:
         """Update the copy calibration with a verified tree; returns the accepted tokens only a copy proposed."""
@@ -319,6 +326,23 @@ class _Sequence:
         self.pending.clear()
         self.prompt_pending = False
         return feats, tokens, positions
+
+
+def late_sequences(lefts: list[int], rates: list[float]) -> list[bool]:
+    """Which sequences of a batch that no prompt waits to join are worth drafting for: those that would finish
+    after the batch's last answer if they decoded plainly.
+
+    Once nothing waits for a place, the batch takes as long as its longest-running answer: a sequence that
+    finishes early leaves its place empty. A pass costs a fixed part (reading the weights) plus a part per row,
+    and a tree adds rows for fewer extra tokens than rows (at most one accepted token a node), so drafted nodes
+    pay only where they cut the number of passes the batch still needs. The batch's end is estimated as the most
+    passes any sequence needs drafting (`lefts[i] / rates[i]`: tokens left over its tokens per drafted pass);
+    a sequence with at most that many tokens left finishes by then even one token a pass, so it decodes plainly
+    (its rows leave the passes cheaper), and the others draft, which brings their ends together."""
+    if len(lefts) != len(rates) or min(rates, default=1.0) <= 0:
+        raise ValueError(f"need one positive rate per sequence, got lefts {lefts} and rates {rates}")
+    end = max((left / rate for left, rate in zip(lefts, rates)), default=0.0)
+    return [left > end for left in lefts]
 
 
 def _features(hidden, layer_hidden, layers):
@@ -547,8 +571,13 @@ class Decoder:
     def _loop(self, jobs, batch: _Batch, batch_size: int, inspect_step):
         """`_run`'s loop: admit jobs into free places, one pass over the live sequences, release the done ones."""
         live: list[_Sequence] = []
+        jobs = iter(jobs)
+        ahead = next(jobs, None)  # the next job, if any: whether one waits for a place decides what `_pass` drafts
         while True:
-            admitted = [self._new_sequence(*job) for job in itertools.islice(jobs, batch_size - len(live))]
+            admitted = []
+            while ahead is not None and len(live) + len(admitted) < batch_size:
+                admitted.append(self._new_sequence(*ahead))
+                ahead = next(jobs, None)
             if admitted:
                 batch.admit(admitted, live)
                 live += admitted
@@ -558,7 +587,7 @@ class Decoder:
                 seq.error = batch.overflow(seq)
                 seq.done = seq.error is not None
             if not any(seq.done for seq in live):
-                for seq, step in self._pass(batch, live, inspect_step):
+                for seq, step in self._pass(batch, live, inspect_step, waiting=ahead is not None):
                     seq.stats.record(step)
                     seq.stats.seconds = time.perf_counter() - seq.started
                     yield seq, step
@@ -569,9 +598,10 @@ class Decoder:
                 seq.stats.seconds = time.perf_counter() - seq.started
                 yield seq, None
 
-    def _pass(self, batch: _Batch, live: list[_Sequence], inspect_step):
+    def _pass(self, batch: _Batch, live: list[_Sequence], inspect_step, waiting: bool = True):
         """The decoding step of docs/design.md for every live sequence, in one target pass: draft, search,
-        verify, accept, commit. Yields (sequence, Step)."""
+        verify, accept, commit. Yields (sequence, Step). With tree="auto", unless a prompt is `waiting` for a
+        place, only the sequences that would end the batch last draft (`late_sequences`)."""
         config, searcher = self.config, self.searcher
         t = time.perf_counter()
         batch.draft_s = 0.0
@@ -582,35 +612,19 @@ class Decoder:
         # drafting deeper than that, or than a tree of the budget's nodes reaches, is wasted
         top = min(config.depth, searcher.budget - 1) if searcher is not None else 0
         depths = [min(top, n - 1) for n in reach]
+        late = [True] * len(live)
+        if not waiting and len(live) > 1 and isinstance(searcher, AutoSearcher):
+            late = late_sequences(lefts, [seq.tree_rate for seq in live])
         # 1. Draft: the head, when it drafts this step (one catch-up call for all that do), and copied spans of
         #    earlier text, also looked up after the head's best nodes' paths.
-        could = [d >= 1 and bool(seq.pending) and batch.drafter is not None for seq, d in zip(live, depths)]
+        could = [d >= 1 and bool(s.pending) and batch.drafter is not None and k for s, d, k in zip(live, depths, late)]
         drafting = any(could) and searcher.drafts(len(live))
         drafts = [c and drafting for c in could]
         batch.catch_up([seq for seq, d in zip(live, drafts) if d])
         if inspect_step is not None and drafts[0]:
             inspect_step(batch.drafter.view(live[0].row), live[0].root)
             batch.drafter.begin_tree(live[0].row)
-        jobs, searched, looked_up = [], [], False
-        copy_t = time.perf_counter()
-        for i, (seq, n, d) in enumerate(zip(live, reach, depths)):
-            copies = None
-            if seq.index is not None and n > 1 and searcher.takes_copies():
-                looked_up = True
-                copies = copy_trie(
-                    seq.index,
-                    seq.calibration,
-                    config.copy.spans,
-                    min(config.copy.length, searcher.budget - 1, n - 1),
-                    at_nodes=drafts[i],
-                    store=seq.store,
-                )
-            if drafts[i] or copies is not None:
-                jobs.append(Job(drafts[i], seq.root, max(d, 1), copies))
-                searched.append(i)
-        copy_s = time.perf_counter() - copy_t
-        if looked_up:
-            searcher.observe_lookups(len(live), any(job.copies is not None for job in jobs))
+        jobs, searched, copy_s = self._jobs(live, reach, depths, drafts, late)
         # 2. Search: the nodes this pass verifies (the root alone where there is nothing to draft from).
         trees = [DraftTree.trusted([seq.root], [-1], [1.0], [0]) for seq in live]
         if jobs:
@@ -635,20 +649,55 @@ class Decoder:
             layers=batch.layers,
         )
         if searcher is not None:
-            seconds = results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results)
-            accepted = sum(len(r.accepted) - 1 for r in results)
-            searcher.observe(sum(len(tree) for tree in trees), seconds, accepted, len(live), copy_s)
-            emitted = sum(min(len(r.tokens), left) for r, left in zip(results, lefts))
-            searcher.observe_step(len(live), emitted, time.perf_counter() - t, bool(jobs), drafting)
+            emitted = [min(len(r.tokens), left) for r, left in zip(results, lefts)]
+            if any(late) and not all(late):  # the batch's end is what counts: how far the late ones moved
+                emitted = [statistics.mean(n for n, k in zip(emitted, late) if k)] * len(live)
+            searcher.observe(
+                sum(len(tree) for tree in trees),
+                results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results),
+                sum(len(r.accepted) - 1 for r in results),
+                len(live),
+                copy_s,
+            )
+            searcher.observe_step(len(live), sum(emitted), time.perf_counter() - t, bool(jobs), drafting)
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]
             seq.emitted += len(tokens)
+            if len(tree) > 1:
+                seq.tree_passes += 1
+                seq.tree_tokens += len(tokens)
             seq.done = result.stopped or seq.emitted >= config.max_new_tokens
             if not seq.done:
                 seq.commit(result, batch.layers, batch.drafter is not None)
             step_times = dict(times, **result.times)
             yield seq, Step(tokens, tree, result.accepted, step_times, len(result.tokens), copied, result.stopped)
+
+    def _jobs(self, live, reach, depths, drafts, late) -> tuple[list[Job], list[int], float]:
+        """The search jobs of a pass (the head's drafts and each sequence's copied spans, where `late`), the indices
+        of the sequences they are for, and the seconds the copy lookups took."""
+        config, searcher = self.config, self.searcher
+        jobs, searched, looked_up = [], [], False
+        copy_t = time.perf_counter()
+        for i, (seq, n, d) in enumerate(zip(live, reach, depths)):
+            copies = None
+            if seq.index is not None and n > 1 and late[i] and searcher.takes_copies():
+                looked_up = True
+                copies = copy_trie(
+                    seq.index,
+                    seq.calibration,
+                    config.copy.spans,
+                    min(config.copy.length, searcher.budget - 1, n - 1),
+                    at_nodes=drafts[i],
+                    store=seq.store,
+                )
+            if drafts[i] or copies is not None:
+                jobs.append(Job(drafts[i], seq.root, max(d, 1), copies))
+                searched.append(i)
+        copy_s = time.perf_counter() - copy_t
+        if looked_up:
+            searcher.observe_lookups(len(live), any(job.copies is not None for job in jobs))
+        return jobs, searched, copy_s
 
 
 class _Batch:

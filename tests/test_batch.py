@@ -18,8 +18,9 @@ import math
 import pytest
 import torch
 
+from eagletree import decoding
 from eagletree.decode_config import CopyOptions, DecodeConfig, Sampling
-from eagletree.decoding import Decoder, GenerationStats, _Sequence, hf_generation_config
+from eagletree.decoding import Decoder, GenerationStats, _Sequence, hf_generation_config, late_sequences
 from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
 from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
 from eagletree.target import new_cache
@@ -761,6 +762,62 @@ def test_auto_decodes_a_saturated_batch_plainly_and_drafts_once_a_sequence_is_al
     assert not any(len(s.draft) > 1 for i in (0, 1) for s in steps[i])
     drafted = [len(s.draft) > 1 for s in steps[2]]
     assert not any(drafted[: 40 - 8]) and any(drafted)
+
+
+def test_late_sequences_are_those_that_would_end_the_batch_last_decoding_plainly():
+    # the batch ends after 30 passes (60 tokens at 2 a pass); 20 and 30 tokens are done by then one a pass
+    assert late_sequences([60, 20, 30, 45], [2.0, 2.0, 1.5, 1.2]) == [True, False, False, True]
+    assert late_sequences([10, 10], [2.0, 2.0]) == [True, True]  # level answers all draft
+    assert late_sequences([40, 30], [1.0, 1.0]) == [False, False]  # trees that never gained: nobody drafts
+    with pytest.raises(ValueError, match="positive rate"):
+        late_sequences([10, 5], [2.0, 0.0])
+    with pytest.raises(ValueError, match="one positive rate per sequence"):
+        late_sequences([10, 5], [2.0])
+
+
+def passes_drafted(decoder, prompts, batch_size):
+    """Per pass of `_run`: whether a prompt waited for a place, and each sequence's (key, drafted nodes)."""
+    passes = []
+    original = decoder._pass
+
+    def recording(batch, live, inspect_step, waiting=True):
+        steps = list(original(batch, live, inspect_step, waiting))
+        passes.append((waiting, [(seq.key, len(step.draft) - 1) for seq, step in steps]))
+        yield from steps
+
+    decoder._pass = recording
+    try:
+        return passes, batch_steps(decoder, prompts, batch_size)
+    finally:
+        del decoder._pass
+
+
+def test_once_no_prompt_waits_auto_drafts_only_for_the_answers_that_would_end_the_batch_last(lm, monkeypatch):
+    """Three prompts two at a time, where trees pay: while the third waits the passes are what they were without
+    the rule; after, a sequence with fewer tokens left than the batch still needs passes decodes plainly while the
+    other drafts. The answers are the target's."""
+    prompts = [lm.prompts[i] for i in (0, 1, 4)]
+    # (no step's measured time pauses drafting: the profile's estimate alone rules, as on a quiet machine)
+    monkeypatch.setattr(AutoSearcher, "observe_step", lambda *args: None)
+    decoder = Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile())
+    passes, steps = passes_drafted(decoder, prompts, 2)
+    for i, prompt in enumerate(prompts):
+        assert [t for s in steps[i] for t in s.tokens] == lm.hf(prompt, 40, decoder.stops)
+    eagle, _ = passes_drafted(Decoder(lm.model, lm.tok, lm.head, config("eagle2")), prompts, 2)
+    with monkeypatch.context() as m:
+        m.setattr(decoding, "late_sequences", lambda lefts, rates: [True] * len(lefts))
+        every, _ = passes_drafted(
+            Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile()), prompts, 2
+        )
+        # other tree kinds draft as they were asked to, for every sequence
+        assert passes_drafted(Decoder(lm.model, lm.tok, lm.head, config("eagle2")), prompts, 2)[0] == eagle
+    waiting = [nodes for wait, nodes in passes if wait]
+    assert len(waiting) > 5 and waiting == [nodes for wait, nodes in every if wait]
+
+    def one_drafted(run):  # the passes of two sequences after the third joined that drafted for one only
+        return sum(not wait and len(nodes) == 2 and sorted(n > 0 for _, n in nodes) == [0, 1] for wait, nodes in run)
+
+    assert one_drafted(passes) > one_drafted(every) + 3
 
 
 def run_batch_steps(searcher, batch, steps, drafted_rate, plain_rate=100.0, copy_rate=None):
