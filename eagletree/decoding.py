@@ -268,6 +268,7 @@ class _Sequence:
         self.emitted = 0
         self.pending: list[tuple] = []  # (features [m, F], next tokens [m], position of the first)
         self.fed = 0  # committed positions so far: the next one's position
+        self.backlog = 0  # positions pending past the prompt's
         self.prompt_pending = False  # pending[0] is the prompt's
         self.calibration = copy_calibration
         self.index = NgramIndex(ids.tolist()) if copy_calibration is not None else None  # prompt + emitted tokens
@@ -307,15 +308,18 @@ class _Sequence:
         if prompt:
             self.prompt_pending = True
             return
+        self.backlog += features.shape[0]
         first = 1 if self.prompt_pending else 0
-        over = sum(f.shape[0] for f, _, _ in self.pending[first:]) - self.MAX_BACKLOG
+        over = self.backlog - self.MAX_BACKLOG
         while over > 0:
             f, n, start = self.pending[first]
             if f.shape[0] <= over:
                 del self.pending[first]
                 over -= f.shape[0]
+                self.backlog -= f.shape[0]
             else:
                 self.pending[first] = (f[over:], n[over:], start + over)
+                self.backlog -= over
                 over = 0
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,6 +329,7 @@ class _Sequence:
         positions = torch.cat([torch.arange(start, start + f.shape[0]) for f, _, start in self.pending])
         self.pending.clear()
         self.prompt_pending = False
+        self.backlog = 0
         return feats, tokens, positions
 
 
