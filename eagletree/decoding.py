@@ -335,7 +335,7 @@ class _Sequence:
 
 def late_sequences(lefts: list[int], rates: list[float]) -> list[bool]:
     """Which sequences of a batch that no prompt waits to join are worth drafting for: those that would finish
-    after the batch's last answer if they decoded plainly.
+    after the batch's estimated end (the most passes any sequence needs drafting) if they decoded plainly.
 
     Once nothing waits for a place, the batch takes as long as its longest-running answer: a sequence that
     finishes early leaves its place empty. A pass costs a fixed part (reading the weights) plus a part per row,
@@ -348,6 +348,14 @@ def late_sequences(lefts: list[int], rates: list[float]) -> list[bool]:
         raise ValueError(f"need one positive rate per sequence, got lefts {lefts} and rates {rates}")
     end = max((left / rate for left, rate in zip(lefts, rates)), default=0.0)
     return [left > end for left in lefts]
+
+
+def end_progress(emitted: list[int], late: list[bool]) -> float:
+    """What a pass did for a batch's end, in tokens of a plain pass's worth (one a sequence): the late sequences'
+    mean tokens, once per sequence of the pass, when some decoded plainly (`late_sequences`); else the tokens."""
+    if any(late) and not all(late):
+        return statistics.mean(n for n, k in zip(emitted, late) if k) * len(emitted)
+    return float(sum(emitted))
 
 
 def _features(hidden, layer_hidden, layers):
@@ -578,6 +586,7 @@ class Decoder:
         live: list[_Sequence] = []
         jobs = iter(jobs)
         ahead = next(jobs, None)  # the next job, if any: whether one waits for a place decides what `_pass` drafts
+        queued = ahead is not None
         while True:
             admitted = []
             while ahead is not None and len(live) + len(admitted) < batch_size:
@@ -586,6 +595,10 @@ class Decoder:
             if admitted:
                 batch.admit(admitted, live)
                 live += admitted
+            if queued and ahead is None:  # the last prompt has joined: from now on the batch's end is what counts
+                queued = False
+                if isinstance(self.searcher, AutoSearcher):
+                    self.searcher.batch_end()
             if not live:
                 return
             for seq in live:
@@ -605,8 +618,8 @@ class Decoder:
 
     def _pass(self, batch: _Batch, live: list[_Sequence], inspect_step, waiting: bool = True):
         """The decoding step of docs/design.md for every live sequence, in one target pass: draft, search,
-        verify, accept, commit. Yields (sequence, Step). With tree="auto", unless a prompt is `waiting` for a
-        place, only the sequences that would end the batch last draft (`late_sequences`)."""
+        verify, accept, commit. Yields (sequence, Step). With tree="auto" and several sequences, unless a prompt is
+        `waiting` for a place, only the sequences that would end the batch last draft (`late_sequences`)."""
         config, searcher = self.config, self.searcher
         t = time.perf_counter()
         batch.draft_s = 0.0
@@ -619,7 +632,7 @@ class Decoder:
         depths = [min(top, n - 1) for n in reach]
         late = [True] * len(live)
         if not waiting and len(live) > 1 and isinstance(searcher, AutoSearcher):
-            late = late_sequences(lefts, [seq.tree_rate for seq in live])
+            late = late_sequences(reach, [seq.tree_rate for seq in live])
         # 1. Draft: the head, when it drafts this step (one catch-up call for all that do), and copied spans of
         #    earlier text, also looked up after the head's best nodes' paths.
         could = [d >= 1 and bool(s.pending) and batch.drafter is not None and k for s, d, k in zip(live, depths, late)]
@@ -634,7 +647,7 @@ class Decoder:
         trees = [DraftTree.trusted([seq.root], [-1], [1.0], [0]) for seq in live]
         if jobs:
             rows = [live[i].row for i in searched]
-            found = searcher.search_batch(batch.expand_for(rows), jobs)
+            found = searcher.search_batch(batch.expand_for(rows), jobs, rows=len(live))
             for i, tree in zip(searched, found):
                 if len(tree) <= rooms[i]:  # (else the root alone: the tree would run past the window)
                     trees[i] = tree
@@ -654,9 +667,7 @@ class Decoder:
             layers=batch.layers,
         )
         if searcher is not None:
-            emitted = [min(len(r.tokens), left) for r, left in zip(results, lefts)]
-            if any(late) and not all(late):  # the batch's end is what counts: how far the late ones moved
-                emitted = [statistics.mean(n for n, k in zip(emitted, late) if k)] * len(live)
+            emitted = end_progress([min(len(r.tokens), left) for r, left in zip(results, lefts)], late)
             searcher.observe(
                 sum(len(tree) for tree in trees),
                 results[0].times["verify"] + sum(r.times["accept"] + r.times["commit"] for r in results),
@@ -664,7 +675,7 @@ class Decoder:
                 len(live),
                 copy_s,
             )
-            searcher.observe_step(len(live), sum(emitted), time.perf_counter() - t, bool(jobs), drafting)
+            searcher.observe_step(len(live), emitted, time.perf_counter() - t, bool(jobs), drafting)
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]

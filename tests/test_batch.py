@@ -20,7 +20,14 @@ import torch
 
 from eagletree import decoding
 from eagletree.decode_config import CopyOptions, DecodeConfig, Sampling
-from eagletree.decoding import Decoder, GenerationStats, _Sequence, hf_generation_config, late_sequences
+from eagletree.decoding import (
+    Decoder,
+    GenerationStats,
+    _Sequence,
+    end_progress,
+    hf_generation_config,
+    late_sequences,
+)
 from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
 from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
 from eagletree.target import new_cache
@@ -328,7 +335,9 @@ def test_greedy_batches_equal_each_sequence_alone_and_hf_generate(lm, tree, copy
     decoder = Decoder(lm.model, lm.tok, lm.head, config(tree, copy=copy), profile=flat_profile())
     passes = []  # each pass's searched trees' sizes
     search = decoder.searcher.search_batch
-    decoder.searcher.search_batch = lambda expand, jobs: passes.append(search(expand, jobs)) or passes[-1]
+    decoder.searcher.search_batch = lambda expand, jobs, rows=None: (
+        passes.append(search(expand, jobs, rows)) or passes[-1]
+    )
     batch = decoder.generate_batch(lm.prompts, batch_size=4)
     decoder.searcher.search_batch = search
     assert max(len(trees) for trees in passes) == 4
@@ -765,14 +774,61 @@ def test_auto_decodes_a_saturated_batch_plainly_and_drafts_once_a_sequence_is_al
 
 
 def test_late_sequences_are_those_that_would_end_the_batch_last_decoding_plainly():
-    # the batch ends after 30 passes (60 tokens at 2 a pass); 20 and 30 tokens are done by then one a pass
+    # the batch ends after 37.5 passes (45 tokens at 1.2 a pass); 20 and 30 tokens are done by then one a pass
     assert late_sequences([60, 20, 30, 45], [2.0, 2.0, 1.5, 1.2]) == [True, False, False, True]
     assert late_sequences([10, 10], [2.0, 2.0]) == [True, True]  # level answers all draft
-    assert late_sequences([40, 30], [1.0, 1.0]) == [False, False]  # trees that never gained: nobody drafts
+    # (rates of exactly 1, which the decoder's prior never gives: no sequence would end sooner drafting)
+    assert late_sequences([40, 30], [1.0, 1.0]) == [False, False]
     with pytest.raises(ValueError, match="positive rate"):
         late_sequences([10, 5], [2.0, 0.0])
     with pytest.raises(ValueError, match="one positive rate per sequence"):
         late_sequences([10, 5], [2.0])
+    # a pass's progress toward the batch's end: the late sequences' mean tokens, for every sequence of the pass
+    assert end_progress([3, 1, 1, 5], [True, False, False, True]) == 16.0
+    assert end_progress([3, 1, 2], [True] * 3) == end_progress([3, 1, 2], [False] * 3) == 6.0
+
+
+def test_a_sequence_counts_its_backlog_and_its_drafted_passes_rate():
+    seq = _Sequence(0, torch.tensor([5, 6, 7]), GenerationStats(), None, None, None)
+    assert seq.tree_rate == 2.0  # the prior: one pass of 2 tokens
+    seq.tree_passes, seq.tree_tokens = 3, 10
+    assert seq.tree_rate == 3.0
+    seq.feed(torch.zeros(3, 4), torch.tensor([6, 7, 8]), prompt=True)
+    for n in (40, 30, 5):  # past the prompt, at most MAX_BACKLOG positions wait
+        seq.feed(torch.zeros(n, 4), torch.arange(n))
+        waiting = sum(f.shape[0] for f, _, _ in seq.pending[1:])
+        assert seq.backlog == waiting == min(seq.MAX_BACKLOG, waiting)
+    seq.take_pending()
+    assert seq.backlog == 0
+    seq.feed(torch.zeros(2, 4), torch.arange(2))
+    assert seq.backlog == 2 and seq.pending[0][2] == 3 + 75
+
+
+def test_auto_prices_a_pass_by_all_its_sequences_those_without_a_job_too():
+    """One sequence drafts in a pass of four (the others decode plainly): its nodes are priced in a pass of four
+    sequences' rows, and a step's gain is counted once, from its measured rate (drafted steps measured slower than
+    plain ones pause drafting, longer and longer), not also from a one-sequence estimate."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.sort(torch.rand(12, generator=g, dtype=torch.float64), descending=True).values]
+    alone = choose_batch(values, SATURATED, levels=0)
+    assert alone[0][0] > 1  # alone, rows are cheap next to a one-row pass
+    counts, expected, rate = choose_batch(values, SATURATED, levels=0, others=3)
+    assert counts == [1] and expected == 4.0  # in a pass of 4 saturated rows, no node pays
+    assert rate == pytest.approx(4.0 / float(SATURATED.batch_time(4, 4)))
+    searcher = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4, clock=lambda: 0.0)
+    drafted = 0
+    for _ in range(60):
+        if searcher.drafts(4):
+            drafted += 1
+            searcher.search_batch(synthetic_expand({0}), [Job(True, 7, 4)], rows=4)
+            searcher.observe_step(4, 8, 8 / 95.0, True, True)  # 0.95x the plain rate
+        else:
+            searcher.observe_step(4, 4, 4 / 100.0, False, False)
+    pause = searcher.pauses[(4 - 1).bit_length()]
+    assert pause.searched == drafted and pause.wait >= 16 and drafted < 20
+    # once the last prompt has joined, drafting only for the answers that end the batch starts from no pause
+    searcher.batch_end()
+    assert searcher.pauses == {} or all(p.skip == 0 and p.wait == 0 for p in searcher.pauses.values())
 
 
 def passes_drafted(decoder, prompts, batch_size):

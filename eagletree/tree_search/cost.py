@@ -150,7 +150,12 @@ def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max
 
 
 def choose_batch(
-    values: list[torch.Tensor], profile: LatencyProfile, levels: int, max_nodes: int | None = None, fixed: float = 0.0
+    values: list[torch.Tensor],
+    profile: LatencyProfile,
+    levels: int,
+    max_nodes: int | None = None,
+    fixed: float = 0.0,
+    others: int = 0,
 ):
     """Nodes per sequence for one pass of a batch, by the rate rule of `choose_budget`: expected tokens over the
     step's seconds, drafting `levels` batched levels and a pass costing `profile.batch_time(batch, rows)`.
@@ -160,10 +165,11 @@ def choose_batch(
     m nodes costs about a pass of m nodes per sequence, the size the profile measured; at that cost every
     sequence takes its best m - 1 candidates, and the rule picks m. values: each sequence's candidate node
     values, best first; `fixed`: seconds any pass with drafted nodes costs on top (the copied spans' lookups);
-    max_nodes: the most nodes of the pass. Returns (nodes per sequence, roots included; expected tokens of the
-    pass; expected tokens per second).
+    max_nodes: the most nodes of the pass; `others`: sequences in the same pass without candidates (one row and one
+    token each). Returns (nodes per sequence of `values`, roots included; expected tokens of the pass; expected
+    tokens per second).
     """
-    batch = len(values)
+    batch = len(values) + others
     per_level = profile.draft_s_per_level + profile.search_s_per_level
     if batch == 1:
         return _choose_one(values[0], profile, levels * per_level, max_nodes, fixed)
@@ -174,11 +180,11 @@ def choose_batch(
         ]
         widest = max(s.numel() for s in sums)  # m - 1 drafted nodes per sequence at most
         if max_nodes is not None:
-            widest = max(min(widest, max_nodes // batch), 1)
+            widest = max(min(widest, (max_nodes - others) // len(values)), 1)
         expected = torch.tensor(
             [batch + sum(float(s[min(m, s.numel() - 1)]) for s in sums) for m in range(widest)], dtype=torch.float64
         )
-        rows = batch * torch.arange(1, widest + 1)
+        rows = len(values) * torch.arange(1, widest + 1) + others
     cost = levels * per_level + profile.batch_time(batch, rows) + fixed * (rows > batch)
     rate = expected / cost
     best = int(rate.argmax())

@@ -58,9 +58,10 @@ class Searcher:
         """One sequence's tree: `search_batch` of one."""
         return self.search_batch(_one(expand), [Job(expand is not None, root, depth, copies)])[0]
 
-    def search_batch(self, expand_batch, jobs: list[Job]) -> list[DraftTree]:
+    def search_batch(self, expand_batch, jobs: list[Job], rows: int | None = None) -> list[DraftTree]:
         """One tree per job, the drafter asked once per level for every job's frontier: `expand_batch(requests)`
-        takes [(job index, nodes, tokens, parents, level)] and returns one distribution per request."""
+        takes [(job index, nodes, tokens, parents, level)] and returns one distribution per request. `rows`: the
+        sequences the pass verifies, the jobs' and those decoding plainly (None: the jobs')."""
         raise NotImplementedError
 
     def observe(
@@ -70,7 +71,7 @@ class Searcher:
         `seconds` (verify, accept, commit), `accepted` of its drafted nodes were accepted (None: not told), and the
         step's copied spans took `copy_s` seconds to look up."""
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, searched: bool, drafted: bool) -> None:
+    def observe_step(self, batch: int, tokens: float, seconds: float, searched: bool, drafted: bool) -> None:
         """Told after each step: it emitted `tokens` tokens for `batch` sequences in `seconds` in all (drafting,
         search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
         `drafted`: the head drafted."""
@@ -107,7 +108,7 @@ class _BudgetSearcher(Searcher):
     def width(self, budget: int) -> int:
         raise NotImplementedError
 
-    def search_batch(self, expand_batch, jobs):
+    def search_batch(self, expand_batch, jobs, rows=None):
         batch = len(jobs)
         total = self.budget * batch
         # one sequence's most: everything but the other sequences' roots (the equal split: its own budget)
@@ -164,7 +165,7 @@ class StaticSearcher(Searcher):
         super().__init__(len(shape.parents), 1, device, token_map)
         self.shape = breadth_first(shape)  # cut by depth as a prefix
 
-    def search_batch(self, expand_batch, jobs):
+    def search_batch(self, expand_batch, jobs, rows=None):
         if any(j.copies is not None for j in jobs):
             raise ValueError("a static shape takes no copied spans")
         trees = drive_batch([static_steps(j.root, self.shape, self.device, self.token_map) for j in jobs], expand_batch)
@@ -251,6 +252,13 @@ class AutoSearcher(Searcher):
         self.plain_scale: float | None = None
         self.since_plain = 0  # drafted batch steps since the last plain one
         self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
+
+    def batch_end(self) -> None:
+        """The last prompt has joined the batch: from now on only the answers that end it draft, and a step is
+        measured by how far they move (`decoding.late_sequences`), so the pauses that drafting for the whole batch
+        earned no longer hold."""
+        self.pauses.clear()
+        self.pause = self._pause_for(1)
 
     @property
     def measured(self) -> LatencyProfile:
@@ -346,10 +354,11 @@ class AutoSearcher(Searcher):
         # where no tree can pay, none is built; nor while copied spans alone have lately not paid in a batch
         return super().takes_copies() and not self.never and self.copy_skip == 0 and not self.probing
 
-    def search_batch(self, expand_batch, jobs):
+    def search_batch(self, expand_batch, jobs, rows=None):
         """A job without drafting (the head paused or absent) takes its copied spans alone, pruned by the same
         rule; a step where no job drafts does not change the head's pause. A batch's nodes go where they are
-        worth most (`choose_batch`: one pass of that many rows against a plain pass of one row per sequence)."""
+        worth most (`choose_batch`: one pass of that many rows against a plain pass of one row per sequence, the
+        `rows` - len(jobs) sequences without a job taking one row each)."""
         spent = [0.0, 0]  # this step's drafter seconds and (batched) calls
 
         def timed(requests):
@@ -359,8 +368,10 @@ class AutoSearcher(Searcher):
             spent[1] += 1
             return probs
 
-        batch = len(jobs)
-        t_plain = float(self.measured.batch_time(batch, batch))  # a plain pass: one token per sequence
+        batch = max(rows or len(jobs), len(jobs))  # the pass's sequences
+        others = batch - len(jobs)  # those decoding plainly
+        measured = self.measured
+        t_plain = float(measured.batch_time(batch, batch))  # a plain pass: one token per sequence
         # tokens a drafting level must add per sequence to pay for itself
         min_gain = (self.profile.draft_s_per_level + self.profile.search_s_per_level) / t_plain
         start = self.clock()
@@ -386,7 +397,7 @@ class AutoSearcher(Searcher):
         copied = any(j.copies is not None for j in jobs)
         fixed = (self.copy_s or 0.0) if copied and batch > 1 else 0.0  # (at batch 1 a lookup is a small share)
         if not any(j.drafts for j in jobs):
-            counts = choose_batch(scaled, self.measured, 0, fixed=fixed)[0]
+            counts = choose_batch(scaled, measured, 0, fixed=fixed, others=others)[0]
             if batch == 1 or self.plain_scale is None:  # (else the step's measured gain decides: observe_step)
                 self._pause_copies(batch > 1 and max(counts) == 1)
             return self._chosen(fulls, values, counts)
@@ -399,7 +410,7 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
-        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed)
+        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed, others=others)
         if batch == 1 or self.plain_scale is None:  # (else the step's measured gain moves it: observe_step)
             self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
