@@ -410,6 +410,7 @@ class AutoSearcher(Searcher):
         self.levels += spent[1]
         self.profile.draft_s_per_level = self.draft_s / max(self.levels, 1)
         self.profile.search_s_per_level = self.search_s / max(self.levels, 1)
+        # (`measured` again: it now holds the drafting cost just timed)
         counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed, others=others)
         if batch == 1 or self.plain_scale is None:  # (else the step's measured gain moves it: observe_step)
             self._update_gain(rate * t_plain / batch)
