@@ -622,7 +622,7 @@ class Decoder:
         `waiting` for a place, only the sequences that would end the batch last draft (`late_sequences`)."""
         config, searcher = self.config, self.searcher
         t = time.perf_counter()
-        batch.draft_s = 0.0
+        batch.draft_s = batch.catch_up_s = 0.0
         lefts = [config.max_new_tokens - seq.emitted for seq in live]
         # the nodes a tree may have: the tokens still wanted, and the room left in a sliding-window target's cache
         rooms = [batch.room(seq) for seq in live]
@@ -675,7 +675,9 @@ class Decoder:
                 len(live),
                 copy_s,
             )
-            searcher.observe_step(len(live), emitted, time.perf_counter() - t, bool(jobs), drafting)
+            searcher.observe_step(
+                len(live), emitted, time.perf_counter() - t, bool(jobs), drafting, catch_up=batch.catch_up_s
+            )
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]
@@ -727,7 +729,7 @@ class _Batch:
         self.window = decoder.window  # (None: attention over the whole context)
         self.cache = RaggedCache()
         self.drafter = decoder.batch_drafter()
-        self.draft_s = 0.0  # the drafter's seconds in the current step
+        self.draft_s = self.catch_up_s = 0.0  # the drafter's seconds in the current step, and its catch-up's
         # the most entries a row holds past its prompt: the answer, and a pass's tree on top (a very long answer's
         # room past RESERVED_ANSWER is made as it grows)
         answer = min(decoder.config.max_new_tokens, self.RESERVED_ANSWER)
@@ -805,7 +807,8 @@ class _Batch:
         t = time.perf_counter()
         feats, tokens, positions = zip(*(s.take_pending() for s in seqs))
         self.drafter.extend([s.row for s in seqs], list(feats), list(tokens), list(positions))
-        self.draft_s += time.perf_counter() - t
+        self.catch_up_s = time.perf_counter() - t
+        self.draft_s += self.catch_up_s
 
     def expand_for(self, rows: list[int]):
         """The searches' expand_batch: job i drafts in row rows[i]; timed into draft_s."""

@@ -831,6 +831,67 @@ def test_auto_prices_a_pass_by_all_its_sequences_those_without_a_job_too():
     assert searcher.pauses == {} or all(p.skip == 0 and p.wait == 0 for p in searcher.pauses.values())
 
 
+class BatchSteps:
+    """Steps of 4 sequences told to an `AutoSearcher` as decoding tells them, on `flat_profile`: a plain step at the
+    profile's time (the plain rate), a drafted step of 8 tokens at `gain` times that rate, its verify pass `verify`
+    times the profile's time for its rows, `catch_up` of its seconds the head's catch-up."""
+
+    def __init__(self):
+        self.searcher = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4, clock=lambda: 0.0)
+        self.plain_s = float(self.searcher.profile.batch_time(4, 4))
+
+    def plain(self):
+        self.searcher.observe(4, self.plain_s, None, 4)
+        self.searcher.observe_step(4, 4, self.plain_s, False, False)
+
+    def drafted(self, gain, verify=1.0, catch_up=0.0, extra=0.0):
+        """`extra`: seconds on top of the step's (its catch-up's part beyond a steady one, for a resumed step)."""
+        self.searcher.observe(16, verify * float(self.searcher.profile.batch_time(4, 16)), 4, 4)
+        seconds = 8 / (gain * 4 / self.plain_s) + extra
+        self.searcher.observe_step(4, 8, seconds, True, True, catch_up=catch_up)
+
+    @property
+    def pause(self):
+        return self.searcher.pauses.get((4 - 1).bit_length())
+
+
+def test_a_stalled_pass_moves_neither_a_batchs_gain_nor_its_plain_scale():
+    """A drafted step measured at a third of the plain rate pauses the head at once for the longest pause when its
+    verify pass took its expected time; when the pass took three times that (another tenant of the machine, the
+    page faults of a new shape), the step says nothing about trees and changes nothing."""
+    for stalled in (False, True):
+        steps = BatchSteps()
+        steps.plain()
+        for _ in range(3):
+            steps.drafted(1.2, catch_up=0.001)
+        gain, scale = steps.pause.gain, steps.searcher.plain_scale
+        steps.drafted(0.3, verify=3.0 if stalled else 1.0, catch_up=0.001)
+        if stalled:
+            assert steps.pause.skip == 0 and steps.pause.gain == gain
+        else:
+            assert steps.pause.skip >= steps.searcher.max_wait and steps.pause.gain < gain
+        steps.searcher.observe(4, 3.0 * steps.plain_s, None, 4)  # a stalled plain step: no new reference
+        steps.searcher.observe_step(4, 4, 3.0 * steps.plain_s, False, False)
+        assert steps.searcher.plain_scale == scale
+
+
+def test_a_step_that_resumes_drafting_is_judged_without_the_catch_up_its_pause_left():
+    """Drafted steps at 1.05x the plain rate, then a plain one, then a drafted step that first reads the skipped
+    steps' tokens (its catch-up longer than a steady step's by 0.6 of a plain step): told its catch-up, the head
+    drafts on; told nothing of it, the same step looks slower than plain and pauses the head. Its whole cost still
+    counts for how long a pause after a losing probe must be."""
+    for told in (True, False):
+        steps = BatchSteps()
+        extra = 0.6 * steps.plain_s
+        steps.plain()
+        for _ in range(4):
+            steps.drafted(1.05, catch_up=0.001)
+        steps.plain()
+        steps.drafted(1.05, catch_up=0.001 + (extra if told else 0.0), extra=extra)
+        assert (steps.pause.skip == 0) == told
+        assert steps.pause.probe_cost == pytest.approx(0.6 - 2 * (1 - 1 / 1.05))
+
+
 def passes_drafted(decoder, prompts, batch_size):
     """Per pass of `_run`: whether a prompt waited for a place, and each sequence's (key, drafted nodes)."""
     passes = []
@@ -854,7 +915,7 @@ def test_once_no_prompt_waits_auto_drafts_only_for_the_answers_that_would_end_th
     other drafts. The answers are the target's."""
     prompts = [lm.prompts[i] for i in (0, 1, 4)]
     # (no step's measured time pauses drafting: the profile's estimate alone rules, as on a quiet machine)
-    monkeypatch.setattr(AutoSearcher, "observe_step", lambda *args: None)
+    monkeypatch.setattr(AutoSearcher, "observe_step", lambda *args, **kwargs: None)
     decoder = Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile())
     passes, steps = passes_drafted(decoder, prompts, 2)
     for i, prompt in enumerate(prompts):

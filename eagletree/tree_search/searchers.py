@@ -71,10 +71,12 @@ class Searcher:
         `seconds` (verify, accept, commit), `accepted` of its drafted nodes were accepted (None: not told), and the
         step's copied spans took `copy_s` seconds to look up."""
 
-    def observe_step(self, batch: int, tokens: float, seconds: float, searched: bool, drafted: bool) -> None:
+    def observe_step(
+        self, batch: int, tokens: float, seconds: float, searched: bool, drafted: bool, catch_up: float = 0.0
+    ) -> None:
         """Told after each step: it emitted `tokens` tokens for `batch` sequences in `seconds` in all (drafting,
         search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
-        `drafted`: the head drafted."""
+        `drafted`: the head drafted, `catch_up` of those seconds its call on the committed tokens."""
 
     def observe_lookups(self, batch: int, found: bool) -> None:
         """Told when copied spans were looked up for a step's `batch` sequences: whether any of them found one."""
@@ -213,6 +215,11 @@ class AutoSearcher(Searcher):
     # CPU cores a probe ran at about half the plain rate and cost about 2.5 plain steps, and 8 of them cost 1-3% of a
     # run of 32 answers (docs/results.md).
     HOPELESS, PROBE_SHARE, MAX_PAUSE = 0.6, 0.01, 1024
+    # A pass whose verify took STALL times what the profile (scaled by the running load) expects for its rows was
+    # stalled (another tenant of the machine, the page faults of a shape not run before): its step says nothing about
+    # trees, so it moves neither a batch's running gain nor its plain steps' scale. At 2 a pass on 2 CPU cores one
+    # such step (a 41 ms verify where 22 were due) paused the head for 197 steps (docs/results.md).
+    STALL = 1.75
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
     def __init__(
@@ -252,6 +259,9 @@ class AutoSearcher(Searcher):
         self.plain_scale: float | None = None
         self.since_plain = 0  # drafted batch steps since the last plain one
         self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
+        self.stalled = False  # the last pass's verify took STALL times its expected time
+        self.drafted_last = False  # the last batch step drafted
+        self.catch_up_s: float | None = None  # running mean seconds of a batch step's catch-up while drafting goes on
 
     def batch_end(self) -> None:
         """The last prompt has joined the batch: from now on only the answers that end it draft, and a step is
@@ -290,8 +300,10 @@ class AutoSearcher(Searcher):
             self.accepted += accepted
         self._pending = None
         expected = float(self.profile.batch_time(batch, nodes))
+        self.stalled = False
         if not (seconds > 0 and expected > 0):
             return
+        self.stalled = self.load is not None and seconds > self.STALL * self.load * expected
         ratio = min(max(seconds / expected, 0.25), 4.0)  # one pass (a GC pause, a page fault) moves it little
         self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
 
@@ -318,12 +330,20 @@ class AutoSearcher(Searcher):
             return None
         return batch / (self.plain_scale * float(self.profile.batch_time(batch, batch)))
 
-    def observe_step(self, batch, tokens, seconds, searched, drafted):
+    def observe_step(self, batch, tokens, seconds, searched, drafted, catch_up=0.0):
         """In a batch: a plain step updates the plain steps' scale. Once a plain step was timed, a drafted step moves
         the running gain by its measured tokens/s over the plain rate at its batch size (and may pause drafting, as
-        `_update_gain` does), and a step of copied spans alone that was slower than a plain one pauses them."""
+        `_update_gain` does), and a step of copied spans alone that was slower than a plain one pauses them. A step
+        whose pass stalled (`STALL`) moves neither. A step that resumes drafting is judged without the part of its
+        catch-up beyond a steady step's (the head reading the tokens of the steps it skipped: a cost of the pause,
+        paid once, not of drafting on); its whole cost still sets how long the next pause must be."""
         self.probing = False
+        stalled, self.stalled = self.stalled, False
+        resumed, self.drafted_last = drafted and not self.drafted_last, drafted
         if batch < 2 or not (tokens > 0 and seconds > 0):
+            return
+        if stalled:
+            self.since_plain += bool(searched)
             return
         if not searched:
             scale = seconds / float(self.profile.batch_time(batch, batch))
@@ -332,10 +352,19 @@ class AutoSearcher(Searcher):
             self.since_plain = 0
             return
         self.since_plain += 1
+        steady = seconds
+        if drafted:
+            known = self.catch_up_s if self.catch_up_s is not None else self.profile.draft_s_per_level
+            if resumed:
+                steady -= min(max(catch_up - known, 0.0), 0.5 * seconds)
+            else:
+                self.catch_up_s = (
+                    catch_up if self.catch_up_s is None else known + self.LOAD_SMOOTHING * (catch_up - known)
+                )
         if self.plain_scale is None:
             return
         rate = self.plain_rate(batch)
-        gain = tokens / seconds / rate
+        gain = tokens / steady / rate
         if drafted:
             self.pause = self._pause_for(batch)
             plain_step = batch / rate  # seconds of a plain step of this batch
