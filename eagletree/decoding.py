@@ -279,6 +279,11 @@ class _Sequence:
         self.error: str | None = None  # why the sequence ended before finishing (the tokens so far are kept)
 
     @property
+    def behind(self) -> bool:
+        """The drafter has more to read than the last pass's tokens: the prompt, or the passes it did not draft."""
+        return self.prompt_pending or len(self.pending) > 1
+
+    @property
     def tree_rate(self) -> float:
         """Tokens per pass of this sequence's passes with drafted nodes, with a prior of 2 worth one pass (a
         sequence that has not drafted yet is expected to gain what trees usually gain)."""
@@ -638,6 +643,7 @@ class Decoder:
         could = [d >= 1 and bool(s.pending) and batch.drafter is not None and k for s, d, k in zip(live, depths, late)]
         drafting = any(could) and searcher.drafts(len(live))
         drafts = [c and drafting for c in could]
+        behind = any(seq.behind for seq, d in zip(live, drafts) if d)
         batch.catch_up([seq for seq, d in zip(live, drafts) if d])
         if inspect_step is not None and drafts[0]:
             inspect_step(batch.drafter.view(live[0].row), live[0].root)
@@ -676,7 +682,7 @@ class Decoder:
                 copy_s,
             )
             searcher.observe_step(
-                len(live), emitted, time.perf_counter() - t, bool(jobs), drafting, catch_up=batch.catch_up_s
+                len(live), emitted, time.perf_counter() - t, bool(jobs), drafting, batch.catch_up_s, behind
             )
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)

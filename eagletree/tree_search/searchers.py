@@ -72,11 +72,19 @@ class Searcher:
         step's copied spans took `copy_s` seconds to look up."""
 
     def observe_step(
-        self, batch: int, tokens: float, seconds: float, searched: bool, drafted: bool, catch_up: float = 0.0
+        self,
+        batch: int,
+        tokens: float,
+        seconds: float,
+        searched: bool,
+        drafted: bool,
+        catch_up: float = 0.0,
+        behind: bool = False,
     ) -> None:
         """Told after each step: it emitted `tokens` tokens for `batch` sequences in `seconds` in all (drafting,
         search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
-        `drafted`: the head drafted, `catch_up` of those seconds its call on the committed tokens."""
+        `drafted`: the head drafted, `catch_up` of those seconds its call on the committed tokens; `behind`: that
+        call read more than the last pass's tokens for some sequence (a prompt, or steps the head skipped)."""
 
     def observe_lookups(self, batch: int, found: bool) -> None:
         """Told when copied spans were looked up for a step's `batch` sequences: whether any of them found one."""
@@ -219,7 +227,7 @@ class AutoSearcher(Searcher):
     # stalled (another tenant of the machine, the page faults of a shape not run before): its step says nothing about
     # trees, so it moves neither a batch's running gain nor its plain steps' scale. At 2 a pass on 2 CPU cores one
     # such step (a 41 ms verify where 22 were due) paused the head for 197 steps (docs/results.md).
-    STALL = 1.75
+    STALL, MAX_STALLS = 1.75, 2
     VALUE_SCALE_RANGE = (0.5, 2.0)
 
     def __init__(
@@ -260,7 +268,7 @@ class AutoSearcher(Searcher):
         self.since_plain = 0  # drafted batch steps since the last plain one
         self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
         self.stalled = False  # the last pass's verify took STALL times its expected time
-        self.drafted_last = False  # the last batch step drafted
+        self.stalls = 0  # passes in a row that took that long (more than MAX_STALLS: the load, not a stall)
         self.catch_up_s: float | None = None  # running mean seconds of a batch step's catch-up while drafting goes on
 
     def batch_end(self) -> None:
@@ -303,7 +311,9 @@ class AutoSearcher(Searcher):
         self.stalled = False
         if not (seconds > 0 and expected > 0):
             return
-        self.stalled = self.load is not None and seconds > self.STALL * self.load * expected
+        slow = self.load is not None and seconds > self.STALL * self.load * expected
+        self.stalls = self.stalls + 1 if slow else 0
+        self.stalled = slow and self.stalls <= self.MAX_STALLS
         ratio = min(max(seconds / expected, 0.25), 4.0)  # one pass (a GC pause, a page fault) moves it little
         self.load = ratio if self.load is None else self.load * (ratio / self.load) ** self.LOAD_SMOOTHING
 
@@ -330,16 +340,15 @@ class AutoSearcher(Searcher):
             return None
         return batch / (self.plain_scale * float(self.profile.batch_time(batch, batch)))
 
-    def observe_step(self, batch, tokens, seconds, searched, drafted, catch_up=0.0):
+    def observe_step(self, batch, tokens, seconds, searched, drafted, catch_up=0.0, behind=False):
         """In a batch: a plain step updates the plain steps' scale. Once a plain step was timed, a drafted step moves
         the running gain by its measured tokens/s over the plain rate at its batch size (and may pause drafting, as
         `_update_gain` does), and a step of copied spans alone that was slower than a plain one pauses them. A step
-        whose pass stalled (`STALL`) moves neither. A step that resumes drafting is judged without the part of its
-        catch-up beyond a steady step's (the head reading the tokens of the steps it skipped: a cost of the pause,
-        paid once, not of drafting on); its whole cost still sets how long the next pause must be."""
+        whose pass stalled (`STALL`, at most MAX_STALLS in a row) moves neither. A step whose catch-up was `behind`
+        is judged without the part of it beyond a steady step's (the head reading a prompt, or the tokens of the
+        steps it skipped: paid once, not for drafting on); its whole cost still sets how long the next pause is."""
         self.probing = False
         stalled, self.stalled = self.stalled, False
-        resumed, self.drafted_last = drafted and not self.drafted_last, drafted
         if batch < 2 or not (tokens > 0 and seconds > 0):
             return
         if stalled:
@@ -355,7 +364,7 @@ class AutoSearcher(Searcher):
         steady = seconds
         if drafted:
             known = self.catch_up_s if self.catch_up_s is not None else self.profile.draft_s_per_level
-            if resumed:
+            if behind:
                 steady -= min(max(catch_up - known, 0.0), 0.5 * seconds)
             else:
                 self.catch_up_s = (
