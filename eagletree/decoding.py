@@ -279,11 +279,6 @@ class _Sequence:
         self.error: str | None = None  # why the sequence ended before finishing (the tokens so far are kept)
 
     @property
-    def behind(self) -> bool:
-        """The drafter has more to read than the last pass's tokens: the prompt, or the passes it did not draft."""
-        return self.prompt_pending or len(self.pending) > 1
-
-    @property
     def tree_rate(self) -> float:
         """Tokens per pass of this sequence's passes with drafted nodes, with a prior of 2 worth one pass (a
         sequence that has not drafted yet is expected to gain what trees usually gain)."""
@@ -627,7 +622,7 @@ class Decoder:
         `waiting` for a place, only the sequences that would end the batch last draft (`late_sequences`)."""
         config, searcher = self.config, self.searcher
         t = time.perf_counter()
-        batch.draft_s = batch.catch_up_s = 0.0
+        batch.draft_s = 0.0
         lefts = [config.max_new_tokens - seq.emitted for seq in live]
         # the nodes a tree may have: the tokens still wanted, and the room left in a sliding-window target's cache
         rooms = [batch.room(seq) for seq in live]
@@ -643,7 +638,6 @@ class Decoder:
         could = [d >= 1 and bool(s.pending) and batch.drafter is not None and k for s, d, k in zip(live, depths, late)]
         drafting = any(could) and searcher.drafts(len(live))
         drafts = [c and drafting for c in could]
-        behind = any(seq.behind for seq, d in zip(live, drafts) if d)
         batch.catch_up([seq for seq, d in zip(live, drafts) if d])
         if inspect_step is not None and drafts[0]:
             inspect_step(batch.drafter.view(live[0].row), live[0].root)
@@ -681,9 +675,7 @@ class Decoder:
                 len(live),
                 copy_s,
             )
-            searcher.observe_step(
-                len(live), emitted, time.perf_counter() - t, bool(jobs), drafting, batch.catch_up_s, behind
-            )
+            searcher.observe_step(len(live), emitted, time.perf_counter() - t, bool(jobs), drafting)
         for seq, tree, result, left in zip(live, trees, results, lefts):
             copied = seq.learn(tree, result.accepted)
             tokens = result.tokens[:left]
@@ -735,7 +727,7 @@ class _Batch:
         self.window = decoder.window  # (None: attention over the whole context)
         self.cache = RaggedCache()
         self.drafter = decoder.batch_drafter()
-        self.draft_s = self.catch_up_s = 0.0  # the drafter's seconds in the current step, and its catch-up's
+        self.draft_s = 0.0  # the drafter's seconds in the current step
         # the most entries a row holds past its prompt: the answer, and a pass's tree on top (a very long answer's
         # room past RESERVED_ANSWER is made as it grows)
         answer = min(decoder.config.max_new_tokens, self.RESERVED_ANSWER)
@@ -813,8 +805,7 @@ class _Batch:
         t = time.perf_counter()
         feats, tokens, positions = zip(*(s.take_pending() for s in seqs))
         self.drafter.extend([s.row for s in seqs], list(feats), list(tokens), list(positions))
-        self.catch_up_s = time.perf_counter() - t
-        self.draft_s += self.catch_up_s
+        self.draft_s += time.perf_counter() - t
 
     def expand_for(self, rows: list[int]):
         """The searches' expand_batch: job i drafts in row rows[i]; timed into draft_s."""

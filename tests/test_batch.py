@@ -834,7 +834,7 @@ def test_auto_prices_a_pass_by_all_its_sequences_those_without_a_job_too():
 class BatchSteps:
     """Steps of 4 sequences told to an `AutoSearcher` as decoding tells them, on `flat_profile` (every pass `slow`
     times the profile's time): a plain step at the plain rate, a drafted step of 8 tokens at `gain` times that rate,
-    its verify pass `verify` times the expected time for its rows, `catch_up` of its seconds the head's catch-up."""
+    its verify pass `verify` times the expected time for its rows."""
 
     def __init__(self, slow=1.0):
         self.searcher = AutoSearcher(flat_profile(batches=(4,)), None, budget=8, top_k=4, clock=lambda: 0.0)
@@ -845,11 +845,9 @@ class BatchSteps:
         self.searcher.observe(4, verify * self.plain_s, None, 4)
         self.searcher.observe_step(4, 4, verify * self.plain_s, False, False)
 
-    def drafted(self, gain, verify=1.0, catch_up=0.001, extra=0.0, behind=False):
-        """`extra`: seconds on top of the step's (a catch-up's part beyond a steady one, where `behind`)."""
+    def drafted(self, gain, verify=1.0):
         self.searcher.observe(16, verify * self.slow * float(self.searcher.profile.batch_time(4, 16)), 4, 4)
-        seconds = 8 / (gain * 4 / self.plain_s) + extra
-        self.searcher.observe_step(4, 8, seconds, True, True, catch_up, behind)
+        self.searcher.observe_step(4, 8, 8 / (gain * 4 / self.plain_s), True, True)
 
     @property
     def pause(self):
@@ -889,57 +887,6 @@ def test_a_lasting_slowdown_is_the_load_not_a_stall():
     assert steps.searcher.plain_scale == pytest.approx(8.0, rel=0.01) and drafted > 150
 
 
-def reference_gain(gains: list[float]) -> float:
-    """The running gain after drafted steps of these measured gains (no pause in between)."""
-    steps = BatchSteps()
-    steps.plain()
-    for gain in gains:
-        steps.drafted(gain)
-    return steps.pause.gain
-
-
-def test_a_step_whose_catch_up_was_behind_is_judged_without_its_excess():
-    """Drafted steps at 1.05x the plain rate, then a plain one, then a drafted step that first reads the skipped
-    steps' tokens (its catch-up longer than a steady step's by 0.6 of a plain step). Told that it was behind, the
-    head drafts on, the step counted at 1.05x (only the excess over the steady steps' catch-up taken out); a steady
-    step with the same catch-up, and a step told nothing of its catch-up, look slower than plain and pause the
-    head. The whole cost still counts for how long a pause after a losing probe is."""
-    for behind, told in ((True, True), (False, True), (True, False)):
-        steps = BatchSteps()
-        extra = 0.6 * steps.plain_s
-        steps.plain()
-        for _ in range(4):
-            steps.drafted(1.05, catch_up=0.2)
-        steps.plain()
-        steps.drafted(1.05, catch_up=0.2 + (extra if told else 0.0), extra=extra, behind=behind)
-        assert (steps.pause.skip == 0) == (behind and told)
-        assert steps.pause.probe_cost == pytest.approx(0.6 - 2 * (1 - 1 / 1.05))
-        if behind and told:
-            assert steps.pause.gain == pytest.approx(reference_gain([1.05] * 5))
-    # at most half the step's seconds are taken out, whatever the catch-up
-    steps = BatchSteps()
-    steps.plain()
-    steps.drafted(1.05)
-    steps.drafted(0.9, catch_up=100.0, behind=True)
-    assert steps.pause.gain == pytest.approx(reference_gain([1.05, 1.8]))
-
-
-def test_decoding_tells_auto_each_steps_catch_up_and_whether_it_was_behind(lm, monkeypatch):
-    """A step that drafted tells its catch-up's seconds (none otherwise), and the first drafted step of each
-    sequence (its prompt) was behind."""
-    told = []
-
-    def observe_step(self, batch, tokens, seconds, searched, drafted, catch_up=0.0, behind=False):
-        told.append((drafted, catch_up, behind))
-
-    monkeypatch.setattr(AutoSearcher, "observe_step", observe_step)
-    decoder = Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile())
-    batch_steps(decoder, lm.prompts[:2], 2)
-    assert told[0] == (True, told[0][1], True) and told[0][1] > 0
-    assert all((catch_up > 0) == drafted for drafted, catch_up, _ in told)
-    assert any(drafted and not behind for drafted, _, behind in told)
-
-
 def passes_drafted(decoder, prompts, batch_size):
     """Per pass of `_run`: whether a prompt waited for a place, and each sequence's (key, drafted nodes)."""
     passes = []
@@ -963,7 +910,7 @@ def test_once_no_prompt_waits_auto_drafts_only_for_the_answers_that_would_end_th
     other drafts. The answers are the target's."""
     prompts = [lm.prompts[i] for i in (0, 1, 4)]
     # (no step's measured time pauses drafting: the profile's estimate alone rules, as on a quiet machine)
-    monkeypatch.setattr(AutoSearcher, "observe_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(AutoSearcher, "observe_step", lambda *args: None)
     decoder = Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile())
     passes, steps = passes_drafted(decoder, prompts, 2)
     for i, prompt in enumerate(prompts):

@@ -71,20 +71,10 @@ class Searcher:
         `seconds` (verify, accept, commit), `accepted` of its drafted nodes were accepted (None: not told), and the
         step's copied spans took `copy_s` seconds to look up."""
 
-    def observe_step(
-        self,
-        batch: int,
-        tokens: float,
-        seconds: float,
-        searched: bool,
-        drafted: bool,
-        catch_up: float = 0.0,
-        behind: bool = False,
-    ) -> None:
+    def observe_step(self, batch: int, tokens: float, seconds: float, searched: bool, drafted: bool) -> None:
         """Told after each step: it emitted `tokens` tokens for `batch` sequences in `seconds` in all (drafting,
         search, verify, accept, commit); `searched`: some sequence had a tree searched (drafted or copied spans);
-        `drafted`: the head drafted, `catch_up` of those seconds its call on the committed tokens; `behind`: that
-        call read more than the last pass's tokens for some sequence (a prompt, or steps the head skipped)."""
+        `drafted`: the head drafted."""
 
     def observe_lookups(self, batch: int, found: bool) -> None:
         """Told when copied spans were looked up for a step's `batch` sequences: whether any of them found one."""
@@ -269,7 +259,6 @@ class AutoSearcher(Searcher):
         self.probing = False  # this step is a plain reference step (no drafting, no copied spans)
         self.stalled = False  # the last pass's verify took STALL times its expected time
         self.stalls = 0  # passes in a row that took that long (more than MAX_STALLS: the load, not a stall)
-        self.catch_up_s: float | None = None  # running mean seconds of a batch step's catch-up while drafting goes on
 
     def batch_end(self) -> None:
         """The last prompt has joined the batch: from now on only the answers that end it draft, and a step is
@@ -340,13 +329,11 @@ class AutoSearcher(Searcher):
             return None
         return batch / (self.plain_scale * float(self.profile.batch_time(batch, batch)))
 
-    def observe_step(self, batch, tokens, seconds, searched, drafted, catch_up=0.0, behind=False):
+    def observe_step(self, batch, tokens, seconds, searched, drafted):
         """In a batch: a plain step updates the plain steps' scale. Once a plain step was timed, a drafted step moves
         the running gain by its measured tokens/s over the plain rate at its batch size (and may pause drafting, as
         `_update_gain` does), and a step of copied spans alone that was slower than a plain one pauses them. A step
-        whose pass stalled (`STALL`, at most MAX_STALLS in a row) moves neither. A step whose catch-up was `behind`
-        is judged without the part of it beyond a steady step's (the head reading a prompt, or the tokens of the
-        steps it skipped: paid once, not for drafting on); its whole cost still sets how long the next pause is."""
+        whose pass stalled (`STALL`, at most MAX_STALLS in a row) moves neither."""
         self.probing = False
         stalled, self.stalled = self.stalled, False
         if batch < 2 or not (tokens > 0 and seconds > 0):
@@ -361,19 +348,10 @@ class AutoSearcher(Searcher):
             self.since_plain = 0
             return
         self.since_plain += 1
-        steady = seconds
-        if drafted:
-            known = self.catch_up_s if self.catch_up_s is not None else self.profile.draft_s_per_level
-            if behind:
-                steady -= min(max(catch_up - known, 0.0), 0.5 * seconds)
-            else:
-                self.catch_up_s = (
-                    catch_up if self.catch_up_s is None else known + self.LOAD_SMOOTHING * (catch_up - known)
-                )
         if self.plain_scale is None:
             return
         rate = self.plain_rate(batch)
-        gain = tokens / steady / rate
+        gain = tokens / seconds / rate
         if drafted:
             self.pause = self._pause_for(batch)
             plain_step = batch / rate  # seconds of a plain step of this batch
