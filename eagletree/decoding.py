@@ -722,7 +722,7 @@ class _Batch:
     def __init__(self, decoder: Decoder):
         self.target = decoder.target
         head = decoder.head
-        self.layers = head.fused_layers if head is not None else None  # EAGLE-3 reads these target layers
+        self.layers = head.feature_spec.layers if head is not None else None  # EAGLE-3 reads these target layers
         use_ragged(self.target)
         self.window = decoder.window  # (None: attention over the whole context)
         self.cache = RaggedCache()

@@ -130,7 +130,7 @@ def measure_acceptance(
 ) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring); a
     progress bar per prompt on stderr unless progress=False."""
-    if not head.drafts_from_own_features:  # engines' EAGLE trees feed each level the head's own output
+    if not head.drafting.follows_drafts:  # engines' EAGLE trees feed each level the head's own output
         raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
     if not prompts:
         raise ValueError("measuring acceptance needs at least one prompt")
@@ -143,7 +143,7 @@ def measure_acceptance(
     positions = 0
     rank_paths = []
     device = next(target.parameters()).device
-    layers = head.fused_layers
+    layers = head.feature_spec.layers
     for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
         ids = encode_prompt(tokenizer, prompt).to(device)
         # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
@@ -378,7 +378,7 @@ def make_plan(
         acceptance = measure_acceptance(target, tokenizer, head, prompts, max_new_tokens, max_depth, top_k)
     plan = best_plan(acceptance, profile, engine, max_nodes, max_depth)
     check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
-    eagle3 = head.fused_layers is not None  # the engines' EAGLE-3 reads fused target layers
+    eagle3 = head.feature_spec.layers is not None  # the engines' EAGLE-3 reads fused target layers
     draft_vocab = head.config.draft_vocab_size is not None
     return {
         "engine": engine,

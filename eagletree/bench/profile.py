@@ -136,7 +136,7 @@ def measure_drafting(model, head, budgets, depth=6, top_k=10, prefix=256, reps=1
     g = torch.Generator().manual_seed(0)
     drafter = make_drafter(head, model)
     drafter.extend(
-        torch.randn(prefix, model.config.hidden_size, generator=g).to(device, model.dtype),
+        torch.randn(prefix, head.feature_spec.width, generator=g).to(device, model.dtype),  # what the head reads
         torch.randint(model.config.vocab_size, (prefix,), generator=g).to(device),
     )
     times = {b: {"level": [], "search": []} for b in budgets}

@@ -3,7 +3,17 @@
 import json
 from pathlib import Path
 
-from .base import DraftHead, HeadConfig, HeadError, head_class, head_types, register_head, target_identity
+from .base import (
+    DraftHead,
+    Drafting,
+    FeatureSpec,
+    HeadConfig,
+    HeadError,
+    head_class,
+    head_types,
+    register_head,
+    target_identity,
+)
 from .drafter import Drafter, TreeDrafter
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
@@ -14,6 +24,8 @@ from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_dra
 __all__ = [
     "DraftHead",
     "Drafter",
+    "Drafting",
+    "FeatureSpec",
     "EagleHead",
     "Eagle3Head",
     "MedusaHead",

@@ -46,6 +46,46 @@ class HeadConfig:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The target features a head reads at each position: the target's post-norm last hidden state (`layers` None),
+    or the outputs of the decoder `layers` (0-based) concatenated in that order, which the head fuses itself."""
+
+    hidden_size: int
+    layers: tuple[int, ...] | None = None
+
+    @property
+    def width(self) -> int:
+        """Features per position the head's drafter takes: H, or H per fused layer."""
+        return self.hidden_size * (len(self.layers) if self.layers else 1)
+
+    def from_states(self, hidden_states) -> torch.Tensor:
+        """[..., width] from a target pass's `hidden_states` (embeddings first, the post-norm last state last)."""
+        if not self.layers:
+            return hidden_states[-1]
+        return torch.cat([hidden_states[i + 1] for i in self.layers], dim=-1)
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What a head's drafter does in one decoding step, for the loop, the searches and their cost rules.
+
+    A step's drafting costs `catch_up` head calls on the tokens the last verify pass accepted, then per tree
+    level searched `level_calls` calls (a drafter that drafts a whole block of levels in one call has
+    level_calls 0 and block_calls 1)."""
+
+    max_depth: int | None = None  # the deepest level it drafts (None: as deep as asked)
+    follows_drafts: bool = True  # a level reads the head's own prediction at its parent, so a chain can be followed
+    batched: bool = False  # its batch drafter drafts several sequences' levels in one head call
+    catch_up: int = 1  # head calls a step makes on the accepted tokens before the tree
+    level_calls: int = 1  # head calls per tree level
+    block_calls: int = 0  # head calls a step makes for all its levels at once (a block drafter)
+
+    def calls(self, levels: int) -> int:
+        """Head calls of a step that searches `levels` tree levels (the root's own level included)."""
+        return self.catch_up + self.block_calls + self.level_calls * max(levels - 1, 0)
+
+
 def register_head(cls: type) -> type:
     """Make `cls` the class that loads saved heads of its `head_type`."""
     if not cls.head_type:
@@ -75,10 +115,12 @@ class DraftHead(nn.Module):
     """
 
     head_type = ""
-    fused_layers: list[int] | None = None  # target decoder layers whose outputs the head reads; None: the last only
-    # Whether drafting a node reads the head's own prediction at its parent (EAGLE), so a chain of drafts can be
-    # followed step by step; Medusa's heads read only the committed feature.
-    drafts_from_own_features = True
+    # Training: the TrainConfig keys its model and objective never read (a run that sets one is refused), whether a
+    # fresh head can start from the target's last layer (init_from_target), whether it can draft over the target's
+    # whole vocabulary (widen_vocab: it scores tokens with the target's lm_head).
+    ignored_train_keys: tuple[str, ...] = ()
+    starts_from_target = False
+    widens_vocab = True
     folder: Path | None = None  # the folder the head was loaded from, where its companion files live; None: built here
     widened = False  # `widen_vocab` made it draft over the target's whole vocabulary
     _lm_slice = None  # the drafter's cached rows of the target's lm_head (drafter.sliced_lm_head), with their key
@@ -100,13 +142,35 @@ class DraftHead(nn.Module):
         """0 x a tiny forward through every parameter (through `module`), for a skipped micro-batch."""
         raise NotImplementedError(f"{type(self).__name__} does not define dummy_loss()")
 
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        """The target features this head reads (decoding's passes, training, offline features, evaluation ask it)."""
+        return FeatureSpec(self.config.hidden_size)
+
+    @property
+    def drafting(self) -> Drafting:
+        """What this head's drafter does per step (depth, calls, batching)."""
+        return Drafting()
+
     def target_features(self, model, ids: torch.Tensor) -> torch.Tensor:
-        """The target's features the head trains on for one sequence ids [T]: its post-norm last hidden state [T, H]."""
-        return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+        """The target's features the head trains on for one sequence ids [T]: [T, H] post-norm last hidden state,
+        then (for a head reading fused layers) those layers' outputs [T, width]."""
+        spec = self.feature_spec
+        if not spec.layers:
+            return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+        states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
+        return torch.cat([states[-1][0], spec.from_states(states)[0]], dim=-1)
 
     def make_drafter(self, target_model):
         """The `Drafter` (draft_heads/drafter.py) that drafts trees with this head."""
         raise NotImplementedError(f"{type(self).__name__} does not define make_drafter()")
+
+    def make_batch_drafter(self, target_model):
+        """The batch drafter (draft_heads/batch_drafter.py) for several sequences: one `make_drafter` drafter per
+        row unless the head drafts a batch in one call."""
+        from .batch_drafter import PerRowDrafter
+
+        return PerRowDrafter(self, target_model)
 
     def set_draft_vocab(self, draft_tokens: torch.Tensor) -> None:
         check_draft_vocab(draft_tokens, self.config.target["vocab_size"])

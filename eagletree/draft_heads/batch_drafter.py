@@ -240,11 +240,9 @@ class RowView:
 
 
 def make_batch_drafter(head, target_model):
-    """The batch drafter of a head: ragged head calls for heads drafting with a `TreeDrafter` (EAGLE-1/2,
-    EAGLE-3), one reference drafter per row otherwise."""
-    if type(head).make_drafter in _tree_drafting():
-        return RaggedTreeDrafter(head, target_model)
-    return PerRowDrafter(head, target_model)
+    """The batch drafter of a head (its `make_batch_drafter`): ragged head calls where the head batches its levels,
+    one reference drafter per row otherwise."""
+    return head.make_batch_drafter(target_model)
 
 
 def drafter_key(head, target_model) -> tuple:
@@ -256,10 +254,3 @@ def drafter_key(head, target_model) -> tuple:
     modules = tuple(id(m) for part in own for m in part.modules())
     tensors = [t for part in own for t in (*part.parameters(), *part.buffers())]
     return modules + tuple(weight_key(t) for t in tensors)
-
-
-def _tree_drafting() -> set:
-    from .eagle import EagleHead
-    from .eagle3 import Eagle3Head
-
-    return {EagleHead.make_drafter, Eagle3Head.make_drafter}

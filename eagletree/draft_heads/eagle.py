@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .base import DraftHead, HeadConfig, HeadError, target_identity
+from .base import DraftHead, Drafting, HeadConfig, HeadError, target_identity
 from .drafter import TreeDrafter
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
 from .objectives import eagle_loss
@@ -25,6 +25,8 @@ class EagleHead(DraftHead):
     """EAGLE-1/2 feature-level draft head."""
 
     head_type = "eagle"
+    ignored_train_keys = ("medusa_heads",)
+    starts_from_target = True
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -151,8 +153,17 @@ class EagleHead(DraftHead):
         out = module(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
         return out.float().sum() * 0.0
 
+    @property
+    def drafting(self) -> Drafting:
+        return Drafting(batched=True)
+
     def make_drafter(self, target_model) -> TreeDrafter:
         return TreeDrafter(self, target_model)
+
+    def make_batch_drafter(self, target_model):
+        from .batch_drafter import RaggedTreeDrafter
+
+        return RaggedTreeDrafter(self, target_model)
 
 
 def _rms(x: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .base import DraftHead, HeadConfig, target_identity
+from .base import DraftHead, Drafting, FeatureSpec, HeadConfig, target_identity
 from .drafter import TreeDrafter
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache, rms_norm
 from .objectives import eagle3_loss
@@ -28,6 +28,8 @@ class Eagle3Head(DraftHead):
     """EAGLE-3-style draft head with a draft vocabulary and fused target features."""
 
     head_type = "eagle3"
+    ignored_train_keys = ("l1_weight", "ce_weight", "fc_bias", "medusa_heads")
+    widens_vocab = False  # its own lm_head has rows for its draft vocabulary only
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -125,11 +127,6 @@ class Eagle3Head(DraftHead):
 
     # -- training and drafting ----------------------------------------------------------------
 
-    def target_features(self, model, ids: torch.Tensor) -> torch.Tensor:
-        """[T, H + 3H]: the target's post-norm last hidden state, then the outputs of the fused layers."""
-        states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
-        return torch.cat([states[-1][0]] + [states[i + 1][0] for i in self.fused_layers], dim=-1)
-
     def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
         return eagle3_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
 
@@ -138,5 +135,18 @@ class Eagle3Head(DraftHead):
         out = module(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
         return self.draft_logits(out).float().sum() * 0.0
 
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(self.config.hidden_size, tuple(self.fused_layers))
+
+    @property
+    def drafting(self) -> Drafting:
+        return Drafting(batched=True)
+
     def make_drafter(self, target_model) -> TreeDrafter:
         return TreeDrafter(self, target_model)
+
+    def make_batch_drafter(self, target_model):
+        from .batch_drafter import RaggedTreeDrafter
+
+        return RaggedTreeDrafter(self, target_model)

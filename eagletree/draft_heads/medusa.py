@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import DraftHead, HeadConfig, target_identity
+from .base import DraftHead, Drafting, HeadConfig, target_identity
 from .objectives import medusa_loss
 
 
@@ -27,7 +27,7 @@ class MedusaHead(DraftHead):
     """config.extra: num_heads (K), num_layers (residual blocks per head), own_lm_head (bool)."""
 
     head_type = "medusa"
-    drafts_from_own_features = False  # head k reads the committed feature only
+    ignored_train_keys = ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias")
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -84,6 +84,11 @@ class MedusaHead(DraftHead):
 
     def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
         return module(torch.zeros(2, self.config.hidden_size, device=device), lm_weight, lm_bias).float().sum() * 0.0
+
+    @property
+    def drafting(self) -> Drafting:
+        # head k reads the committed feature only: one call at the commit drafts every level, K levels deep
+        return Drafting(max_depth=self.num_heads, follows_drafts=False, catch_up=1, level_calls=0)
 
     def make_drafter(self, target_model) -> MedusaDrafter:
         return MedusaDrafter(self, target_model)

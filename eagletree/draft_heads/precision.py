@@ -38,14 +38,12 @@ def draft_dtype_path(head, target_model) -> Path:
 def measure_draft_dtypes(head, target_model, dtypes=CANDIDATES, steps: int = 8, context: int = 256) -> dict:
     """Seconds of one drafting step (catch-up of 2 tokens, then 3 levels of 8 rows, after a one-token target pass)
     per dtype name, median over `steps` steps taken in turn for each dtype."""
-    from .batch_drafter import RaggedTreeDrafter
-
     generator = torch.Generator().manual_seed(0)
-    width = _feature_width(head)
+    width = head.feature_spec.width  # what its catch-up reads
     vocab = target_model.get_input_embeddings().num_embeddings
     drafters = {}
     for dtype in dtypes:
-        drafter = RaggedTreeDrafter(_twin(head, dtype), target_model)
+        drafter = _twin(head, dtype).make_batch_drafter(target_model)
         drafter.add_row()
         drafter.extend(
             [0],
@@ -60,7 +58,7 @@ def measure_draft_dtypes(head, target_model, dtypes=CANDIDATES, steps: int = 8, 
         for name, drafter in drafters.items():
             target_model(input_ids=token)
             t = time.perf_counter()
-            _draft_step(drafter, width, vocab, generator)
+            _draft_step(drafter, width, vocab, generator, head.drafting.max_depth)
             if step:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
@@ -75,15 +73,9 @@ def _twin(head, dtype):
     return twin.to(device=param.device, dtype=dtype).eval()
 
 
-def _feature_width(head) -> int:
-    """The width of the target features a head's catch-up reads (EAGLE-3: three fused layers)."""
-    fused = getattr(head, "fused_layers", None)
-    return head.config.hidden_size * (len(fused) if fused else 1)
-
-
-def _draft_step(drafter, width: int, vocab: int, generator) -> None:
+def _draft_step(drafter, width: int, vocab: int, generator, max_depth: int | None = None) -> None:
     """A catch-up of 2 committed tokens, then levels of 4, 8 and 8 nodes (ids 1-4 under the root, 5-12 under them
-    in turn, 13-20 one under each of those)."""
+    in turn, 13-20 one under each of those), as deep as the head drafts (`max_depth` levels below the root)."""
     drafter.extend([0], [torch.randn(2, width, generator=generator)], [torch.randint(vocab, (2,), generator=generator)])
     drafter.expand([(0, torch.tensor([0]), torch.tensor([0]), torch.tensor([-1]), 1)])
     for level, nodes, parents in (
@@ -91,6 +83,8 @@ def _draft_step(drafter, width: int, vocab: int, generator) -> None:
         (3, range(5, 13), [1, 2, 3, 4] * 2),
         (4, range(13, 21), range(5, 13)),
     ):
+        if max_depth is not None and level > max_depth:
+            break
         tokens = torch.randint(vocab, (len(nodes),), generator=generator)
         drafter.expand([(0, torch.tensor(list(nodes)), tokens, torch.tensor(list(parents)), level)])
 

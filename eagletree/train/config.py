@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..draft_heads import head_types
+from ..draft_heads import head_class, head_types
 from ..errors import EagletreeError
 from ..target import cpu_has_bf16
 
@@ -77,14 +77,6 @@ class TrainConfig:
         _check_ranges(values)
         _check_choices(values, defaults)
         return cls(**values)
-
-
-# the config keys a head type's model and objective never read (the EAGLE-1/2 objective reads them all but one)
-IGNORED_BY = {
-    "eagle": ("medusa_heads",),
-    "eagle3": ("l1_weight", "ce_weight", "fc_bias", "medusa_heads"),
-    "medusa": ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias"),
-}
 
 
 def _read_values(path, overrides, defaults: TrainConfig) -> dict:
@@ -195,10 +187,12 @@ def _check_ranges(values: dict) -> None:
 def _check_choices(values: dict, defaults: TrainConfig) -> None:
     """The keys that depend on one another agree (where the head starts, its vocabulary, what its type reads), and
     the keys naming a choice name a known one."""
-    if values.get("init_from_target") and values.get("head_type", "eagle") != "eagle":
+    kind = head_class(values.get("head_type", "eagle"))
+    if values.get("init_from_target") and not kind.starts_from_target:
+        starts = [k for k in head_types() if head_class(k).starts_from_target]
         raise TrainingError(
-            f"init_from_target starts an EAGLE-1/2 head ('eagle') from the target's last layer; "
-            f"head_type is {values['head_type']!r}"
+            f"init_from_target starts a head from the target's last layer, which {', '.join(map(repr, starts))} "
+            f"heads can; head_type is {values['head_type']!r}"
         )
     if values.get("init_from_target") and values.get("init_head"):
         raise TrainingError(
@@ -209,9 +203,9 @@ def _check_choices(values: dict, defaults: TrainConfig) -> None:
             "widen_vocab widens the draft vocabulary of init_head's head: set init_head (a fresh "
             "head drafts over the full vocabulary with draft_vocab=0)"
         )
-    if values.get("widen_vocab") and values.get("head_type", "eagle") == "eagle3":
+    if values.get("widen_vocab") and not kind.widens_vocab:
         raise TrainingError(
-            "widen_vocab: an EAGLE-3 head scores tokens with its own lm_head over its draft "
+            f"widen_vocab: a {kind.head_type!r} head scores tokens with its own lm_head over its draft "
             "vocabulary, so it cannot be widened; drop widen_vocab"
         )
     if values.get("widen_vocab") and values.get("draft_vocab"):
@@ -219,17 +213,17 @@ def _check_choices(values: dict, defaults: TrainConfig) -> None:
             f"widen_vocab trains over the full vocabulary, but draft_vocab is "
             f"{values['draft_vocab']}: set draft_vocab=0"
         )
-    head_type = values.get("head_type", "eagle")
+    head_type = kind.head_type
     ignored = [
         k
-        for k in IGNORED_BY.get(head_type, ())
+        for k in kind.ignored_train_keys
         if k in values and values[k] != getattr(defaults, k) and not (k == "noise" and values[k] == 0)
     ]  # no noise: what such a head does anyway
     if ignored:
         raise TrainingError(
             f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
             f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
-            f"(it ignores {', '.join(IGNORED_BY[head_type])}); remove "
+            f"(it ignores {', '.join(kind.ignored_train_keys)}); remove "
             f"{'it' if len(ignored) == 1 else 'them'} from the config"
         )
     if values.get("report_to", "wandb") not in ("wandb", "none"):

@@ -51,21 +51,21 @@ def agreement(
     target's greedy token there.
     `sequences`: (ids [T], mask [T] bool) pairs to measure instead of rendering `conversations`.
     """
-    if not head.drafts_from_own_features:
+    if not head.drafting.follows_drafts:
         return None  # (Medusa) no free-running chain to measure
     device = next(target.parameters()).device
     lm = target.get_output_embeddings()
-    layers = head.fused_layers
+    spec = head.feature_spec
     hits_tf = total_tf = 0
     hits = [0] * steps
     total = [0] * steps
     sequences = list(_rendered(tokenizer, conversations, max_len)) if sequences is None else sequences
     for ids, mask in tqdm(sequences, desc="agreement", leave=False):
         ids, mask = ids.to(device), mask.to(device)
-        if layers:
+        if spec.layers:
             states = target.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
             final = states[-1][0]
-            feats = torch.cat([states[i + 1][0] for i in layers], dim=-1)  # the head's input: fused layers
+            feats = spec.from_states(states)[0]  # the head's input: fused layers
         else:
             final = feats = target.get_decoder()(input_ids=ids[None]).last_hidden_state[0]  # [T, H]
         greedy = lm(final).argmax(-1)  # [T] the target's next token after each position

@@ -230,9 +230,9 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
     head = head.to(device).train()
     embed = model.get_input_embeddings()
     target_lm = _target_lm(model, head, device)
-    if head.fused_layers and store is not None:
+    if head.feature_spec.layers and store is not None:
         raise TrainingError(
-            f"{head.head_type!r} heads read target layers {head.fused_layers}: they train on online "
+            f"{head.head_type!r} heads read target layers {list(head.feature_spec.layers)}: they train on online "
             "features (the feature cache holds the last layer only)"
         )
     params = [p for p in head.parameters() if p.requires_grad]
