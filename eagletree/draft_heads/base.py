@@ -65,6 +65,18 @@ class FeatureSpec:
             return hidden_states[-1]
         return torch.cat([hidden_states[i + 1] for i in self.layers], dim=-1)
 
+    @property
+    def training_width(self) -> int:
+        """Features per position training reads: the post-norm last hidden state, then the fused layers' outputs."""
+        return self.hidden_size + (self.width if self.layers else 0)
+
+    def training_features(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """[T, training_width] for one sequence ids [T]: what a head trains on (online, or cached offline)."""
+        if not self.layers:
+            return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+        states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
+        return torch.cat([states[-1][0], self.from_states(states)[0]], dim=-1)
+
 
 @dataclass(frozen=True)
 class Drafting:
@@ -147,6 +159,11 @@ class DraftHead(nn.Module):
         """The target features this head reads (decoding's passes, training, offline features, evaluation ask it)."""
         return FeatureSpec(self.config.hidden_size)
 
+    @classmethod
+    def feature_spec_for(cls, target_config) -> FeatureSpec:
+        """The features a new head of this kind (`create`) reads for this target: what an offline cache must hold."""
+        return FeatureSpec(target_config.hidden_size)
+
     @property
     def drafting(self) -> Drafting:
         """What this head's drafter does per step (depth, calls, batching)."""
@@ -154,12 +171,8 @@ class DraftHead(nn.Module):
 
     def target_features(self, model, ids: torch.Tensor) -> torch.Tensor:
         """The target's features the head trains on for one sequence ids [T]: [T, H] post-norm last hidden state,
-        then (for a head reading fused layers) those layers' outputs [T, width]."""
-        spec = self.feature_spec
-        if not spec.layers:
-            return model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
-        states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
-        return torch.cat([states[-1][0], spec.from_states(states)[0]], dim=-1)
+        then (for a head reading fused layers) those layers' outputs (`FeatureSpec.training_features`)."""
+        return self.feature_spec.training_features(model, ids)
 
     def make_drafter(self, target_model):
         """The `Drafter` (draft_heads/drafter.py) that drafts trees with this head."""

@@ -139,6 +139,10 @@ class Eagle3Head(DraftHead):
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(self.config.hidden_size, tuple(self.fused_layers))
 
+    @classmethod
+    def feature_spec_for(cls, target_config) -> FeatureSpec:
+        return FeatureSpec(target_config.hidden_size, tuple(default_fused_layers(target_config.num_hidden_layers)))
+
     @property
     def drafting(self) -> Drafting:
         return Drafting(batched=True)

@@ -1,7 +1,9 @@
 """Offline features: cache the target's hidden states once, train many times without the target.
 
 Layout of `features_dir`: `manifest.json` plus `shard-00000.safetensors`, ... Each shard holds,
-per conversation i, `{i}.ids` [T], `{i}.mask` [T] and `{i}.hidden` [T, H]. A shard is written
+per conversation i, `{i}.ids` [T], `{i}.mask` [T] and `{i}.hidden` [T, F]: the features the config's head kind
+trains on (its `FeatureSpec.training_features`: the post-norm last hidden state, H wide, then the outputs of the
+target layers it fuses, when it fuses some; the manifest's identity names those layers). A shard is written
 under a temporary name and renamed, and only then recorded in the manifest (also replaced
 atomically), so an interrupted run resumes at the first missing shard and never trusts half a file.
 """
@@ -18,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..draft_heads import target_identity
+from ..draft_heads import FeatureSpec, head_class, target_identity
 from ..errors import EagletreeError
 from ..files import is_partial, write_json_atomic, writing
 from .render import MASK_VERSION, RenderError, render
@@ -31,7 +33,13 @@ class FeatureError(EagletreeError, ValueError):
     """A feature cache that does not belong to this target or config, or is damaged."""
 
 
+def feature_spec(cfg, target_config) -> FeatureSpec:
+    """The features a new head of the config's kind reads for this target: what the cache holds."""
+    return head_class(cfg.head_type).feature_spec_for(target_config)
+
+
 def _identity(cfg, target_config) -> dict:
+    layers = feature_spec(cfg, target_config).layers
     return {
         "target": target_identity(target_config),
         "dataset": cfg.dataset,
@@ -41,7 +49,7 @@ def _identity(cfg, target_config) -> dict:
         "max_conversations": cfg.max_conversations,
         "dtype": cfg.feature_dtype,
         "masks": MASK_VERSION,
-    }
+    } | ({"layers": list(layers)} if layers else {})  # (a cache of the last layer alone names none, as before)
 
 
 def load_manifest(folder: Path) -> dict | None:
@@ -132,12 +140,13 @@ def _render_all(cfg, tokenizer, conversations) -> tuple[list, int]:
     return rendered, skipped
 
 
-def _shard_tensors(model, shard: list, device, dtype, bar) -> tuple[dict, list]:
+def _shard_tensors(model, shard: list, spec: FeatureSpec, dtype, bar) -> tuple[dict, list]:
     """Run the target on one shard's conversations: (the tensors to save, the conversation ids)."""
     tensors, ids = {}, []
+    device = next(model.parameters()).device
     for i, (conv_id, r) in enumerate(shard):
         with torch.inference_mode():
-            hidden = model.get_decoder()(input_ids=r.input_ids[None].to(device)).last_hidden_state[0]
+            hidden = spec.training_features(model, r.input_ids.to(device))
         tensors[f"{i}.ids"] = r.input_ids.to(torch.int32)
         tensors[f"{i}.mask"] = r.loss_mask.to(torch.uint8)
         tensors[f"{i}.hidden"] = hidden.to("cpu", dtype).contiguous()
@@ -159,7 +168,8 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     manifest = _resumable_manifest(folder, identity, shard_size)
     rendered, skipped = _render_all(cfg, tokenizer, conversations)
     dtype = _DTYPES[cfg.feature_dtype]
-    bytes_per_token = model.config.hidden_size * torch.finfo(dtype).bits // 8 + 9  # features + id + mask
+    spec = feature_spec(cfg, model.config)
+    bytes_per_token = spec.training_width * torch.finfo(dtype).bits // 8 + 9  # features + id + mask
     total_tokens = sum(r.input_ids.numel() for _, r in rendered)
     done = {s["index"] for s in manifest["shards"]}
     shards = [rendered[i : i + shard_size] for i in range(0, len(rendered), shard_size)]
@@ -171,7 +181,6 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         f"{len(shards) - len(todo)} already done)",
         file=log,
     )
-    device = next(model.parameters()).device
     bar = tqdm(
         total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]),
         unit="tok",
@@ -179,7 +188,7 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         disable=not progress,
     )
     for k in todo:
-        tensors, ids = _shard_tensors(model, shards[k], device, dtype, bar)
+        tensors, ids = _shard_tensors(model, shards[k], spec, dtype, bar)
         name = f"shard-{k:05d}.safetensors"
         with writing(folder / name) as tmp:
             save_file(tensors, tmp)
@@ -217,6 +226,7 @@ class FeatureStore:
                 "finished shards",
                 stacklevel=2,
             )
+        self.layers = tuple(manifest["identity"].get("layers", ())) or None  # the fused layers it holds
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
         self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
         self._open_name, self._open = None, None
@@ -225,7 +235,7 @@ class FeatureStore:
         return len(self.index)
 
     def __getitem__(self, n: int):
-        """(ids [T] long, mask [T] bool, hidden [T, H] float32) of example n."""
+        """(ids [T] long, mask [T] bool, features [T, F] float32) of example n."""
         name, i = self.index[n]
         if name != self._open_name:
             self._open, self._open_name = safe_open(str(self.folder / name), framework="pt"), name

@@ -230,10 +230,11 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
     head = head.to(device).train()
     embed = model.get_input_embeddings()
     target_lm = _target_lm(model, head, device)
-    if head.feature_spec.layers and store is not None:
+    if store is not None and store.layers != head.feature_spec.layers:  # (init_head: a head of its own layers)
         raise TrainingError(
-            f"{head.head_type!r} heads read target layers {list(head.feature_spec.layers)}: they train on online "
-            "features (the feature cache holds the last layer only)"
+            f"features_dir {cfg.features_dir!r} holds {_layers(store.layers)}, but this {head.head_type!r} head "
+            f"reads {_layers(head.feature_spec.layers)}: cache the features for this head again, or train online "
+            "(features_dir='')"
         )
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -267,6 +268,11 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
         counters,
     )
     return Run(cfg, accelerator, precision, data, stepper, step, last_ckpt=resumed[0] if resumed else None)
+
+
+def _layers(layers) -> str:
+    """The target features a cache holds or a head reads, in words."""
+    return f"the outputs of target layers {list(layers)}" if layers else "the target's last hidden state"
 
 
 def _head_to_train(
