@@ -140,7 +140,7 @@ def test_plan_measures_an_eagle3_heads_drafting_without_a_profile(tmp_path, monk
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_offline_features_hold_what_the_head_reads_and_train_like_online(tmp_path, kind):
-    from eagletree.train.config import TrainConfig, TrainingError
+    from eagletree.train.config import TrainConfig
     from eagletree.train.features import cache_features
     from eagletree.train.loop import train
 

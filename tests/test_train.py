@@ -267,7 +267,9 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     assert summary["steps"] == 8 and not torch.equal(
         trained.layer.state_dict()["mlp.down_proj.weight"].cpu(), last["mlp.down_proj.weight"]
     )
-    with pytest.raises(TrainingError, match="init_from_target starts a head .* which 'eagle' heads can; head_type is 'medusa'"):
+    with pytest.raises(
+        TrainingError, match="init_from_target starts a head .* which 'eagle' heads can; head_type is 'medusa'"
+    ):
         TrainConfig.from_sources(None, ["init_from_target=true", "head_type=medusa"])
     with pytest.raises(TrainingError, match="init_from_target and init_head 'runs/x' both say where the head starts"):
         TrainConfig.from_sources(None, ["init_from_target=true", "init_head=runs/x"])
