@@ -519,7 +519,7 @@ def _add_profile_command(sub) -> None:
     p.add_argument(
         "--head",
         default=None,
-        help="a head folder whose draft vocabulary size the random head takes (--draft-vocab head)",
+        help="a head folder: the random head is of its kind and, with --draft-vocab head, drafts over as many tokens",
     )
     p.add_argument(
         "--draft-vocab",

@@ -172,3 +172,22 @@ def test_offline_features_hold_what_the_head_reads_and_train_like_online(tmp_pat
         )
         with pytest.raises(Exception, match="holds features for"):
             train(other, model_and_tokenizer=(model, tok), progress=False)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_profile_times_a_head_of_the_kind_it_is_given(tmp_path, kind):
+    """`eagletree profile --head DIR` profiles a random head of DIR's kind, its drafting per step as the head
+    declares it (catch-up, then its calls per level)."""
+    from eagletree.bench.profile import profile_costs, profile_head_type, random_model
+
+    from helpers import tiny_config
+
+    model, head = random_model(tiny_config("llama"), "cpu", torch.float32, None, kind)
+    assert head.head_type == kind
+    head.save_pretrained(tmp_path / "head")
+    assert profile_head_type(tmp_path / "head") == kind and profile_head_type(None) == "eagle"
+    rows = profile_costs(model, head, [1, 4], depth=3, top_k=2, prefix=8, reps=1, progress=False)
+    assert rows[0]["draft_ms"] == 0.0 and rows[1]["draft_ms"] > 0
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"head_type": "wizard"}))
+    with pytest.raises(Exception, match="unknown head_type 'wizard'"):
+        profile_head_type(tmp_path / "head")

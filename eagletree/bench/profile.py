@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..draft_heads import EagleHead, make_drafter
+from ..draft_heads import head_class, make_drafter
 from ..files import check_output_folder, write_json_atomic, write_text_atomic
 from ..tree_search import eagle2_search
 from ..verify.profile import measure_verify
@@ -62,14 +62,28 @@ def random_target(config, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
 
-def random_model(config, device, dtype, draft_vocab: int | None = None):
-    """The model and its matching EAGLE head with random weights, built directly on the device (no download);
+def random_model(config, device, dtype, draft_vocab: int | None = None, head_type: str = "eagle"):
+    """The model and a matching head of `head_type` with random weights, built directly on the device (no download);
     the head drafts over the target's whole vocabulary, or over `draft_vocab` tokens."""
     model = random_target(config, device, dtype)
     with torch.device(device):
         tokens = None if draft_vocab is None else torch.arange(draft_vocab)
-        head = EagleHead.for_target(config, tokens).to(device=device, dtype=dtype).eval()
+        head = head_class(head_type).new(model, tokens).to(device=device, dtype=dtype).eval()
     return model, head
+
+
+def profile_head_type(head_dir) -> str:
+    """The kind of head to profile: that of the head in `head_dir` (its config.json's head_type; a folder in
+    EAGLE's own layout has none and is an EAGLE-1/2 head), or EAGLE-1/2 without one."""
+    if not head_dir:
+        return "eagle"
+    path = Path(head_dir) / "config.json"
+    try:
+        kind = json.loads(path.read_text()).get("head_type", "eagle")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"--head {head_dir}: cannot read its head_type from {path}: {e}") from None
+    head_class(kind)  # an unknown kind is refused here, naming the known ones
+    return kind
 
 
 def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size: int) -> int | None:
@@ -131,17 +145,28 @@ class TimedDrafter:
 
 
 def measure_drafting(model, head, budgets, depth=6, top_k=10, prefix=256, reps=10) -> dict[int, dict]:
-    """Median seconds per head call (one depth level) and of the EAGLE-2 search's own work per step, per budget."""
+    """Median seconds per budget of one head call per depth level ("level"), of the EAGLE-2 search's own work per
+    step ("search") and of the catch-up on 2 accepted tokens that starts a step ("catch_up")."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     drafter = make_drafter(head, model)
-    drafter.extend(
-        torch.randn(prefix, head.feature_spec.width, generator=g).to(device, model.dtype),  # what the head reads
-        torch.randint(model.config.vocab_size, (prefix,), generator=g).to(device),
-    )
-    times = {b: {"level": [], "search": []} for b in budgets}
+    depth = min(depth, head.drafting.max_depth or depth)
+
+    def commit(n: int) -> float:
+        """Seconds of committing n random positions (the features the head reads, and their next tokens)."""
+        feats = torch.randn(n, head.feature_spec.width, generator=g).to(device, model.dtype)
+        tokens = torch.randint(model.config.vocab_size, (n,), generator=g).to(device)
+        sync(device)
+        t = time.perf_counter()
+        drafter.extend(feats, tokens)
+        sync(device)
+        return time.perf_counter() - t
+
+    commit(prefix)
+    times = {b: {"level": [], "search": [], "catch_up": []} for b in budgets}
     for rep in range(reps + 1):
         for b in budgets:
+            catch_up = commit(2)
             timed = TimedDrafter(drafter, device)
             t0 = time.perf_counter()
             eagle2_search(timed, 0, b, depth, top_k, device=device, token_map=drafter.token_map)
@@ -150,6 +175,7 @@ def measure_drafting(model, head, budgets, depth=6, top_k=10, prefix=256, reps=1
             if rep:  # round 0 warms up
                 times[b]["level"] += [s for level, s in timed.calls if level > 1]  # level 1 reuses the committed root
                 times[b]["search"].append(total - timed.seconds)
+                times[b]["catch_up"].append(catch_up)
     return {b: {k: statistics.median(v) if v else 0.0 for k, v in t.items()} for b, t in times.items()}
 
 
@@ -165,10 +191,9 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
     t1 = verify[1]["forward"]
     rows = []
     for n in sizes:
-        v, d = verify[n], drafting.get(n, {"level": 0.0, "search": 0.0})
+        v, d = verify[n], drafting.get(n, {"level": 0.0, "search": 0.0, "catch_up": 0.0})
         engine = v["mask"] + v["accept"] + v["commit"] + d["search"]
-        # A step makes about `depth` head calls: the commit of the accepted tokens and depth - 1 tree levels.
-        draft = depth * d["level"] if n > 1 else 0.0
+        draft = step_drafting(head.drafting, d, depth) if n > 1 else 0.0
         rows.append(
             {
                 "n": n,
@@ -183,6 +208,13 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
             }
         )
     return rows
+
+
+def step_drafting(drafting, measured: dict, depth: int) -> float:
+    """Seconds of a step's drafting to `depth` levels, by the head's declared calls: its catch-up on the accepted
+    tokens, then its calls per level below the root (as deep as it drafts)."""
+    levels = min(depth, drafting.max_depth or depth) - 1
+    return drafting.catch_up * measured["catch_up"] + drafting.level_calls * levels * measured["level"]
 
 
 def project(rows, tokens_per_pass) -> list[dict]:
@@ -242,8 +274,8 @@ def profile_report(rows, projections, info, command, goal_n=64) -> str:
     lines = [
         f"# eagletree profile\n\n`{command}`\n",
         f"{info['config']} with random {info['dtype']} weights on {info['device']}; prefix {info['prefix']} "
-        f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the head drafting over "
-        f"{vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
+        f"tokens, tree depth <= {info['depth']}, top-k {info['top_k']}, the {info.get('head_type', 'eagle')} head "
+        f"drafting over {vocab_words(info.get('draft_vocab', 'full'))}; median of {info['reps']} round-robin reps.\n",
         "| N | verify ms | t(N)/t(1) | head call ms | drafting ms/step | search ms | engine ms (search, mask, "
         "accept, commit) | engine % of pass | step / t(1) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -297,7 +329,8 @@ def main_profile(args, command: str = "eagletree profile") -> int:
     if tokens is None and results.is_file():
         tokens, source = measured_tokens_per_pass(results), str(results)
     draft_vocab = profile_draft_vocab(args.draft_vocab, args.head, device, config.vocab_size)
-    model, head = random_model(config, device, dtype, draft_vocab)
+    kind = profile_head_type(args.head)
+    model, head = random_model(config, device, dtype, draft_vocab, kind)
     rows = profile_costs(model, head, sizes, args.depth, args.top_k_draft, args.prefix, args.reps)
     projections = project(rows, tokens) if tokens is not None else []
     info = {
@@ -305,6 +338,7 @@ def main_profile(args, command: str = "eagletree profile") -> int:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "draft_vocab": draft_vocab or "full",
+        "head_type": kind,
         "prefix": args.prefix,
         "depth": args.depth,
         "top_k": args.top_k_draft,

@@ -142,6 +142,12 @@ class DraftHead(nn.Module):
         """A freshly initialized head for a training run: `cfg` is the run's TrainConfig."""
         raise NotImplementedError(f"{cls.__name__} does not define create()")
 
+    @classmethod
+    def new(cls, target_model, draft_tokens: torch.Tensor | None = None) -> DraftHead:
+        """A head of this kind in its default shape with fresh weights (profiles, checks), over `draft_tokens` or the
+        target's whole vocabulary."""
+        raise NotImplementedError(f"{cls.__name__} does not define new()")
+
     def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
         """(loss, parts) of the training objective on one sequence, or None when it has nothing to learn from.
 

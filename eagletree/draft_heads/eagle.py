@@ -70,6 +70,10 @@ class EagleHead(DraftHead):
         return head
 
     @classmethod
+    def new(cls, target_model, draft_tokens=None) -> EagleHead:
+        return cls.for_target(target_model.config, draft_tokens)
+
+    @classmethod
     def create(cls, target_model, cfg, draft_tokens=None) -> EagleHead:
         head = cls.for_target(target_model.config, draft_tokens, fc_bias=cfg.fc_bias)
         if cfg.init_from_target:

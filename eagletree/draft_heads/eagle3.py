@@ -88,6 +88,10 @@ class Eagle3Head(DraftHead):
         return head
 
     @classmethod
+    def new(cls, target_model, draft_tokens=None) -> Eagle3Head:
+        return cls.for_target(target_model, draft_tokens)
+
+    @classmethod
     def create(cls, target_model, cfg, draft_tokens=None) -> Eagle3Head:
         return cls.for_target(target_model, draft_tokens)
 

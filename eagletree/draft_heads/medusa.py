@@ -65,6 +65,10 @@ class MedusaHead(DraftHead):
         return head
 
     @classmethod
+    def new(cls, target_model, draft_tokens=None) -> MedusaHead:
+        return cls.for_target(target_model.config, draft_tokens)
+
+    @classmethod
     def create(cls, target_model, cfg, draft_tokens=None) -> MedusaHead:
         return cls.for_target(target_model.config, draft_tokens, num_heads=cfg.medusa_heads)
 
