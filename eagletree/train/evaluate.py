@@ -25,7 +25,7 @@ from ..tree_search import Calibrator, acceptance_pairs, calibration_report
 from ..tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 from .config import TrainConfig, TrainingError
 from .data import DataError, load_training_data, split
-from .distill import first_turns
+from .distill.selection import first_turns
 from .loop import has_assistant_text
 from .render import RenderError, render
 
