@@ -41,7 +41,7 @@ from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, 
 from .prompt_batch import answered, decode_prompts, run_summary
 from .prompts import humaneval_prompts
 from .train.data import Conversation, load_dataset, split, stats
-from .train.distill import check_match, distill, ids_in
+from .train.distill import DistillOptions, check_match, distill, ids_in
 from .train.evaluate import measure_copy_calibration
 from .train.features import cache_features, check_features_dir
 from .train.loop import TrainConfig, on_cpu, resolve_precision, training_conversations
@@ -642,11 +642,7 @@ def cmd_distill(args) -> int:
         model, tok, head, _ = load_models(
             args.target, head_path, device=args.device, dtype=args.dtype, pack=args.pack, draft_vocab="auto"
         )
-    counts = distill(
-        model,
-        tok,
-        train_convs,
-        args.out,
+    options = DistillOptions(
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         batch_size=args.batch_size,
@@ -658,8 +654,7 @@ def cmd_distill(args) -> int:
         min_prompt_tokens=args.min_prompt_tokens,
         match=args.match,
         decoder=args.decoder,
-        head=head,
-        engine=engine,
     )
+    counts = distill(model, tok, train_convs, args.out, options, head=head, engine=engine)
     print(json.dumps(counts))
     return 0

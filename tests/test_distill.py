@@ -126,7 +126,7 @@ def test_batched_answers_equal_the_unbatched_greedy_answers(tmp_path):
 
 
 def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path, monkeypatch):
-    from eagletree.train import distill as mod
+    from eagletree.train.distill import answer_hf as mod
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     convs = tiny_conversations(10)

@@ -1,11 +1,11 @@
-"""The machinery of scripts/check_engine_loaders.py, on a tiny engine written here (the real run needs SGLang's wheel).
+"""The machinery of scripts/check_engine_loaders.py (in scripts/engines/), on a tiny engine written here (the real run
+needs SGLang's wheel).
 
 The fake engine is Python source executed the way the script executes SGLang's files: imports resolved from a
 Sandbox of stand-in modules, a stacked q/k/v loader as SGLang writes it. The self-test's broken copies are made from
 small export folders written here.
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,11 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "check_engine_loaders.py"
-spec = importlib.util.spec_from_file_location("check_engine_loaders", SCRIPT)
-cel = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = cel  # its dataclasses look their module up there
-spec.loader.exec_module(cel)
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from engines import broken_exports, load_audit, sandbox, standins  # noqa: E402
 
 ENGINE = """
 import torch
@@ -60,8 +57,8 @@ def default_weight_loader(param, w):
 
 
 def engine():
-    box = cel.Sandbox("fake")
-    box.stub("fakeengine.layers.linear", "test", QKVParallelLinear=cel.QKVParallelLinear)
+    box = sandbox.Sandbox("fake")
+    box.stub("fakeengine.layers.linear", "test", QKVParallelLinear=standins.QKVParallelLinear)
     box.stub("fakeengine.loader", "test", default_weight_loader=default_weight_loader)
     return box, box.run("fakeengine.models.draft", ENGINE, "fakeengine/models/draft.py")
 
@@ -79,9 +76,9 @@ def checkpoint():
 def audit(state, after=None):
     box, module = engine()
     model = module.Draft(8, 2, 1, 4)
-    result = cel.Audit("fake", "export")
+    result = load_audit.Audit("fake", "export")
     with box.active():
-        cel.audit_load(
+        load_audit.audit_load(
             result,
             model,
             state,
@@ -123,13 +120,13 @@ def test_weights_the_engine_takes_from_the_target_are_not_missing_and_are_listed
 
 
 def test_an_engine_function_runs_from_its_source_and_the_sandbox_leaves_sys_modules_as_it_was():
-    fn = cel.definition(ENGINE, "Draft.load_weights", "draft.py", {})
+    fn = sandbox.definition(ENGINE, "Draft.load_weights", "draft.py", {})
     assert (
         fn.__code__.co_filename == "draft.py"
         and fn.__code__.co_firstlineno == ENGINE.split("\n").index("    def load_weights(self, weights):") + 1
     )
     with pytest.raises(SystemExit, match="defines no Draft.forward"):
-        cel.definition(ENGINE, "Draft.forward", "draft.py", {})
+        sandbox.definition(ENGINE, "Draft.forward", "draft.py", {})
     box, _ = engine()
     with box.active():
         assert "fakeengine.loader" in sys.modules
@@ -138,16 +135,18 @@ def test_an_engine_function_runs_from_its_source_and_the_sandbox_leaves_sys_modu
 
 def test_a_drop_rule_must_be_in_the_engine_source():
     source = 'for name, w in weights:\n    if "t2d" in name:\n        continue\n'
-    assert cel.drop_rule(source, "t2d", "x.py") == {"t2d": "x.py"}
+    assert load_audit.drop_rule(source, "t2d", "x.py") == {"t2d": "x.py"}
     with pytest.raises(SystemExit, match="no longer skips 'd2t'"):
-        cel.drop_rule(source, "d2t", "x.py")
+        load_audit.drop_rule(source, "d2t", "x.py")
 
 
 def export_folder(tmp_path, name, fmt, draft_ids, **weights):
     folder = tmp_path / name
     folder.mkdir()
     config = (
-        {"architectures": ["X"], **cel.aux_eagle_config([1, 2, 3])} if fmt == "eagle3" else {"architectures": ["X"]}
+        {"architectures": ["X"], **broken_exports.aux_eagle_config([1, 2, 3])}
+        if fmt == "eagle3"
+        else {"architectures": ["X"]}
     )
     (folder / "config.json").write_text(json.dumps(config))
     from safetensors.torch import save_file
@@ -155,7 +154,7 @@ def export_folder(tmp_path, name, fmt, draft_ids, **weights):
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
     if fmt == "sglang":
         torch.save(list(draft_ids), folder / "token_map.pt")  # as the export writes it
-    return cel.Export(folder, fmt, [0, 1, 2] if fmt == "eagle3" else None, draft_ids)
+    return load_audit.Export(folder, fmt, [0, 1, 2] if fmt == "eagle3" else None, draft_ids)
 
 
 def test_the_self_test_breaks_the_exports_over_a_draft_vocabulary_and_expects_sglang_to_report_all_but_one(tmp_path):
@@ -163,7 +162,9 @@ def test_the_self_test_breaks_the_exports_over_a_draft_vocabulary_and_expects_sg
     full = export_folder(tmp_path, "full", "eagle3", None, **{"embed_tokens.weight": torch.zeros(2, 2)})
     d2t = torch.tensor([0, 1, 3])  # target id = index + offset: 0, 2, 5
     draft = export_folder(tmp_path, "d", "eagle3", [0, 2, 5], d2t=d2t, **{"embed_tokens.weight": torch.zeros(2, 2)})
-    cases = cel.broken_exports([sglang, full, draft], tmp_path / "work")  # the full-vocabulary one is skipped
+    cases = broken_exports.broken_exports(
+        [sglang, full, draft], tmp_path / "work"
+    )  # the full-vocabulary one is skipped
     assert [e.draft_ids for _, e, _ in cases] == [[0, 2, 5]] * len(cases)
     assert [e.fmt for _, e, _ in cases] == ["sglang"] * 4 + ["eagle3"] * 6
     assert [what for what, _, reported in cases if not reported] == [
@@ -174,7 +175,7 @@ def test_the_self_test_breaks_the_exports_over_a_draft_vocabulary_and_expects_sg
     by_what = {what: e.folder for what, e, _ in cases}
     broken_d2t = load_file(str(by_what["d2t as target ids instead of offsets"] / "model.safetensors"))["d2t"]
     assert broken_d2t.tolist() == [0, 2, 5]
-    assert cel.aux_layer_ids(by_what["eagle_config layer ids + 1 (SGLang adds 1 itself)"]) == [2, 3, 4]
+    assert broken_exports.aux_layer_ids(by_what["eagle_config layer ids + 1 (SGLang adds 1 itself)"]) == [2, 3, 4]
     assert torch.load(by_what["token_map.pt in another order"] / "token_map.pt") == [5, 2, 0]
     with pytest.raises(SystemExit, match="each over a draft vocabulary"):
-        cel.broken_exports([sglang, full], tmp_path / "work2")
+        broken_exports.broken_exports([sglang, full], tmp_path / "work2")

@@ -144,3 +144,9 @@ def test_no_import_cycles():
     assert "eagletree.packing" in graph["eagletree.draft_heads.drafter"]  # (the graph is the package's)
     cycles = find_cycles(graph)
     assert not cycles, "import cycles among eagletree modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_search_layer_does_not_import_training():
+    graph = import_graph()
+    found = {m: sorted(d for d in deps if d.startswith("eagletree.train")) for m, deps in graph.items()}
+    assert not {m: d for m, d in found.items() if m.startswith("eagletree.tree_search") and d}

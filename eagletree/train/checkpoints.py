@@ -39,41 +39,33 @@ def set_rng_state(state, noise_gen) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
-    folder: Path,
-    head,
-    optimizer,
-    scheduler,
-    step,
-    counters,
-    noise_gen,
-    cfg,
-    keep: int,
-    precision: str = "fp32",
-    data: dict | None = None,
-):
-    """Write checkpoints/step-N atomically (temporary folder, then rename) and prune old ones. `data`: what the run
-    trains on (`inputs.data_fingerprint`), so that a resume notices a changed dataset."""
+def trainer_state(optimizer, scheduler, step: int, counters: dict, noise_gen, precision: str = "fp32", data=None):
+    """What a checkpoint's trainer.pt holds besides the head: the optimizer, the schedule, the step, the run's counts,
+    every random state, the precision and what the run trains on (`data`: `inputs.data_fingerprint`, so that a
+    resume notices a changed dataset)."""
+    return {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+        "counters": counters,
+        "rng": rng_state(noise_gen),
+        "precision": precision,
+        "data": data,
+    }
+
+
+def save_checkpoint(folder: Path, head, state: dict, cfg) -> Path:
+    """Write checkpoints/step-N (N: the trainer `state`'s step) atomically (temporary folder, then rename) and prune
+    all but the cfg.keep_checkpoints newest."""
     root = folder / "checkpoints"
-    final = root / f"step-{step:07d}"
+    final = root / f"step-{state['step']:07d}"
     with building(final) as tmp:  # also removes what a killed save left in `root`
         head.save_pretrained(tmp / "head")
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "counters": counters,
-                "rng": rng_state(noise_gen),
-                "precision": precision,
-                "data": data,
-            },
-            tmp / "trainer.pt",
-        )
+        torch.save(state, tmp / "trainer.pt")
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     publish(tmp, final, keep_others=False)
     # the `keep` newest by step, the one just written always among them
-    for old in sorted(root.glob("step-*"), key=lambda p: (p == final, p.name))[:-keep]:
+    for old in sorted(root.glob("step-*"), key=lambda p: (p == final, p.name))[: -cfg.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

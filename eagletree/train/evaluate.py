@@ -25,7 +25,7 @@ from ..tree_search import Calibrator, acceptance_pairs, calibration_report
 from ..tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 from .config import TrainConfig, TrainingError
 from .data import DataError, load_training_data, split
-from .distill import first_turns
+from .distill.selection import first_turns
 from .loop import has_assistant_text
 from .render import RenderError, render
 
@@ -304,14 +304,43 @@ def evaluate_run(
     it); the held-out run of the head alone stays at one prompt at a time: its passes' trees fit the calibration.
     """
     heldout = evaluation_conversations(cfg) if heldout is None else heldout
-    # on the run's device, at generate's default precision there (fp32 on CPU, bf16 on CUDA), as users decode;
-    # through the module, so a stand-in model can replace it
+    head, target, tok = _evaluation_target(cfg, head)
+    metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
+    prompts = heldout_prompts(heldout[cfg.eval_conversations :], n_prompts)
+    calibrator, copy_calibration = _heldout_tokens_per_pass(
+        metrics, head, target, tok, prompts, max_new_tokens, depth, batch_size
+    )
+    if mtbench:
+        # copies valued by the calibration just measured on the held-out prompts (what is saved with the head)
+        metrics["mtbench"] = {
+            "eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth, batch_size=batch_size),
+            "eagle2_60_copy": mtbench_tokens_per_pass(
+                head, target, tok, mtbench, depth=depth, copy_calibration=copy_calibration, batch_size=batch_size
+            ),
+        }
+    head_dir = Path(cfg.out_dir, "head")
+    if head_dir.is_dir():
+        write_json_atomic(head_dir / "calibration.json", asdict(calibrator))
+        copy_calibration.save(head_dir / COPY_CALIBRATION)  # the saved head drafts over the vocabulary measured
+    write_json_atomic(Path(cfg.out_dir, "metrics.json"), metrics)
+    return metrics
+
+
+def _evaluation_target(cfg, head) -> tuple:
+    """(head, target, tokenizer) for evaluating `head`: the run's target on its device, the head there in eval mode.
+
+    At generate's default precision there (fp32 on CPU, bf16 on CUDA), as users decode; loaded through the module,
+    so a stand-in model can replace it."""
     target, tok = targets.load_target(cfg.target, device=cfg.device or None)
     pack_target(target, "auto")  # faster on CPU; tokens/pass does not depend on the kernels
     head.check_target(target.config)
-    head = head.to(next(target.parameters()).device).eval()
-    metrics = {"agreement": agreement(head, target, tok, heldout[: cfg.eval_conversations], max_len=cfg.max_len)}
-    prompts = heldout_prompts(heldout[cfg.eval_conversations :], n_prompts)
+    return head.to(next(target.parameters()).device).eval(), target, tok
+
+
+def _heldout_tokens_per_pass(metrics, head, target, tok, prompts, max_new_tokens: int, depth: int, batch_size: int):
+    """Tokens/pass on the held-out `prompts`, the head alone and with copied spans, and agreement on the target's
+    own answers to them, into `metrics`; returns (the calibrator fitted on the head-alone run, the copy
+    calibration)."""
     steps, answers = [], []
     metrics["eagle2_60"] = tokens_per_pass(
         head,
@@ -335,20 +364,7 @@ def evaluate_run(
     # The text T=0 decoding drafts is the target's own: agreement on those answers, not on ShareGPT's.
     metrics["agreement_own_answers"] = agreement(head, target, tok, sequences=answer_sequences(answers))
     calibrator, metrics["calibration"] = calibrate(steps)
-    if mtbench:
-        # copies valued by the calibration just measured on the held-out prompts (what is saved with the head)
-        metrics["mtbench"] = {
-            "eagle2_60": mtbench_tokens_per_pass(head, target, tok, mtbench, depth=depth, batch_size=batch_size),
-            "eagle2_60_copy": mtbench_tokens_per_pass(
-                head, target, tok, mtbench, depth=depth, copy_calibration=copy_calibration, batch_size=batch_size
-            ),
-        }
-    head_dir = Path(cfg.out_dir, "head")
-    if head_dir.is_dir():
-        write_json_atomic(head_dir / "calibration.json", asdict(calibrator))
-        copy_calibration.save(head_dir / COPY_CALIBRATION)  # the saved head drafts over the vocabulary measured
-    write_json_atomic(Path(cfg.out_dir, "metrics.json"), metrics)
-    return metrics
+    return calibrator, copy_calibration
 
 
 def ship(run_dir, dest) -> Path:

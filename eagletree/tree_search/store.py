@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..train.data import to_messages
+from ..messages import to_messages
 
 DATASTORE = "datastore.npz"  # a head folder's store, read by default when copying
 FORMAT, VERSION = "eagletree-datastore", 1
