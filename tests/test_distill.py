@@ -406,7 +406,7 @@ def test_widen_vocab_fine_tunes_a_draft_vocabulary_head_over_the_full_vocabulary
     assert tuned.config.draft_vocab_size is None and not torch.equal(tuned.fc.weight, first.fc.weight)
     with pytest.raises(TrainingError, match="widen_vocab widens the draft vocabulary of init_head's head"):
         TrainConfig.from_sources(None, ["widen_vocab=true"])
-    with pytest.raises(TrainingError, match="an EAGLE-3 head scores tokens with its own lm_head"):
+    with pytest.raises(TrainingError, match="a 'eagle3' head scores tokens with its own lm_head"):
         TrainConfig.from_sources(None, [f"init_head={head}", "widen_vocab=true", "head_type=eagle3"])
     with pytest.raises(TrainingError, match="draft_vocab is 30: set draft_vocab=0"):
         TrainConfig.from_sources(None, [f"init_head={head}", "widen_vocab=true", "draft_vocab=30"])
