@@ -13,6 +13,7 @@ import warnings
 
 from .decode_config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
 from .errors import EagletreeError
+from .export import format_names
 from .train.data import HELDOUT_FRACTION, TURNS
 
 __all__ = ["build_parser", "main"]
@@ -322,7 +323,7 @@ def _add_head_commands(sub) -> None:
     p.add_argument(
         "--format",
         required=True,
-        choices=["eagle", "vllm", "sglang", "eagle3", "speculators"],
+        choices=format_names(),
         help="EAGLE-1/2 heads: eagle, vllm or sglang; EAGLE-3 heads: eagle3 (SGLang, EAGLE), vllm "
         '(speculative_config method "eagle3") or speculators (vLLM starts it alone, LLM(model=OUT); its config '
         "names the --target folder as the verifier vLLM loads)",
