@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import target
+from . import serve, target
 from .bench import Run, load_prompts, measure_drafting, run_hf
 from .bench import main as bench_main
 from .bench.command import typed_command
@@ -30,7 +30,7 @@ from .export.convert import check_format, engine_notes, export_head, recognize_f
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
 from .loading import head_to_load, load_head, load_models
 from .packing import is_packed, kernels_used, stock_kernels
-from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
+from .plan import Acceptance, PlanOptions, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
 from .prompt_batch import answered, decode_prompts, run_summary
 from .prompts import humaneval_prompts
 from .train.data import Conversation, load_dataset, split, stats
@@ -112,7 +112,7 @@ def _engine_vocab(args, head) -> None:
     """plan --draft-vocab auto: draft over the vocabulary the --engine drafts the export over, so that plan measures
     the ranks the engine will see: vLLM and EAGLE score an EAGLE-1/2 export's tokens over the full vocabulary (no
     token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
-    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.can_widen_vocab():
+    if args.draft_vocab == "auto" and serve.engine(args.engine).full_vocab and head.can_widen_vocab():
         head.widen_vocab()
         print(
             f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
@@ -443,21 +443,15 @@ def cmd_plan(args) -> int:
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
-    result = make_plan(
-        model,
-        tok,
-        head,
+    options = PlanOptions(
         args.engine,
-        profile,
-        measure,
-        check,
         args.export,
-        acceptance=acceptance,
         max_nodes=args.max_nodes,
         max_depth=args.max_depth,
         top_k=args.top_k_draft,
         max_new_tokens=args.max_new_tokens,
     )
+    result = make_plan(model, tok, head, profile, measure, check, options, acceptance=acceptance)
     result["prompts"] = args.prompts
     write_json_atomic(args.out, result)
     print(summary(result))
