@@ -13,6 +13,8 @@ import warnings
 
 from .decode_config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
 from .errors import EagletreeError
+from .export import format_names
+from .serve import engine_names
 from .train.data import HELDOUT_FRACTION, TURNS
 
 __all__ = ["build_parser", "main"]
@@ -322,7 +324,7 @@ def _add_head_commands(sub) -> None:
     p.add_argument(
         "--format",
         required=True,
-        choices=["eagle", "vllm", "sglang", "eagle3", "speculators"],
+        choices=format_names(),
         help="EAGLE-1/2 heads: eagle, vllm or sglang; EAGLE-3 heads: eagle3 (SGLang, EAGLE), vllm "
         '(speculative_config method "eagle3") or speculators (vLLM starts it alone, LLM(model=OUT); its config '
         "names the --target folder as the verifier vLLM loads)",
@@ -353,7 +355,7 @@ def _add_head_commands(sub) -> None:
 
     p = sub.add_parser("plan", help="the best static tree for a head on a device, as vLLM/SGLang/EAGLE settings")
     _add_model_args(p, needs_head=True)
-    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "eagle"])
+    p.add_argument("--engine", required=True, choices=engine_names())
     p.add_argument(
         "--profile",
         default=None,

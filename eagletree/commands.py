@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import target
+from . import serve, target
 from .bench import Run, load_prompts, measure_drafting, run_hf
 from .bench import main as bench_main
 from .bench.command import typed_command
@@ -25,19 +25,12 @@ from .bench.profile import main_profile
 from .decode_config import DecodeConfig, check_options
 from .decode_resources import latency_profile
 from .decoding import Decoder, GenerationStats, check_utf8, decode_text, stream_text
-from .draft_heads import HeadError, load_head
-from .draft_heads.export import (
-    check_format,
-    engine_notes,
-    export_head,
-    import_eagle,
-    import_eagle3,
-    read_export_config,
-)
+from .draft_heads import HeadError
+from .export.convert import check_format, engine_notes, export_head, recognize_folder
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic
-from .loading import head_to_load, load_models
+from .loading import head_to_load, load_head, load_models
 from .packing import is_packed, kernels_used, stock_kernels
-from .plan import Acceptance, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
+from .plan import Acceptance, PlanOptions, check_reused_acceptance, load_profile, make_plan, split_prompts, summary
 from .prompt_batch import answered, decode_prompts, run_summary
 from .prompts import humaneval_prompts
 from .train.data import Conversation, load_dataset, split, stats
@@ -119,7 +112,7 @@ def _engine_vocab(args, head) -> None:
     """plan --draft-vocab auto: draft over the vocabulary the --engine drafts the export over, so that plan measures
     the ranks the engine will see: vLLM and EAGLE score an EAGLE-1/2 export's tokens over the full vocabulary (no
     token map), SGLang over the head's token map; a head with its own lm_head keeps its vocabulary everywhere."""
-    if args.draft_vocab == "auto" and args.engine in ("vllm", "eagle") and head.can_widen_vocab():
+    if args.draft_vocab == "auto" and serve.engine(args.engine).full_vocab and head.can_widen_vocab():
         head.widen_vocab()
         print(
             f"plan: drafting over the full vocabulary, as {args.engine} drafts this head's export "
@@ -378,10 +371,10 @@ def cmd_export(args) -> int:
     """Write a head in the layout EAGLE, vLLM (also as a speculators checkpoint) or SGLang loads."""
     check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
-    check_format(head, args.format)  # before the target loads
+    layout = check_format(head, args.format)  # before the target loads
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     model = None
-    if args.format in ("eagle3", "speculators"):  # the target's embedding; the verifier's folder
+    if layout.needs_target:  # e.g. the target's embedding ("eagle3"), the verifier's folder ("speculators")
         model, _ = target.load_target(args.target, device="cpu")
     out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=model)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
@@ -391,16 +384,17 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    """Read an EAGLE-1/2 head (original EAGLE, vLLM or SGLang layout) and save it as an eagletree head."""
+    """Read a head in any export format (`eagletree.export`'s registry recognizes it) and save it as an eagletree
+    head."""
     check_output_dir(Path(args.out), args.overwrite, sources=[args.eagle])
-    foreign = read_export_config(args.eagle)
-    if "LlamaForCausalLMEagle3" in foreign.get("architectures", []) or "draft_vocab_size" in foreign:
+    layout = recognize_folder(args.eagle)
+    if layout.imports_with_model:
         model, _ = target.load_target(args.target, device="cpu")
-        head = import_eagle3(args.eagle, model)
+        head = layout.load(Path(args.eagle), model)
     else:
         from transformers import AutoConfig  # lazy: see the module's docstring
 
-        head = import_eagle(args.eagle, AutoConfig.from_pretrained(target.resolve_target(args.target)))
+        head = layout.load(Path(args.eagle), AutoConfig.from_pretrained(target.resolve_target(args.target)))
     head.save_pretrained(args.out, keep_others=True, replace=args.overwrite)
     for name in ("calibration.json", *copy_calibration_names(False)):  # measured for the head replaced there
         (Path(args.out) / name).unlink(missing_ok=True)
@@ -449,21 +443,15 @@ def cmd_plan(args) -> int:
     if profile is None:
         profile = latency_profile(model)  # the verify pass, measured on --device once and cached
         profile.draft_s_per_level = measure_drafting(model, head, [16], prefix=128, reps=3)[16]["level"]
-    result = make_plan(
-        model,
-        tok,
-        head,
+    options = PlanOptions(
         args.engine,
-        profile,
-        measure,
-        check,
         args.export,
-        acceptance=acceptance,
         max_nodes=args.max_nodes,
         max_depth=args.max_depth,
         top_k=args.top_k_draft,
         max_new_tokens=args.max_new_tokens,
     )
+    result = make_plan(model, tok, head, profile, measure, check, options, acceptance=acceptance)
     result["prompts"] = args.prompts
     write_json_atomic(args.out, result)
     print(summary(result))

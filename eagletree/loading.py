@@ -1,5 +1,6 @@
 """A target and its draft head together, as the CLI's commands, `eagletree bench` and the benchmark scripts load
-them: the head shipped for a target by default, the head's precision, the target's kernels packed or not."""
+them: the head shipped for a target by default, any head folder (eagletree's or an export to import), the head's
+precision, the target's kernels packed or not."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import torch
 
 from . import target  # target.load_target is looked up per call, so a test can stand a tiny model in for it
-from .draft_heads import load_head
+from .draft_heads import DraftHead, HeadError, is_foreign_head
+from .draft_heads import load_head as load_saved_head
 from .draft_heads.precision import load_or_measure_draft_dtype
+from .export.convert import import_for_config
 from .packing import pack_target
 
 DRAFT_VOCABS = ("auto", "head", "full")
@@ -47,6 +50,18 @@ def draft_vocab_for(name: str, model) -> str:
 def _check_draft_vocab_name(name: str) -> None:
     if name not in DRAFT_VOCABS:
         raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {name!r}")
+
+
+def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
+    """Any head folder: a saved eagletree head (`draft_heads.load_head`), or an export in a registered format
+    (`eagletree.export`) imported for the target whose config is `target_config`."""
+    if not is_foreign_head(directory):
+        return load_saved_head(directory, target_config=target_config, dtype=dtype, device=device)
+    if target_config is None:
+        raise HeadError(f"{directory} is an EAGLE-format head; importing it needs the target's config")
+    head = import_for_config(directory, target_config)
+    head = head.to(device) if device is not None else head
+    return head.to(dtype) if dtype is not None else head
 
 
 def head_to_load(target_name: str, head, required: bool = True):

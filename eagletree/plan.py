@@ -12,9 +12,9 @@
    gives a step's time t(N, D), and the plan is the (N, D) with the most tokens per second. Its
    prediction is the tokens per pass of decoding the measured answers with it (a pass starts where the
    last one ended, as in `generate`, rather than at every position).
-3. The engine's configuration: vLLM 0.33 drafts chains only (its SpeculativeConfig has no token tree),
-   so its plan is the best chain; SGLang (steps, top-k, draft tokens) and EAGLE (total_token, depth,
-   top_k) build EAGLE-2 trees of that size and width.
+3. The engine's configuration (`eagletree.serve`, one module per engine): vLLM 0.33 drafts chains only (its
+   SpeculativeConfig has no token tree), so its plan is the best chain; SGLang (steps, top-k, draft tokens)
+   and EAGLE (total_token, depth, top_k) build EAGLE-2 trees of that size and width.
 4. The check: the same static tree through eagletree's own `generate` on other held-out prompts; the
    measured tokens per pass against the prediction.
 """
@@ -25,11 +25,11 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from . import serve
 from .decoding import _features, encode_prompt, generate
 from .draft_heads import make_drafter, target_to_draft
 from .target import new_cache
@@ -37,7 +37,6 @@ from .tree_search import LatencyProfile
 from .tree_search.cost import read_profile_json
 from .verify import prefill
 
-ENGINES = ("vllm", "sglang", "eagle")
 CHECK_TOLERANCE = 0.05
 # Answer positions below which the measured acceptance is warned about: at ~185 positions (8 held-out prompts x
 # 48 tokens) a plan's prediction missed vLLM's measured acceptance at depth >= 2 by up to 24%.
@@ -137,57 +136,74 @@ def measure_acceptance(
     for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    hits = [[0] * top_k for _ in range(depth)]
-    reached = [0] * depth
-    paths: dict[str, int] = {}
-    positions = 0
-    rank_paths = []
     device = next(target.parameters()).device
-    layers = head.feature_spec.layers
+    rank_paths = []
     for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
         ids = encode_prompt(tokenizer, prompt).to(device)
         # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
         answer = generate(
             target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0, tree="chain", depth=4
         ).token_ids
-        if not answer:
-            continue
-        seq = torch.cat([ids, torch.tensor(answer, device=device)])
-        out = prefill(target, new_cache(target), seq[:-1], layers=layers)
-        feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
-        drafter = make_drafter(head, target)
-        to_draft = (
-            None
-            if drafter.token_map is None
-            else target_to_draft(drafter.token_map.cpu(), target.config.vocab_size).to(device)
-        )
-        p = ids.numel()
-        probs = drafter.extend(feats[: p - 1], seq[1:p])
-        rank_paths.append([])
-        for t in range(len(answer)):  # the root is seq[p - 1 + t]; its true continuation seq[p + t:]
+        if answer:
+            rank_paths.append(_answer_rank_paths(target, head, ids, answer, depth, top_k))
+    return _tally(rank_paths, depth, top_k, len(prompts))
+
+
+def _answer_rank_paths(target, head, ids, answer: list[int], depth: int, top_k: int) -> list[list[int]]:
+    """At each position of `answer` (the target's answer to `ids`), the ranks of the true tokens in the head's draft
+    distributions along the true path, depth by depth, until one falls outside the top-k."""
+    device = ids.device
+    layers = head.feature_spec.layers
+    seq = torch.cat([ids, torch.tensor(answer, device=device)])
+    out = prefill(target, new_cache(target), seq[:-1], layers=layers)
+    feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
+    drafter = make_drafter(head, target)
+    to_draft = (
+        None
+        if drafter.token_map is None
+        else target_to_draft(drafter.token_map.cpu(), target.config.vocab_size).to(device)
+    )
+    p = ids.numel()
+    probs = drafter.extend(feats[: p - 1], seq[1:p])
+    paths = []
+    for t in range(len(answer)):  # the root is seq[p - 1 + t]; its true continuation seq[p + t:]
+        path = []
+        for d in range(min(depth, seq.numel() - (p + t))):
+            if d > 0:
+                node = torch.tensor([d], device=device)
+                probs = drafter(node, seq[p + t + d - 1 : p + t + d], node - 1, d + 1)[0]
+            true = int(seq[p + t + d])
+            index = true if to_draft is None else int(to_draft[true])
+            rank = top_k if index < 0 else _rank(probs, index)
+            if rank >= top_k:
+                break
+            path.append(rank)
+        paths.append(path)
+        if t + 1 < len(answer):
+            probs = drafter.extend(feats[p - 1 + t : p + t], seq[p + t : p + t + 1])
+    return paths
+
+
+def _tally(rank_paths: list[list[list[int]]], depth: int, top_k: int, prompts: int) -> Acceptance:
+    """The acceptance table of the rank paths measured per answer position: a position reached depth d + 1 when its
+    path went that deep or broke there (or the answer ended below it)."""
+    hits = [[0] * top_k for _ in range(depth)]
+    reached = [0] * depth
+    paths: dict[str, int] = {}
+    positions = 0
+    for answer in rank_paths:
+        for t, path in enumerate(answer):
             positions += 1
-            path = []
-            for d in range(min(depth, seq.numel() - (p + t))):
-                if d > 0:
-                    node = torch.tensor([d], device=device)
-                    probs = drafter(node, seq[p + t + d - 1 : p + t + d], node - 1, d + 1)[0]
-                true = int(seq[p + t + d])
-                index = true if to_draft is None else int(to_draft[true])
+            for d in range(min(len(path) + 1, depth, len(answer) - t)):
                 reached[d] += 1
-                rank = top_k if index < 0 else _rank(probs, index)
-                if rank >= top_k:
-                    break
+            for d, rank in enumerate(path):
                 hits[d][rank] += 1
-                path.append(rank)
-                key = ",".join(map(str, path))
+                key = ",".join(map(str, path[: d + 1]))
                 paths[key] = paths.get(key, 0) + 1
-            rank_paths[-1].append(path)
-            if t + 1 < len(answer):
-                probs = drafter.extend(feats[p - 1 + t : p + t], seq[p + t : p + t + 1])
     if positions == 0:
         raise ValueError("the target answered none of the prompts (each stopped at once)")
     accept = [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
-    return Acceptance(paths, positions, accept, reached, top_k, len(prompts), rank_paths)
+    return Acceptance(paths, positions, accept, reached, top_k, prompts, rank_paths)
 
 
 @dataclass
@@ -210,12 +226,11 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
     A node's value is how often the true rank path passes through it; values never grow along a path, so
     the most valuable n - 1 paths (shorter first on ties) form the best connected tree of n nodes.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    chain = serve.engine(engine).chain  # (ValueError naming the engines for another name)
     if max_nodes < 2 or max_depth < 1:
         raise ValueError(f"max_nodes must be >= 2 and max_depth >= 1, got {max_nodes} and {max_depth}")
     candidates = [tuple(int(r) for r in key.split(",")) for key in acceptance.paths]
-    if engine == "vllm":  # one draft token per step
+    if chain:  # one draft token per level
         candidates = [p for p in candidates if not any(p)]
     best = None
     for depth in range(1, max_depth + 1):
@@ -247,33 +262,8 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
 
 
 def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
-    """The engine's own settings for the plan's tree."""
-    if plan.engine == "vllm":
-        return {
-            "speculative_config": {
-                "method": "eagle3" if eagle3 else "eagle",
-                "model": export_dir,
-                "num_speculative_tokens": plan.depth,
-            }
-        }
-    if plan.engine == "sglang":
-        flags = {
-            "--speculative-algorithm": "EAGLE3" if eagle3 else "EAGLE",
-            "--speculative-draft-model-path": export_dir,
-            "--speculative-num-steps": plan.depth,
-            "--speculative-eagle-topk": plan.width,
-            # SGLang counts the verified root among the draft tokens (steps + 1 for a chain).
-            "--speculative-num-draft-tokens": plan.nodes,
-        }
-        if draft_vocab and not eagle3:
-            flags["--speculative-token-map"] = str(Path(export_dir) / "token_map.pt")
-        return {
-            "flags": flags,
-            "command": "python -m sglang.launch_server --model-path TARGET "
-            + " ".join(f"{k} {v}" for k, v in flags.items()),
-        }
-    # EAGLE's EaModel.from_pretrained: total_token counts the root; its first top-k level comes before `depth` more.
-    return {"total_token": plan.nodes, "depth": plan.depth - 1, "top_k": plan.width}
+    """The engine's own settings for the plan's tree (`eagletree.serve`: each engine's `settings`)."""
+    return serve.engine(plan.engine).settings(plan, export_dir, eagle3, draft_vocab)
 
 
 def load_profile(path):
@@ -344,7 +334,9 @@ def check_reused_acceptance(data: dict, head, source: str, engine: str | None = 
         match = "full" if int(measured) == full else "head"
         # vLLM and EAGLE's code draft an EAGLE-1/2 export over the full vocabulary: ranks among the head's own
         # draft vocabulary are not the ones they see, whatever --draft-vocab says
-        engine_full = engine in ("vllm", "eagle") and (head.can_widen_vocab() or head.is_widened())
+        engine_full = (
+            engine is not None and serve.engine(engine).full_vocab and (head.can_widen_vocab() or head.is_widened())
+        )
         if match == "head" and engine_full:
             raise ValueError(
                 f"--acceptance {source}: measured drafting over {measured} tokens (the head's draft "
@@ -358,31 +350,38 @@ def check_reused_acceptance(data: dict, head, source: str, engine: str | None = 
         )
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """What `make_plan` plans: the engine (`eagletree.serve`), the export folder its settings name, the tree's
+    limits (nodes with the root, depth), the ranks measured per depth, the tokens of each measured or checked
+    answer."""
+
+    engine: str
+    export_dir: str
+    max_nodes: int = 64
+    max_depth: int = 8
+    top_k: int = 10
+    max_new_tokens: int = 48
+
+    def __post_init__(self):
+        serve.engine(self.engine)  # ValueError naming the engines for another name
+
+
 def make_plan(
-    target,
-    tokenizer,
-    head,
-    engine: str,
-    profile,
-    prompts,
-    check_prompts,
-    export_dir: str,
-    acceptance: Acceptance | None = None,
-    max_nodes: int = 64,
-    max_depth: int = 8,
-    top_k: int = 10,
-    max_new_tokens: int = 48,
+    target, tokenizer, head, profile, prompts, check_prompts, options: PlanOptions, acceptance: Acceptance | None = None
 ) -> dict:
     """Measure (unless given) the acceptance, choose the tree, write the engine's settings, check the tree."""
     if acceptance is None:
-        acceptance = measure_acceptance(target, tokenizer, head, prompts, max_new_tokens, max_depth, top_k)
-    plan = best_plan(acceptance, profile, engine, max_nodes, max_depth)
-    check = check_plan(target, tokenizer, head, plan, check_prompts, max_new_tokens) if check_prompts else None
+        acceptance = measure_acceptance(
+            target, tokenizer, head, prompts, options.max_new_tokens, options.max_depth, options.top_k
+        )
+    plan = best_plan(acceptance, profile, options.engine, options.max_nodes, options.max_depth)
+    check = check_plan(target, tokenizer, head, plan, check_prompts, options.max_new_tokens) if check_prompts else None
     eagle3 = head.feature_spec.layers is not None  # the engines' EAGLE-3 reads fused target layers
     draft_vocab = head.config.draft_vocab_size is not None
     return {
-        "engine": engine,
-        "config": engine_config(plan, export_dir, eagle3, draft_vocab),
+        "engine": options.engine,
+        "config": engine_config(plan, options.export_dir, eagle3, draft_vocab),
         "draft_vocab_size": head.drafted_vocab_size(),
         "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
         "expected_tokens_per_pass": plan.expected_tokens,

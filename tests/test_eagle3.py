@@ -129,7 +129,8 @@ def test_eagle3_export_layout_and_import(tmp_path):
 
     from safetensors.torch import load_file
 
-    from eagletree.draft_heads.export import export_head, import_eagle3
+    from eagletree.export.convert import export_head
+    from eagletree.export.eagle3 import import_eagle3
 
     model = four_layer_llama()
     d2t = torch.arange(3, 97, 3)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eagletree.cli import main
-from eagletree.draft_heads import EagleHead, load_head
+from eagletree.draft_heads import EagleHead
+from eagletree.loading import load_head  # any head folder: an export is imported
 
 from helpers import tiny_model
 
@@ -650,7 +651,7 @@ def test_a_full_disk_is_one_line_naming_the_path_and_the_space_and_leaves_the_ol
 ):
     from safetensors import SafetensorError
 
-    from eagletree.draft_heads import export
+    from eagletree.export import layout
     from eagletree.files import WriteError, appending, writing
 
     _, head_dir = saved_head
@@ -660,7 +661,7 @@ def test_a_full_disk_is_one_line_naming_the_path_and_the_space_and_leaves_the_ol
     full = SafetensorError(
         'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
     )
-    monkeypatch.setattr(export, "save_file", _fill_disk_after(3 * 2**20, full))
+    monkeypatch.setattr(layout, "save_file", _fill_disk_after(3 * 2**20, full))
     assert _export(head_dir, out, "--overwrite") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err

@@ -13,7 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagletree.draft_heads import Eagle3Head, EagleHead, TreeDrafter
-from eagletree.draft_heads.export import TOKEN_MAP, engine_notes, export_head, import_eagle, import_eagle3
+from eagletree.export import TOKEN_MAP
+from eagletree.export.convert import engine_notes, export_head
+from eagletree.export.eagle import import_eagle
+from eagletree.export.eagle3 import import_eagle3
 
 from helpers import tiny_config
 
@@ -147,13 +150,16 @@ def test_rope_base_dtype_and_ties_are_written_for_every_reader(tmp_path, fmt):
 
 def test_rope_scaling_is_written_for_eagle_when_the_target_scales():
     from eagletree.draft_heads import HeadError
-    from eagletree.draft_heads.export import rope_fields
+    from eagletree.export.shared import rope_fields
 
     linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
     fields = rope_fields(linear)  # transformers 5 readers (vLLM, SGLang)
     assert fields == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "rope_type": "linear", "factor": 2.0}}
     # EAGLE's EConfig takes exactly {type, factor} ("must be a dictionary with two fields")
-    assert rope_fields(linear, "eagle") == {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert rope_fields(linear, eagle_code=True) == {
+        "rope_theta": 5e5,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
     llama3 = {
         "rope_parameters": {
             "rope_type": "llama3",
@@ -166,7 +172,7 @@ def test_rope_scaling_is_written_for_eagle_when_the_target_scales():
     with pytest.raises(
         HeadError, match="only linearly or dynamically .* the target's is 'llama3': export with --format vllm or sglang"
     ):
-        rope_fields(llama3, "eagle")
+        rope_fields(llama3, eagle_code=True)
 
 
 def test_eagle3_export_carries_the_real_embedding_and_each_engines_layer_ids(tmp_path):

@@ -239,7 +239,8 @@ def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
 
     from safetensors.torch import load_file
 
-    from eagletree.draft_heads.export import export_head, import_eagle
+    from eagletree.export.convert import export_head
+    from eagletree.export.eagle import import_eagle
 
     model = tiny_model("llama")
     head = head_for(model, torch.arange(50))
@@ -262,7 +263,7 @@ def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
 
 def test_export_refusals(tmp_path):
     from eagletree.draft_heads import HeadError
-    from eagletree.draft_heads.export import export_head
+    from eagletree.export.convert import export_head
 
     llama = tiny_model("llama")
     biased = EagleHead.for_target(llama.config, fc_bias=True)
@@ -278,7 +279,7 @@ def test_export_refusals(tmp_path):
 
 def test_cli_export_and_load_head_reads_eagle_layouts(tmp_path):
     from eagletree.cli import main
-    from eagletree.draft_heads import load_head
+    from eagletree.loading import load_head  # any head folder: an export is imported
 
     model = tiny_model("llama")
     head = head_for(model)

@@ -193,16 +193,15 @@ def test_decoding_the_measured_answers_with_a_tree():
 
 
 def test_the_plans_prediction_is_what_generate_measures_on_the_same_prompts():
-    from eagletree.plan import make_plan
+    from eagletree.plan import PlanOptions, make_plan
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
     head = EagleHead.for_target(model.config, torch.arange(60)).eval()
     prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 2, 40, 8, 8])]
     profile = LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0005)
-    result = make_plan(
-        model, tok, head, "eagle", profile, prompts, prompts, "o", max_new_tokens=16, max_nodes=8, max_depth=3
-    )
+    options = PlanOptions("eagle", "o", max_new_tokens=16, max_nodes=8, max_depth=3)
+    result = make_plan(model, tok, head, profile, prompts, prompts, options)
     check = result["check"]
     assert check["predicted_tokens_per_pass"] == result["decoded_tokens_per_pass"]
     assert check["measured_tokens_per_pass"] == pytest.approx(check["predicted_tokens_per_pass"], abs=1e-9)
@@ -344,15 +343,14 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
     from eagletree.bench import load_prompts
     from eagletree.draft_heads import load_head
     from eagletree.loading import SHIPPED_HEADS
-    from eagletree.plan import make_plan
+    from eagletree.plan import PlanOptions, make_plan
 
     model, tok = smollm2
     head = load_head(SHIPPED_HEADS["smollm2-135m"], target_config=model.config)
     prompts = load_prompts("mtbench:2")
     profile = LatencyProfile([1, 8, 64], [0.040, 0.047, 0.150], draft_s_per_level=0.003)
-    result = make_plan(
-        model, tok, head, "sglang", profile, prompts, prompts, "out/sg", max_new_tokens=24, max_nodes=16, max_depth=5
-    )
+    options = PlanOptions("sglang", "out/sg", max_new_tokens=24, max_nodes=16, max_depth=5)
+    result = make_plan(model, tok, head, profile, prompts, prompts, options)
     check = result["check"]
     assert check["prompts"] == 2 and check["new_tokens"] > 0
     assert check["measured_tokens_per_pass"] > 1.5  # the head drafts something

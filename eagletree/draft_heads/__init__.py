@@ -1,4 +1,5 @@
-"""Draft heads: EAGLE-style feature-level heads, draft vocabulary, the tree drafter, save/load."""
+"""Draft heads: EAGLE-style feature-level heads, draft vocabulary, the tree drafter, save/load (export formats and
+foreign head folders: eagletree.export)."""
 
 import json
 from pathlib import Path
@@ -17,7 +18,6 @@ from .base import (
 from .drafter import Drafter, TreeDrafter
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
-from .export import import_eagle
 from .medusa import MedusaDrafter, MedusaHead
 from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_draft
 
@@ -35,6 +35,7 @@ __all__ = [
     "MedusaDrafter",
     "head_class",
     "head_types",
+    "is_foreign_head",
     "load_head",
     "make_drafter",
     "register_head",
@@ -50,20 +51,26 @@ for _kind in (EagleHead, Eagle3Head, MedusaHead):
     register_head(_kind)
 
 
-def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
-    """Any saved eagletree head (its config names the type), or an EAGLE-1/2 head in EAGLE/vLLM/SGLang layout."""
+def is_foreign_head(directory) -> bool:
+    """Whether `directory` holds a head saved elsewhere (an EAGLE, vLLM or SGLang export: its config.json names no
+    head_type), which `eagletree.loading.load_head` imports; False where there is no config.json."""
     config_path = Path(directory) / "config.json"
-    if config_path.is_file():
-        try:
-            is_foreign = "head_type" not in json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise HeadError(f"{config_path} is not valid JSON: {e}") from e
-        if is_foreign:
-            if target_config is None:
-                raise HeadError(f"{directory} is an EAGLE-format head; importing it needs the target's config")
-            head = import_eagle(directory, target_config)
-            head = head.to(device) if device is not None else head
-            return head.to(dtype) if dtype is not None else head
+    if not config_path.is_file():
+        return False
+    try:
+        return "head_type" not in json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise HeadError(f"{config_path} is not valid JSON: {e}") from e
+
+
+def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
+    """A saved eagletree head (its config names the type). A foreign head folder is refused here: importing one is
+    `eagletree.loading.load_head` (or `eagletree import`), which reads the export formats."""
+    if is_foreign_head(directory):
+        raise HeadError(
+            f"{directory} is an EAGLE-format head (its config.json names no head_type): load it with "
+            "eagletree.loading.load_head, which imports it for a target, or `eagletree import` it"
+        )
     return DraftHead.from_pretrained(directory, target_config=target_config, dtype=dtype, device=device)
 
 

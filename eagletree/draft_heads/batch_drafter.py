@@ -191,9 +191,7 @@ class PerRowDrafter:
         self.token_map = None
 
     def add_row(self) -> int:
-        from . import make_drafter
-
-        self.drafters.append(make_drafter(self.head, self.target))
+        self.drafters.append(self.head.make_drafter(self.target))
         self.token_map = self.drafters[-1].token_map
         return len(self.drafters) - 1
 

@@ -1,0 +1,82 @@
+"""Export a head to a registered format's folder, and import a folder in any registered format: what
+`eagletree export` and `eagletree import` do, through the layout the registry picks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..draft_heads import DraftHead, HeadError
+from ..files import check_output_dir
+from .layout import Layout
+from .registry import layout_for, recognize
+from .shared import read_export_config
+
+
+def check_format(head, fmt: str) -> Layout:
+    """The layout `fmt` writes `head` in; HeadError (one line, naming the formats the head takes) unless the format
+    takes the head and its engines load heads for the head's target. Loads nothing."""
+    layout = layout_for(fmt, head)
+    layout.check(head)
+    return layout
+
+
+def exported_state(head, fmt: str, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The weight dict of an export (in the head's precision). `embedding` (the target's input embedding) is required
+    by a format that carries it ("eagle3": EAGLE's code loads it from there)."""
+    return check_format(head, fmt).state(head, embedding)
+
+
+def engine_notes(head, fmt: str, target_config=None) -> list[str]:
+    """What an engine will do differently from eagletree with this export (printed by `eagletree export`)."""
+    return layout_for(fmt, head).notes(head, target_config)
+
+
+def export_head(
+    head,
+    out_dir,
+    fmt: str,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+    target=None,
+    speculative_tokens: int | None = None,
+) -> Path:
+    """Write the export folder (config.json + model.safetensors, and a format's companion files) atomically.
+
+    `out_dir` must be absent or empty unless `overwrite`, which replaces these files and keeps the
+    folder's other files; it is never the head's own folder. `target` (the target model) is needed by a format
+    whose layout `needs_target` ("eagle3" carries the target's embedding; "speculators" names the target's folder
+    as the verifier vLLM loads); `speculative_tokens` is the speculators config's chain length (default 3).
+    """
+    layout = check_format(head, fmt)
+    out = Path(out_dir)
+    source = head.folder
+    check_output_dir(out, overwrite, sources=[source] if source else [])
+    if target is not None:
+        head.check_target(target.config)
+    return layout.write(head, out, dtype, overwrite, target, speculative_tokens)
+
+
+def recognize_folder(folder) -> Layout:
+    """The layout of a folder to import (read from its config.json); HeadError naming the file when it is unreadable
+    or an eagletree head's."""
+    return recognize(read_export_config(folder), folder)
+
+
+def import_folder(folder, target) -> DraftHead:
+    """The head in a folder of any registered format, for `target`: the target model, or its config where the
+    folder's layout does not need the model (`recognize_folder(folder).imports_with_model` says which)."""
+    return recognize_folder(folder).load(Path(folder), target)
+
+
+def import_for_config(folder, target_config) -> DraftHead:
+    """`import_folder` given only the target's config: HeadError naming `eagletree import` for a layout that builds
+    its head from the target model."""
+    layout = recognize_folder(folder)
+    if layout.imports_with_model:
+        raise HeadError(
+            f"{str(folder)!r} holds an export of {layout.kind} heads (format {layout.format!r}), which import builds "
+            "from the target model: run `eagletree import --eagle DIR --target T --out HEAD` and use HEAD"
+        )
+    return layout.load(Path(folder), target_config)

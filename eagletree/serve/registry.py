@@ -1,0 +1,44 @@
+"""The serving engines `eagletree plan` writes settings for, by name: each engine's module (vllm.py, sglang.py,
+eagle.py) makes an `Engine` that says whether it drafts a tree or a chain, over which vocabulary, and its settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_ENGINES: dict[str, Engine] = {}  # in registration order (`plan --engine` lists them so)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A serving engine as `plan` sees it.
+
+    `chain`: it drafts one token per level (no token tree), so its plan is the best chain. `full_vocab`: it scores
+    an export whose head reads the target's lm_head over the target's whole vocabulary (it reads no token map), so
+    plan measures such a head widened. `settings(plan, export_dir, eagle3, draft_vocab)`: the engine's own
+    configuration for the plan's tree, the head exported to `export_dir` (`eagle3`: a head that fuses target layers;
+    `draft_vocab`: the head has a draft vocabulary).
+    """
+
+    name: str
+    chain: bool
+    full_vocab: bool
+    settings: Callable[..., dict]
+
+
+def register(engine: Engine) -> Engine:
+    """Make `engine` one `plan --engine` takes."""
+    _ENGINES[engine.name] = engine
+    return engine
+
+
+def engine_names() -> tuple[str, ...]:
+    """The registered engines, in registration order."""
+    return tuple(_ENGINES)
+
+
+def engine(name: str) -> Engine:
+    """The engine called `name`; ValueError naming the engines for another name."""
+    if name not in _ENGINES:
+        raise ValueError(f"engine must be one of {engine_names()}, got {name!r}")
+    return _ENGINES[name]
