@@ -33,7 +33,9 @@ def _kind_tests(path: Path) -> list[str]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
             if "head" in ast.unparse(node.args[0]).lower():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} hasattr on a head")
-        elif isinstance(node, ast.Compare) and "head_type" in ast.unparse(node):
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(e, ast.Attribute) and e.attr == "head_type" for e in ast.walk(node)
+        ):
             sides = [node.left, *node.comparators]
             named = [
                 e for side in sides for e in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])
@@ -59,7 +61,7 @@ def test_the_check_finds_each_kind_of_test(tmp_path):
     sample = ROOT / "tests" / "_kind_sample.py"
     sample.write_text(
         "isinstance(h, EagleHead)\nhasattr(head, 'layer')\nh.config.head_type == 'eagle3'\nh.fused_layers\n"
-        "isinstance(x, int)\nh.feature_spec.layers\n"
+        "isinstance(x, int)\nh.feature_spec.layers\n'head_type' in config\n"
     )
     try:
         assert [line.split(" ", 1)[0].rsplit(":", 1)[1] for line in _kind_tests(sample)] == ["1", "2", "3", "4"]
@@ -118,12 +120,13 @@ def test_plan_measures_an_eagle3_heads_drafting_without_a_profile(tmp_path, monk
     """Without --profile, plan times the head's drafting on this device: on the features the head reads (an EAGLE-3
     head's three layers, not the last hidden state alone)."""
     from eagletree.cli import main
+    from eagletree.tree_search.cost import LatencyProfile
 
     class Planned(BaseException):
         """Stops the command once its profile is measured (a random head's acceptance would end it anyway)."""
 
-    def capture(model, tok, head, engine, profile, *args, **kwargs):
-        raise Planned(profile)
+    def capture(*args, **kwargs):
+        raise Planned(next(a for a in (*args, *kwargs.values()) if isinstance(a, LatencyProfile)))
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))

@@ -151,3 +151,13 @@ def test_the_cli_choices_are_the_registries_names():
 
     assert choices("export", "--format") == export.format_names()
     assert choices("plan", "--engine") == serve.engine_names()
+
+
+def test_each_engine_names_the_format_it_loads_a_head_kind_in():
+    from eagletree.serve import engine
+
+    assert [engine("sglang").format_for(k) for k in ("eagle", "eagle3")] == ["sglang", "eagle3"]
+    assert [engine("vllm").format_for(k) for k in ("eagle", "eagle3")] == ["vllm", "vllm"]
+    assert [engine("eagle").format_for(k) for k in ("eagle", "eagle3")] == ["eagle", "eagle3"]
+    with pytest.raises(ValueError, match="sglang loads sglang, eagle3 exports, none of which takes 'medusa' heads"):
+        engine("sglang").format_for("medusa")

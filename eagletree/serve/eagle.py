@@ -12,4 +12,4 @@ def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
     return {"total_token": plan.nodes, "depth": plan.depth - 1, "top_k": plan.width}
 
 
-ENGINE = Engine("eagle", chain=False, full_vocab=True, settings=settings)
+ENGINE = Engine("eagle", chain=False, full_vocab=True, settings=settings, formats=("eagle", "eagle3"))

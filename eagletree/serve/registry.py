@@ -17,13 +17,26 @@ class Engine:
     an export whose head reads the target's lm_head over the target's whole vocabulary (it reads no token map), so
     plan measures such a head widened. `settings(plan, export_dir, eagle3, draft_vocab)`: the engine's own
     configuration for the plan's tree, the head exported to `export_dir` (`eagle3`: a head that fuses target layers;
-    `draft_vocab`: the head has a draft vocabulary).
+    `draft_vocab`: the head has a draft vocabulary). `formats`: the export formats it loads, preferred first (a
+    head is exported in the first that takes its kind: `format_for`).
     """
 
     name: str
     chain: bool
     full_vocab: bool
     settings: Callable[..., dict]
+    formats: tuple[str, ...] = ()
+
+    def format_for(self, head_type: str) -> str:
+        """The export format this engine loads a `head_type` head in; ValueError when none of its formats takes it."""
+        from ..export import formats_taking
+
+        taking = [f for f in self.formats if f in formats_taking(head_type)]
+        if not taking:
+            raise ValueError(
+                f"{self.name} loads {', '.join(self.formats)} exports, none of which takes {head_type!r} heads"
+            )
+        return taking[0]
 
 
 def register(engine: Engine) -> Engine:

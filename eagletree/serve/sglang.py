@@ -28,4 +28,4 @@ def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
     }
 
 
-ENGINE = Engine("sglang", chain=False, full_vocab=False, settings=settings)
+ENGINE = Engine("sglang", chain=False, full_vocab=False, settings=settings, formats=("sglang", "eagle3"))

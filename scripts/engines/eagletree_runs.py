@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .exports import export_head, import_eagle, import_eagle3, read_export_config
+from .exports import export_head, import_export, read_export_config
 from .metrics import acceptance, chain_counts
 from .vllm_runs import export_kind, vllm_start
 
@@ -39,12 +39,9 @@ def prepare(args, work: Path) -> dict:
     kind = export_kind(config)
     if args.format is not None and args.format != ("speculators" if kind == "speculators" else "vllm"):
         raise ValueError(f"--export {str(export)!r} holds a {kind!r} export, not --format {args.format!r}")
-    if kind == "eagle":
-        head = import_eagle(export, target.config).to(torch.float32).eval()
-        if head.can_widen_vocab():
-            head.widen_vocab()  # vLLM drafts EAGLE-1/2 heads over the target's whole vocabulary
-    else:  # EAGLE-3: its own lm_head over its draft vocabulary, in vLLM too
-        head = import_eagle3(export, target).to(torch.float32).eval()
+    head = import_export(export, target).to(torch.float32).eval()
+    if head.can_widen_vocab():  # (not EAGLE-3: its own lm_head over its draft vocabulary, in vLLM too)
+        head.widen_vocab()  # vLLM drafts heads that read the target's lm_head over the target's whole vocabulary
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
     return {
         "target": target,
