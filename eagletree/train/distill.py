@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..decode_config import DecodeConfig
 from ..decoding import Decoder, encode_prompt, hf_generation_config, stop_token_ids
+from ..decoding.config import DecodeConfig
 from ..draft_heads import target_identity
 from ..errors import EagletreeError
 from ..files import appending, read_appended_jsonl
