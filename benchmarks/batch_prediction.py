@@ -27,7 +27,7 @@ import torch
 
 from eagletree import DecodeConfig, Decoder
 from eagletree.bench import load_prompts
-from eagletree.decode_resources import head_calibrator
+from eagletree.decoding.resources import head_calibrator
 from eagletree.draft_heads import load_head
 from eagletree.loading import head_to_load
 from eagletree.target import load_target

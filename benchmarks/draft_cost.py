@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from eagletree import decoding
 from eagletree.bench import load_prompts
-from eagletree.decode_config import DecodeConfig
 from eagletree.decoding import Decoder
+from eagletree.decoding import step as decoding_step
+from eagletree.decoding.config import DecodeConfig
 from eagletree.draft_heads import batch_drafter
 from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
 from eagletree.draft_heads.drafter import TreeDrafter
@@ -118,13 +118,13 @@ def instrument(head):
         return out
 
     RaggedTreeDrafter.expand, RaggedTreeDrafter.extend = expand, extend
-    real_verify = decoding.verify_rows
+    real_verify = decoding_step.verify_rows
 
     def verify(*a, **k):
         counts["passes"] += 1
         return timed("verify", real_verify)(*a, **k)
 
-    decoding.verify_rows = verify
+    decoding_step.verify_rows = verify
     return clock, counts, timed
 
 

@@ -9,10 +9,10 @@ __version__ = "0.1.0"
 __all__ = ["CopyOptions", "DecodeConfig", "Decoder", "Sampling", "TreeKind", "generate"]
 
 _HOMES = {
-    "CopyOptions": "decode_config",
-    "DecodeConfig": "decode_config",
-    "Sampling": "decode_config",
-    "TreeKind": "decode_config",
+    "CopyOptions": "decoding",
+    "DecodeConfig": "decoding",
+    "Sampling": "decoding",
+    "TreeKind": "decoding",
     "Decoder": "decoding",
     "generate": "decoding",
 }

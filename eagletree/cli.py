@@ -11,7 +11,7 @@ import argparse
 import sys
 import warnings
 
-from .decode_config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
+from .decoding.config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
 from .errors import EagletreeError
 from .export import format_names
 from .serve import engine_names

@@ -22,9 +22,9 @@ from .bench import main as bench_main
 from .bench.command import typed_command
 from .bench.inputs import humaneval_range, read_prompt_file
 from .bench.profile import main_profile
-from .decode_config import DecodeConfig, check_options
-from .decode_resources import latency_profile
 from .decoding import Decoder, GenerationStats, check_utf8, decode_text, stream_text
+from .decoding.config import DecodeConfig, check_options
+from .decoding.resources import latency_profile
 from .draft_heads import HeadError
 from .export.convert import check_format, engine_notes, export_head, recognize_folder
 from .files import check_output_dir, check_output_file, check_output_folder, write_json_atomic, write_text_atomic

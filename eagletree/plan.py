@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from . import serve
-from .decoding import _features, encode_prompt, generate
+from .decoding import encode_prompt, generate, head_features
 from .draft_heads import make_drafter, target_to_draft
 from .target import new_cache
 from .tree_search import LatencyProfile
@@ -156,7 +156,7 @@ def _answer_rank_paths(target, head, ids, answer: list[int], depth: int, top_k: 
     layers = head.feature_spec.layers
     seq = torch.cat([ids, torch.tensor(answer, device=device)])
     out = prefill(target, new_cache(target), seq[:-1], layers=layers)
-    feats = _features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
+    feats = head_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
     drafter = make_drafter(head, target)
     to_draft = (
         None

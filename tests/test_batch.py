@@ -18,16 +18,9 @@ import math
 import pytest
 import torch
 
-from eagletree import decoding
-from eagletree.decode_config import CopyOptions, DecodeConfig, Sampling
-from eagletree.decoding import (
-    Decoder,
-    GenerationStats,
-    _Sequence,
-    end_progress,
-    hf_generation_config,
-    late_sequences,
-)
+from eagletree.decoding import Decoder, GenerationStats, end_progress, hf_generation_config, late_sequences, schedule
+from eagletree.decoding.config import CopyOptions, DecodeConfig, Sampling
+from eagletree.decoding.sequence import SequenceState
 from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
 from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
 from eagletree.target import new_cache
@@ -385,9 +378,9 @@ def test_after_a_pause_the_drafter_reads_the_prompt_and_only_the_recent_position
     """Past the prompt, a sequence keeps at most MAX_BACKLOG committed positions for the drafter's next catch-up
     (a long pause in a large batch would otherwise cost one head row per step paused); the drafter reads them at
     their own positions (the gap is not closed up), and decoding with such gaps stays lossless."""
-    monkeypatch.setattr(_Sequence, "MAX_BACKLOG", 4)
+    monkeypatch.setattr(SequenceState, "MAX_BACKLOG", 4)
     h = lm.model.config.hidden_size
-    seq = _Sequence(0, torch.tensor([1, 2, 3]), GenerationStats(), None, None, None)
+    seq = SequenceState(0, torch.tensor([1, 2, 3]), GenerationStats(), None, None, None)
     seq.feed(torch.randn(10, h), torch.arange(10), prompt=True)
     for i in range(5):
         seq.feed(torch.full((3, h), float(i)), torch.full((3,), i))
@@ -789,7 +782,7 @@ def test_late_sequences_are_those_that_would_end_the_batch_last_decoding_plainly
 
 
 def test_a_sequence_counts_its_backlog_and_its_drafted_passes_rate():
-    seq = _Sequence(0, torch.tensor([5, 6, 7]), GenerationStats(), None, None, None)
+    seq = SequenceState(0, torch.tensor([5, 6, 7]), GenerationStats(), None, None, None)
     assert seq.tree_rate == 2.0  # the prior: one pass of 2 tokens
     seq.tree_passes, seq.tree_tokens = 3, 10
     assert seq.tree_rate == 3.0
@@ -917,7 +910,7 @@ def test_once_no_prompt_waits_auto_drafts_only_for_the_answers_that_would_end_th
         assert [t for s in steps[i] for t in s.tokens] == lm.hf(prompt, 40, decoder.stops)
     eagle, _ = passes_drafted(Decoder(lm.model, lm.tok, lm.head, config("eagle2")), prompts, 2)
     with monkeypatch.context() as m:
-        m.setattr(decoding, "late_sequences", lambda lefts, rates: [True] * len(lefts))
+        m.setattr(schedule, "late_sequences", lambda lefts, rates: [True] * len(lefts))
         every, _ = passes_drafted(
             Decoder(lm.model, lm.tok, lm.head, config("auto"), profile=flat_profile()), prompts, 2
         )
@@ -1030,17 +1023,17 @@ def test_in_a_batch_lookups_that_find_no_span_pause_and_a_sequence_alone_keeps_l
     searcher.observe_lookups(4, True)
     assert searcher.copy_skip == 8  # (a found span does not end a pause early)
 
-    from eagletree import decoding
+    from eagletree.decoding import step as pass_stages
 
     told, calls = [], []
-    real_copy_trie = decoding.copy_trie
+    real_copy_trie = pass_stages.copy_trie
 
     def nothing_found(*args, **kwargs):
         calls.append(1)
         trie = real_copy_trie(*args, **kwargs)
         return None if not kwargs.get("at_nodes") else trie
 
-    monkeypatch.setattr(decoding, "copy_trie", nothing_found)
+    monkeypatch.setattr(pass_stages, "copy_trie", nothing_found)
     decoder = Decoder(lm.model, lm.tok, lm.head, config("auto", n=24, copy=True), profile=SATURATED)
     real = type(decoder.searcher).observe_lookups
     monkeypatch.setattr(
@@ -1141,17 +1134,17 @@ def test_a_batch_reserves_its_rows_room_once_and_decoding_never_grows_the_cache(
 
 
 def test_a_released_batch_fills_the_freed_rows_from_the_end_and_stays_in_row_order(lm):
-    """_Batch.release: live sequences below the new size keep their rows, those past it move into the freed ones,
+    """BatchRows.release: live sequences below the new size keep their rows, those past it move into the freed ones,
     and the live list is put in row order; decoding on stays each sequence's own (a long batch with uneven
     answers, so rows are freed in the middle)."""
     from types import SimpleNamespace
 
-    from eagletree.decoding import _Batch
+    from eagletree.decoding.rows import BatchRows
 
     moves = []
     batch = SimpleNamespace(cache=SimpleNamespace(keep_rows=moves.append), drafter=None)
     live = [SimpleNamespace(row=r) for r in (0, 2, 4, 5)]  # rows 1 and 3 finished
-    _Batch.release(batch, ["done"], live)
+    BatchRows.release(batch, ["done"], live)
     assert moves == [[0, 4, 2, 5]] and [s.row for s in live] == [0, 1, 2, 3]
     decoder = Decoder(lm.model, lm.tok, lm.head, config("eagle2", n=12, copy=True))
     prompts = [[3 + i, 4, 5 + (i % 3)] for i in range(7)]

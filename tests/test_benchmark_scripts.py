@@ -29,10 +29,10 @@ def test_draft_cost_times_every_part_of_a_drafting_level(monkeypatch):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(97, (n,), generator=g).tolist() for n in (5, 9)]
     monkeypatch.setattr(draft_cost, "load_prompts", lambda spec: prompts)
-    # (the script wraps RaggedTreeDrafter's and decoding's functions for the process; undone after the test)
+    # (the script wraps RaggedTreeDrafter's and a decoding pass's functions for the process; undone after the test)
     for owner, name in ((draft_cost.RaggedTreeDrafter, "expand"), (draft_cost.RaggedTreeDrafter, "extend")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
-    monkeypatch.setattr(draft_cost.decoding, "verify_rows", draft_cost.decoding.verify_rows)
+    monkeypatch.setattr(draft_cost.decoding_step, "verify_rows", draft_cost.decoding_step.verify_rows)
     monkeypatch.setattr(draft_cost.TreeDrafter, "draft_probs", draft_cost.TreeDrafter.draft_probs)
     monkeypatch.setattr(draft_cost.batch_drafter, "lean_forward", draft_cost.batch_drafter.lean_forward)
     args = argparse.Namespace(

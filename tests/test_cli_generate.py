@@ -341,7 +341,7 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
 
 def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, monkeypatch):
     """A table measured drafting over the full vocabulary (a GPU's auto) never replaces the head's own one."""
-    from eagletree.decode_resources import head_copy_calibration
+    from eagletree.decoding.resources import head_copy_calibration
     from eagletree.draft_heads import load_head
     from eagletree.tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagletree.cli import build_parser
-from eagletree.decode_config import (
+from eagletree.decoding.config import (
     CPU_BUDGET,
     GPU_BUDGET,
     TREE_KINDS,
@@ -136,7 +136,7 @@ def test_the_library_decodes_with_the_device_default_too():
 
 
 def test_generate_reuses_its_last_decoder_while_models_options_and_files_are_the_same(tmp_path, monkeypatch):
-    import eagletree.decoding as decoding
+    import eagletree.decoding.api as api
     from eagletree.draft_heads import EagleHead, load_head
     from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
 
@@ -146,18 +146,18 @@ def test_generate_reuses_its_last_decoder_while_models_options_and_files_are_the
     EagleHead.for_target(model.config).save_pretrained(tmp_path / "head")
     head = load_head(tmp_path / "head")
     built = []
-    real = decoding.Decoder
-    monkeypatch.setattr(decoding, "Decoder", lambda *a, **kw: built.append(a[3]) or real(*a, **kw))
-    monkeypatch.setattr(decoding, "_LAST", decoding._LastDecoder())
+    real = api.Decoder
+    monkeypatch.setattr(api, "Decoder", lambda *a, **kw: built.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(api, "_LAST", api._LastDecoder())
     options = dict(tree="eagle2", budget=8, max_new_tokens=4)
-    first = decoding.generate(model, tok, head, [5, 6, 7], **options).token_ids
-    assert decoding.generate(model, tok, head, [5, 6, 7], **options).token_ids == first and len(built) == 1
-    decoding.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})  # other options: a new one
-    decoding.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})
+    first = api.generate(model, tok, head, [5, 6, 7], **options).token_ids
+    assert api.generate(model, tok, head, [5, 6, 7], **options).token_ids == first and len(built) == 1
+    api.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})  # other options: a new one
+    api.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})
     assert len(built) == 2
     TokenStore([5, 6, 7, 8, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", vocab_fingerprint(tok))
-    decoding.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})  # the head's files changed
-    assert len(built) == 3 and decoding._LAST.decoder.store is not None
-    list(decoding.generate(model, tok, head, [5, 6, 7], stream=True, **{**options, "budget": 6}))  # a stream: its own
-    decoding.generate(model, tok, head.to(torch.float64), [5, 6, 7], **{**options, "budget": 6})  # another dtype
+    api.generate(model, tok, head, [5, 6, 7], **{**options, "budget": 6})  # the head's files changed
+    assert len(built) == 3 and api._LAST.decoder.store is not None
+    list(api.generate(model, tok, head, [5, 6, 7], stream=True, **{**options, "budget": 6}))  # a stream: its own
+    api.generate(model, tok, head.to(torch.float64), [5, 6, 7], **{**options, "budget": 6})  # another dtype
     assert len(built) == 5

@@ -554,7 +554,7 @@ def test_the_evaluation_command_checks_its_counts(capsys, tmp_path, monkeypatch)
 
 
 def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
-    from eagletree.decode_resources import head_calibrator
+    from eagletree.decoding.resources import head_calibrator
 
     head_dir = tmp_path / "head"
     EagleHead.for_target(tiny_model("llama").config).save_pretrained(head_dir)

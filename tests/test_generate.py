@@ -2,8 +2,8 @@ import pytest
 import torch
 
 import eagletree
-from eagletree.decode_config import CopyOptions, DecodeConfig
 from eagletree.decoding import Decoder, GenerationStats, decode_steps, generate
+from eagletree.decoding.config import CopyOptions, DecodeConfig
 from eagletree.draft_heads import EagleHead
 from eagletree.tree_search.searchers import make_searcher
 
@@ -408,7 +408,7 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
     profile = tmp_path / "p.json"
     LatencyProfile([1, 8], [0.01, 0.012]).save(profile)
-    from eagletree.decode_resources import latency_profile
+    from eagletree.decoding.resources import latency_profile
 
     assert latency_profile(model, profile).sizes == [1, 8]
 
@@ -416,8 +416,8 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
 def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_path):
     import json
 
-    import eagletree.decode_resources as decoding
-    from eagletree.decode_resources import PROFILE_SIZES
+    import eagletree.decoding.resources as resources
+    from eagletree.decoding.resources import PROFILE_SIZES
     from eagletree.target.ragged import use_ragged
 
     model = tiny_model("llama")
@@ -430,8 +430,8 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
         calls.append(tuple(sizes))
         return [now["t1"] * (1 + n / 16) for n in sizes]
 
-    monkeypatch.setattr(decoding, "measure_passes", fake_measure)
-    first = decoding.latency_profile(model)  # nothing cached: measured once and cached
+    monkeypatch.setattr(resources, "measure_passes", fake_measure)
+    first = resources.latency_profile(model)  # nothing cached: measured once and cached
     assert calls == [PROFILE_SIZES] and float(first.verify(1)) == pytest.approx(0.03 * 17 / 16)
     (cached,) = (tmp_path / "profiles").glob("*.json")
     saved = cached.read_text()
@@ -448,26 +448,26 @@ def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(m
     for t1 in (0.03, 0.05, 0.5):
         now["t1"] = t1
         calls.clear()
-        assert decoding.latency_profile(model).verify_s == first.verify_s
+        assert resources.latency_profile(model).verify_s == first.verify_s
         assert calls == [(1,)] and cached.read_text() == saved
     # The cache came from a busy machine: its t(1) is more than twice the probe's, so it is measured again.
     now["t1"] = 0.01
     calls.clear()
-    fresh = decoding.latency_profile(model)
+    fresh = resources.latency_profile(model)
     assert calls == [(1,), PROFILE_SIZES]
     assert float(fresh.verify(1)) == pytest.approx(0.01 * 17 / 16) and "busy machine" in fresh.notes["remeasured"]
     assert json.loads(cached.read_text())["verify_s"] == fresh.verify_s
     # A damaged cache file is measured again too, and a profile passed as a file is never probed.
     cached.write_text("{not json")
     calls.clear()
-    decoding.latency_profile(model)
+    resources.latency_profile(model)
     assert calls == [PROFILE_SIZES]
     calls.clear()
-    assert decoding.latency_profile(model, cached).verify_s == fresh.verify_s and calls == []
+    assert resources.latency_profile(model, cached).verify_s == fresh.verify_s and calls == []
     # One cached by a version that measured other sizes (no t(2): a line from t(1) to t(8)) is measured again.
-    decoding.LatencyProfile([1, 8, 16, 32, 64], [0.03, 0.04, 0.05, 0.06, 0.08]).save(cached)
+    resources.LatencyProfile([1, 8, 16, 32, 64], [0.03, 0.04, 0.05, 0.06, 0.08]).save(cached)
     calls.clear()
-    assert decoding.latency_profile(model).sizes == list(PROFILE_SIZES) and calls == [PROFILE_SIZES]
+    assert resources.latency_profile(model).sizes == list(PROFILE_SIZES) and calls == [PROFILE_SIZES]
     assert json.loads(cached.read_text())["sizes"] == list(PROFILE_SIZES)
 
 

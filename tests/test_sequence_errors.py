@@ -20,8 +20,8 @@ from test_batch import (
 )
 
 from eagletree.cli import main as cli_main
-from eagletree.decode_config import DecodeConfig
 from eagletree.decoding import Decoder, decode_text, encode_prompt
+from eagletree.decoding.config import DecodeConfig
 from eagletree.draft_heads import EagleHead
 from eagletree.target import TargetError
 from eagletree.train.distill import DistillError, distill

@@ -193,9 +193,9 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
 def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, monkeypatch):
     import numpy as np
 
-    from eagletree.decode_config import DecodeConfig
-    from eagletree.decode_resources import resolve_store
     from eagletree.decoding import Decoder, decode_steps, generate
+    from eagletree.decoding.config import DecodeConfig
+    from eagletree.decoding.resources import resolve_store
     from eagletree.draft_heads import EagleHead, load_head
     from eagletree.tree_search.store import DATASTORE
 

@@ -6,8 +6,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..decode_config import MIN_TEMPERATURE
-from ..decode_resources import resolve_store
+from ..decoding.config import MIN_TEMPERATURE
+from ..decoding.resources import resolve_store
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
@@ -120,7 +120,7 @@ def main(args) -> int:
 
 def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command) -> int:
     """`bench --batch-sizes`: the batched throughput table and plot in --out."""
-    from ..decode_config import DecodeConfig
+    from ..decoding.config import DecodeConfig
     from ..files import write_json_atomic, write_text_atomic
     from .throughput import plot_throughput, throughput, throughput_table
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..decode_config import DecodeConfig
 from ..decoding import (
     Decoder,
     GenerationStats,
@@ -21,6 +20,7 @@ from ..decoding import (
     stop_token_ids,
     whole_answers,
 )
+from ..decoding.config import DecodeConfig
 from ..packing import stock_kernels
 from ..tree_search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method

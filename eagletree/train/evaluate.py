@@ -14,8 +14,8 @@ import torch
 from tqdm import tqdm
 
 from .. import target as targets
-from ..decode_config import DecodeConfig
 from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt, whole_answers
+from ..decoding.config import DecodeConfig
 from ..draft_heads import TreeDrafter, load_head
 from ..errors import EagletreeError
 from ..files import check_output_folder, write_json_atomic

@@ -516,7 +516,7 @@ def make_searcher(
     profile: LatencyProfile | None = None,
     calibrator=None,
 ) -> Searcher:
-    """The searcher of a tree kind (decode_config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g.
+    """The searcher of a tree kind (decoding.config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g.
     [(0,), (1,), (0, 0)]) to draft that static shape instead of Sequoia's own; "auto" needs the device's latency
     `profile`."""
     if kind == "eagle2":

@@ -58,7 +58,7 @@ def prepare(args, work: Path) -> dict:
 
 def _chain_config(args, max_new_tokens: int):
     """Greedy decoding through a static chain of k drafts (budget k + 1 nodes), no copied spans."""
-    from eagletree.decode_config import CopyOptions, DecodeConfig
+    from eagletree.decoding.config import CopyOptions, DecodeConfig
 
     return DecodeConfig(
         tree="chain",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from ...decode_config import DecodeConfig
+from ...decoding.config import DecodeConfig
 from ...decoding import Decoder
 from .answers import answer_of, check_prompts_fit, stops_of
 from .options import DistillOptions

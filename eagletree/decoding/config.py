@@ -5,6 +5,7 @@ The config is validated once, when it is built; the library (`Decoder`, `generat
 A budget of None means "chosen by device" (`default_budget`): 60 nodes on a GPU, where a pass over 60 nodes
 is expected to cost about a one-token pass (EAGLE-2's setting), and 8 on a CPU; with the default tree, `auto`,
 the budget is a ceiling and trees are drafted only while they beat a plain one-token pass on this machine.
+`hf_generation_config` sets transformers' `generate` to the plain decoding that eagletree's is compared against.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class TreeKind(str, Enum):
 
     @classmethod
     def parse(cls, value) -> TreeKind:
+        """The kind named `value`, or OptionError listing the kinds."""
         try:
             return cls(value)
         except ValueError:
@@ -129,6 +131,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
+        """Whether tokens are the argmax (temperature 0)."""
         return self.temperature == 0
 
 
@@ -157,7 +160,7 @@ class CopyOptions:
 
 
 def _is_token_store(value) -> bool:
-    from .tree_search.store import TokenStore  # (torch: not needed to parse a command line)
+    from ..tree_search.store import TokenStore  # (torch: not needed to parse a command line)
 
     return isinstance(value, TokenStore)
 
@@ -211,7 +214,7 @@ class DecodeConfig:
             self._check_tree_paths()
 
     def _check_tree_paths(self) -> None:
-        from .tree_search.static import choices_shape  # (torch: not needed to parse a command line)
+        from ..tree_search.static import choices_shape  # (torch: not needed to parse a command line)
 
         if self.tree is not TreeKind.SEQUOIA:
             raise OptionError("tree_paths", f"gives the fixed shape of tree='sequoia', got tree={self.tree.value!r}")
@@ -323,3 +326,25 @@ def _stop_tuple(stop) -> tuple:
     if isinstance(stop, (str, int)) or not isinstance(stop, (list, tuple, set)):
         raise TypeError(f"stop must be a list of token ids or token strings, got {stop!r}")
     return tuple(stop)
+
+
+def hf_generation_config(max_new_tokens: int, temperature: float, eos_token_id, top_k=None, top_p=None, **extra):
+    """A transformers GenerationConfig for plain decoding as eagletree decodes: every logits-shaping value set
+    (`generate` fills the unset ones from the model's own generation_config, where a repetition_penalty or a
+    top_k would make "plain decoding" another decoder than the one compared against)."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        do_sample=sample,
+        temperature=temperature if sample else 1.0,
+        top_k=(top_k or 0) if sample else 50,
+        top_p=(top_p or 1.0) if sample else 1.0,
+        typical_p=1.0,
+        min_p=None,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        **extra,
+    )
