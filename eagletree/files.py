@@ -23,6 +23,10 @@ from pathlib import Path
 
 from .errors import EagletreeError
 
+# (re-exported: train/ reads them from here)
+from .reading import read_appended_jsonl as read_appended_jsonl
+from .reading import read_npz as read_npz
+
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _PARTIAL = re.compile(r"^\..+\.partial-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+$")
 
@@ -416,93 +420,3 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data, indent: int = 2) -> None:
     """`data` as JSON, written under a temporary name and renamed over `path` (following the umask)."""
     write_text_atomic(path, json.dumps(data, indent=indent))
-
-
-def read_npz(
-    path,
-    names=(),
-    *,
-    what: str,
-    remedy: str,
-    kind: str | None = None,
-    version=None,
-    error: type[Exception] = ValueError,
-) -> tuple[dict, dict]:
-    """(header, arrays) of an .npz archive eagletree wrote: its JSON `header` member and the arrays `names`.
-
-    Whatever is wrong with the file (missing, not an archive, a single .npy array, damaged, no header, or with
-    `kind`/`version` another format's header, which is checked before any array is read) is an `error` that names
-    the file and `what` it should be (e.g. "datastore"); `remedy` says how to make a good one.
-    """
-    import zipfile
-    import zlib
-
-    import numpy as np
-
-    # (an OSError is chained as the error's __cause__: the file may be fine and the error pass, e.g. too many open
-    # files, so a caller that remembers bad files can tell; RuntimeError and NotImplementedError: an encrypted member
-    # or an unknown compression)
-    damaged = (
-        KeyError,
-        ValueError,
-        OSError,
-        EOFError,
-        zipfile.BadZipFile,
-        zlib.error,
-        RuntimeError,
-        NotImplementedError,
-    )
-    try:
-        z = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise error(f"{what} {str(path)!r} does not exist") from None
-    except OSError as e:
-        raise error(f"{path}: cannot read the {what} file ({e})") from e
-    except damaged as e:
-        raise error(f"{path}: not a {what} file ({e}); {remedy}") from None
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise error(f"{path}: not a {what} file (a single array, not an .npz archive); {remedy}")
-    with z:
-        try:
-            header = json.loads(str(z["header"][()]))
-        except damaged as e:
-            raise error(f"{path}: not a {what} file (no readable header: {e}); {remedy}") from (
-                e if isinstance(e, OSError) else None
-            )
-        if not isinstance(header, dict):
-            raise error(
-                f"{path}: not a {what} file (its header is {json.dumps(header)[:40]}, not a JSON object); {remedy}"
-            )
-        if kind is not None and (header.get("format"), header.get("version")) != (kind, version):
-            raise error(
-                f"{path}: format {header.get('format')!r} version {header.get('version')!r}, expected "
-                f"{kind!r} version {version}; {remedy}"
-            )
-        try:
-            arrays = {name: z[name] for name in names}
-        except damaged as e:
-            raise error(f"{path}: unreadable {what} arrays ({e}); {remedy}") from (
-                e if isinstance(e, OSError) else None
-            )
-    return header, arrays
-
-
-def read_appended_jsonl(path: Path, not_utf8) -> tuple[list[tuple[int, str]], str | None, int, bytes]:
-    """The lines of an append-only JSONL file as an interrupted writer may leave it: ((line number, text) of each
-    non-blank whole line; the text after the last newline when it is a complete JSON object, else None; the byte
-    offset where the whole lines end; the bytes that follow). Anything else after the last newline is what
-    a kill in the middle of a write leaves, possibly a cut UTF-8 character. `not_utf8(error)` is the exception
-    to raise when the whole lines are not UTF-8."""
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    try:
-        lines = raw[:end].decode("utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise not_utf8(e) from e
-    tail = raw[end:]
-    try:
-        last = tail.decode("utf-8")
-        last = last if isinstance(json.loads(last), dict) else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        last = None
-    return [(n, line) for n, line in enumerate(lines, start=1) if line.strip()], last, end, tail

@@ -20,7 +20,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import EagletreeError
-from .files import disk_full_error, is_disk_full, read_appended_jsonl
+from .files import disk_full_error, is_disk_full
+from .reading import read_appended_jsonl
 
 
 class AnswersFileError(EagletreeError, ValueError):

@@ -37,7 +37,9 @@ def own_cache(tmp_path, monkeypatch):
 def test_every_method_runs_and_the_outputs_are_written(tiny_setup, tmp_path):
     model, tok, head = tiny_setup
     methods = bench.method_grid(list(bench.METHODS), [3, 8], depth=3, top_k=3)
-    report = bench.run_bench(model, tok, head, PROMPTS, methods, (0.0, 1.0), max_new_tokens=10, progress=False)
+    report = bench.run_bench(
+        model, tok, head, PROMPTS, methods, bench.BenchSettings((0.0, 1.0), max_new_tokens=10), progress=False
+    )
     report.update(
         command="eagletree bench (test)",
         machine=bench.machine_info(model),
@@ -121,8 +123,7 @@ def test_a_wrong_output_is_reported_as_a_mismatch(tiny_setup, monkeypatch):
         head,
         PROMPTS[:1],
         bench.method_grid(["eagle2"], [4], 3, 3),
-        (0.0,),
-        max_new_tokens=6,
+        bench.BenchSettings((0.0,), max_new_tokens=6),
         progress=False,
         log=messages.append,
     )
@@ -139,7 +140,13 @@ def test_batched_bench_decodes_the_prompts_in_groups(tiny_setup, tmp_path):
     prompts = PROMPTS + [[{"role": "user", "content": "tell me a joke"}]]
     methods = bench.method_grid(["chain", "sequoia", "eagle2", "auto+copy", "copy", "packed"], [4], depth=3, top_k=3)
     report = bench.run_bench(
-        model, tok, head, prompts, methods, (0.0, 1.0), max_new_tokens=8, progress=False, batch_size=2
+        model,
+        tok,
+        head,
+        prompts,
+        methods,
+        bench.BenchSettings((0.0, 1.0), max_new_tokens=8, batch_size=2),
+        progress=False,
     )
     assert report["batch_size"] == 2 and report["prompts"] == 3
     greedy = [r for r in report["results"] if r["temperature"] == 0]
@@ -166,7 +173,9 @@ def test_batched_bench_decodes_the_prompts_in_groups(tiny_setup, tmp_path):
     md = (bench.write_outputs(report, tmp_path / "out") / "results.md").read_text()
     assert "Batches of 2 prompts: every row decodes the prompts 2 at a time" in md
     with pytest.raises(ValueError, match="method 'lookup' .* decodes one sequence at a time"):
-        bench.run_bench(model, tok, head, prompts, bench.method_grid(["lookup"], [4]), (0.0,), 4, batch_size=2)
+        bench.run_bench(
+            model, tok, head, prompts, bench.method_grid(["lookup"], [4]), bench.BenchSettings((0.0,), 4, batch_size=2)
+        )
 
 
 def _bench_cli(tiny_setup, tmp_path, monkeypatch) -> list[str]:

@@ -90,17 +90,17 @@ def test_measurements_of_batched_decoding_refuse_an_answer_cut_by_the_window_by_
     ended at the window (its result's error) is a TargetError naming its prompt, as decoding it alone raises,
     not a short answer counted as the target's."""
     from eagletree.bench.inputs import Method
-    from eagletree.bench.runners import run_tree_batch
+    from eagletree.bench.runners import RunSettings, run_tree_batch
     from eagletree.bench.throughput import throughput
     from eagletree.train.evaluate import tokens_per_pass
 
     model, tok = windowed(), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
     prompts = [prompt_of(3, 0), prompt_of(12, 1)]  # the second one's 10 new tokens run past the window of 16
-    fits = run_tree_batch(model, tok, head, prompts[:1], Method("eagle2", 6, 3, 3), 10, 0.0, 0, 2)[1]
+    fits = run_tree_batch(model, tok, head, prompts[:1], Method("eagle2", 6, 3, 3), RunSettings(10, 0.0, 0), 2)[1]
     assert len(fits[0]) == 10
     with pytest.raises(TargetError, match=rf"^prompt 1: the answer reached the target's sliding window of {WINDOW}"):
-        run_tree_batch(model, tok, head, prompts, Method("eagle2", 6, 3, 3), 10, 0.0, 0, 2)
+        run_tree_batch(model, tok, head, prompts, Method("eagle2", 6, 3, 3), RunSettings(10, 0.0, 0), 2)
     with pytest.raises(TargetError, match="^prompt 1: the answer reached"):
         tokens_per_pass(head, model, tok, prompts, max_new_tokens=10, batch_size=2, budget=6, depth=3)
     with pytest.raises(TargetError, match="^prompt 1: the answer reached"):

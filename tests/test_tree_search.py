@@ -346,7 +346,7 @@ def test_a_static_tree_cut_near_the_end_keeps_exactly_its_shallow_nodes():
 def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
     """drive_batch(top_k=...) checks, ranks and reads back a level's distributions for every search together; the
     trees are those each search draws from its own distributions, with a draft vocabulary mapped alike."""
-    from eagletree.tree_search.dynamic import drive_batch, search_steps
+    from eagletree.tree_search.batched import SearchSpec, drive_batch, search_steps
 
     vocab = 7
     token_map = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:vocab] if mapped else None
@@ -357,7 +357,7 @@ def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
 
     def trees(**batched):
         searches = [
-            search_steps(True, 0, budget, depth, 3, budget - 1, "cpu", token_map)
+            search_steps(True, 0, SearchSpec(budget, depth, 3, budget - 1, "cpu", token_map))
             for budget, depth in ((8, 3), (12, 4), (2, 1))
         ]
         return drive_batch(searches, expand_batch, **batched)
@@ -373,7 +373,7 @@ def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
         probs[-1][0, 0] = float("nan")
         return probs
 
-    searches = [search_steps(True, 0, 8, 3, 3, 7, "cpu") for _ in range(2)]
+    searches = [search_steps(True, 0, SearchSpec(8, 3, 3, 7, "cpu")) for _ in range(2)]
     with pytest.raises(ValueError, match="drafter output at level 1 contains NaN"):
         drive_batch(searches, nan_batch, top_k=3)
 
@@ -382,7 +382,7 @@ def test_softmax_rows_are_checked_for_nan_on_the_read_back():
     """The batch drafter's levels (`SoftmaxRows`) skip the two passes of check_distribution: the same top-k lists
     as the checked path, and a NaN anywhere in a row still raises, named as the check names it."""
     from eagletree.draft_heads.batch_drafter import SoftmaxRows
-    from eagletree.tree_search.dynamic import top_k_lists
+    from eagletree.tree_search.readback import top_k_lists
 
     g = torch.Generator().manual_seed(0)
     probs = [torch.softmax(torch.randn(n, 50, generator=g), -1) for n in (3, 1, 2)]

@@ -5,8 +5,9 @@ so each speedup is a ratio measured moments apart on the same prompt; the tables
 and range of those per-prompt ratios. `eagletree profile` (profile.py) measures the device's
 acceptance-independent costs instead (verify latency per tree size, drafting, engine overhead) on random weights.
 
-inputs: the method grid and the prompts; runners: the timed runs; stats: summaries and intervals;
-report: tables, plots and the machine; profile: `eagletree profile` and drafting costs; command: `main`.
+inputs: the method grid and the prompts; runners: the timed runs; rows: a row's runs, totals and output checks;
+stats: summaries and intervals; report: tables, plots and the machine; profile: `eagletree profile` and drafting
+costs; command: `main`.
 The scripts in benchmarks/ take their prompts, statistics and timing from here too.
 """
 
@@ -40,12 +41,23 @@ from .profile import (
     sync,
 )
 from .report import machine_info, markdown_report, markdown_table, write_outputs, write_plots
-from .runners import Run, first_difference, logit_gap, rank_acceptance, run_bench, run_hf, run_method, run_tree, warm_up
+from .rows import Run, first_difference, logit_gap
+from .runners import (
+    BenchSettings,
+    RunSettings,
+    rank_acceptance,
+    run_bench,
+    run_hf,
+    run_method,
+    run_tree,
+    warm_up,
+)
 from .stats import calibration_bins, ratio_interval, summarize
 
 __all__ = [
     "BASELINE_LABELS",
     "BUILTIN_CONFIGS",
+    "BenchSettings",
     "FULL",
     "HEADLESS",
     "METHODS",
@@ -53,6 +65,7 @@ __all__ = [
     "TREE_METHODS",
     "Method",
     "Run",
+    "RunSettings",
     "TimedDrafter",
     "build_config",
     "calibration_bins",

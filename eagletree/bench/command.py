@@ -14,7 +14,7 @@ from ..packing import is_packed, kernels_used
 from ..tree_search.store import DATASTORE
 from .inputs import DEFAULT_METHODS, FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .report import machine_info, write_outputs
-from .runners import run_bench
+from .runners import BenchSettings, run_bench
 
 
 def typed_command(name: str) -> str:
@@ -56,12 +56,7 @@ def main(args) -> int:
     methods = _methods(args, budgets)
     max_new_tokens = pick("max_new_tokens")
     prompts = load_prompts(pick("prompts"))
-    batch_sizes = None if args.batch_sizes is None else parse_list(args.batch_sizes, int, "batch-sizes")
-    if batch_sizes is not None and (min(batch_sizes) < 1 or len(set(batch_sizes)) < len(batch_sizes)):
-        raise ValueError(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
-    if getattr(args, "repeats", 1) != 1 and batch_sizes is None:
-        raise ValueError(f"--repeats {args.repeats} repeats the throughput sweep: pass --batch-sizes too")
-
+    batch_sizes = _batch_sizes(args)
     head_dir = head_to_load(args.target, args.head or None, required=False)
     if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
@@ -76,37 +71,12 @@ def main(args) -> int:
     )
     if args.batch_sizes is not None:
         return _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command)
-    if packed or is_packed(model):
-        # first, so that every tree row's same-kernels speedup is against it (a row before it was compared with
-        # stock plain decoding, the kernels' own gain included), and added when not listed
-        methods = [Method("packed")] + [m for m in methods if m.name != "packed"]
-    elif any(m.name == "packed" for m in methods):
-        raise ValueError(
-            "method 'packed' (plain decoding with packed kernels) needs a packed target; "
-            "drop it or pass --pack on/auto on a CPU"
-        )
-    store = None if args.datastore == "none" else "auto"
-    # the datastore the +copy rows copy from, read once (a head's store that does not suit the target is refused
-    # with a warning, and is not named in the report)
-    copying = any(m.copy for m in methods)
-    used = (
-        None
-        if store is None or head is None or not copying
-        else resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
+    methods = _with_packed_row(methods, packed or is_packed(model))
+    used = _datastore(args, methods, model, tok, head)
+    settings = BenchSettings(
+        tuple(temperatures), max_new_tokens, args.seed, args.lookup_tokens, store=used, batch_size=args.batch_size
     )
-    report = run_bench(
-        model,
-        tok,
-        head,
-        prompts,
-        methods,
-        temperatures,
-        max_new_tokens,
-        args.seed,
-        args.lookup_tokens,
-        store=used,
-        batch_size=args.batch_size,
-    )
+    report = run_bench(model, tok, head, prompts, methods, settings)
     report.update(
         command=command,
         machine=machine_info(model),
@@ -116,6 +86,41 @@ def main(args) -> int:
     print("\n" + (out / "results.md").read_text())
     print(f"wrote {out}/results.json, results.md, {', '.join(report['plots'])}", file=sys.stderr)
     return 0
+
+
+def _batch_sizes(args) -> list[int] | None:
+    """--batch-sizes as a list (None: not asked for); ValueError for a size < 1, one listed twice, or --repeats
+    without it."""
+    batch_sizes = None if args.batch_sizes is None else parse_list(args.batch_sizes, int, "batch-sizes")
+    if batch_sizes is not None and (min(batch_sizes) < 1 or len(set(batch_sizes)) < len(batch_sizes)):
+        raise ValueError(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
+    if getattr(args, "repeats", 1) != 1 and batch_sizes is None:
+        raise ValueError(f"--repeats {args.repeats} repeats the throughput sweep: pass --batch-sizes too")
+    return batch_sizes
+
+
+def _with_packed_row(methods: list[Method], packed: bool) -> list[Method]:
+    """On a packed target, the 'packed' row first (added when not listed); ValueError for it on any other."""
+    if packed:
+        # first, so that every tree row's same-kernels speedup is against it (a row before it was compared with
+        # stock plain decoding, the kernels' own gain included), and added when not listed
+        return [Method("packed")] + [m for m in methods if m.name != "packed"]
+    if any(m.name == "packed" for m in methods):
+        raise ValueError(
+            "method 'packed' (plain decoding with packed kernels) needs a packed target; "
+            "drop it or pass --pack on/auto on a CPU"
+        )
+    return methods
+
+
+def _datastore(args, methods: list[Method], model, tok, head):
+    """The datastore the +copy rows copy from, read once (None: none, or no row copies). A head's store that does
+    not suit the target is refused with a warning, and is not named in the report."""
+    store = None if args.datastore == "none" else "auto"
+    copying = any(m.copy for m in methods)
+    if store is None or head is None or not copying:
+        return None
+    return resolve_store(store, head, tok, True, model.get_input_embeddings().num_embeddings)
 
 
 def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command) -> int:

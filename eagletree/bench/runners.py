@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -24,33 +24,35 @@ from ..decoding.config import DecodeConfig
 from ..packing import stock_kernels
 from ..tree_search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
+from .rows import Run, add_run, check_same_tokens, empty_row
 from .stats import calibration_bins, summarize
 
 
-@dataclass
-class Run:
-    """One timed decoding of one prompt."""
+@dataclass(frozen=True)
+class RunSettings:
+    """How one timed run decodes: up to `max_new_tokens` at `temperature`, sampling from `seed`; HF prompt lookup
+    with `lookup_tokens` candidates, and Sequoia's shape for the per-rank acceptance `accept_by_rank` (None: its
+    default)."""
 
-    token_ids: list[int]
-    seconds: float  # from the prompt's tokens to the last token, prefill included
-    first_seconds: float  # until the first pass (the prefill, for plain decoding) has emitted its tokens
-    accepted_lengths: list[int]  # tokens emitted per target pass, the first included
-    predicted: list[float] = field(default_factory=list)
-    steps: list | None = None  # (DraftTree, accepted) per pass, when recorded
-    batch: bool = False  # a batch of prompts decoded together: tokens and passes of all its sequences
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    lookup_tokens: int | None = None
+    accept_by_rank: list[float] | None = None
 
-    @property
-    def passes(self) -> int:
-        return len(self.accepted_lengths)
 
-    @property
-    def decode_rate(self) -> float:
-        """Tokens per second after the first pass (sampled outputs differ in length, so the prefill's share does);
-        a batch's: its throughput, every sequence's tokens over the batch's seconds, prefill included."""
-        if self.batch:
-            return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
-        rest = len(self.token_ids) - (self.accepted_lengths[0] if self.accepted_lengths else 0)
-        return rest / (self.seconds - self.first_seconds) if rest > 0 else float("nan")
+@dataclass(frozen=True)
+class BenchSettings:
+    """What `run_bench` runs every method with: each temperature of `temperatures`, up to `max_new_tokens`, prompt i
+    sampling from seed + i, HF prompt lookup with `lookup_tokens` candidates; copying methods also copy from `store`
+    ("auto": the head folder's datastore.npz; None: nothing); `batch_size` prompts decoded together."""
+
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    max_new_tokens: int = 64
+    seed: int = 0
+    lookup_tokens: int = 10
+    store: object = "auto"
+    batch_size: int = 1
 
 
 class _StepClock:
@@ -125,30 +127,18 @@ def run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed, top_k=N
     return Run(tokens, seconds, first, [1] * len(tokens), batch=True), answers
 
 
-def run_tree_batch(
-    model,
-    tok,
-    head,
-    prompts,
-    method: Method,
-    max_new_tokens,
-    temperature,
-    seed,
-    batch_size,
-    accept_by_rank=None,
-    store="auto",
-):
+def run_tree_batch(model, tok, head, prompts, method: Method, settings: RunSettings, batch_size, store="auto"):
     """eagletree's batched decoding of `prompts` with one tree method (`Decoder.results`, `batch_size` sequences
     per target pass; prompt k samples with seed + k): a batch Run and each prompt's tokens."""
     config = DecodeConfig.from_options(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
         tree=method.tree,
         budget=method.budget,
         depth=method.depth,
         top_k_draft=method.top_k,
-        seed=seed,
-        accept_by_rank=accept_by_rank,
+        seed=settings.seed,
+        accept_by_rank=settings.accept_by_rank,
         copy=method.copy,
         store=store if method.copy and method.name not in HEADLESS else None,
     )
@@ -168,34 +158,21 @@ def run_tree_batch(
     return run, answers
 
 
-def run_group(
-    model, tok, head, prompts, method: Method, max_new_tokens, temperature, seed, batch_size, accept_by_rank, store
-):
+def run_group(model, tok, head, prompts, method: Method, settings: RunSettings, batch_size, store):
     """One batched run of `method` (plain, packed or a tree method) on `prompts` together: (Run, tokens each)."""
+    s = settings
     if method.name == "lookup":
         raise ValueError("HF prompt lookup decodes one sequence at a time; it has no batched run")
     if method.name == "plain":
         with stock_kernels(model):
-            return run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed)
+            return run_hf_batch(model, tok, prompts, s.max_new_tokens, s.temperature, s.seed)
     if method.name == "packed":
-        return run_hf_batch(model, tok, prompts, max_new_tokens, temperature, seed)
-    return run_tree_batch(
-        model, tok, head, prompts, method, max_new_tokens, temperature, seed, batch_size, accept_by_rank, store
-    )
+        return run_hf_batch(model, tok, prompts, s.max_new_tokens, s.temperature, s.seed)
+    return run_tree_batch(model, tok, head, prompts, method, s, batch_size, store)
 
 
 def run_tree(
-    model,
-    tok,
-    head,
-    messages,
-    method: Method,
-    max_new_tokens,
-    temperature,
-    seed,
-    accept_by_rank=None,
-    record_steps=False,
-    store="auto",
+    model, tok, head, messages, method: Method, settings: RunSettings, record_steps=False, store="auto"
 ) -> Run:
     """eagletree's speculative decoding with one tree method; a copying method with a head also copies from `store`
     (a TokenStore, or "auto" = the head folder's datastore.npz)."""
@@ -206,14 +183,14 @@ def run_tree(
         tok,
         None if method.name in HEADLESS else head,
         messages,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
         tree=method.tree,
         budget=method.budget,
         depth=method.depth,
         top_k_draft=method.top_k,
-        seed=seed,
-        accept_by_rank=accept_by_rank,
+        seed=settings.seed,
+        accept_by_rank=settings.accept_by_rank,
         stats=stats,
         copy=method.copy,
         store=store if method.copy and method.name not in HEADLESS else None,
@@ -231,30 +208,17 @@ def run_tree(
 
 
 def run_method(
-    model,
-    tok,
-    head,
-    messages,
-    method: Method,
-    max_new_tokens,
-    temperature,
-    seed,
-    lookup_tokens,
-    accept_by_rank,
-    record_steps=False,
-    store="auto",
+    model, tok, head, messages, method: Method, settings: RunSettings, record_steps=False, store="auto"
 ) -> Run:
     """One run of `method` (plain, an HF baseline or a tree method) on one prompt."""
+    s = settings
     if method.name == "plain":  # the reference: HF generate as it runs without eagletree
         with stock_kernels(model):
-            return run_hf(model, tok, messages, max_new_tokens, temperature, seed)
+            return run_hf(model, tok, messages, s.max_new_tokens, s.temperature, s.seed)
     if method.name in ("lookup", "packed"):
-        return run_hf(
-            model, tok, messages, max_new_tokens, temperature, seed, lookup_tokens if method.name == "lookup" else None
-        )
-    return run_tree(
-        model, tok, head, messages, method, max_new_tokens, temperature, seed, accept_by_rank, record_steps, store=store
-    )
+        lookup = s.lookup_tokens if method.name == "lookup" else None
+        return run_hf(model, tok, messages, s.max_new_tokens, s.temperature, s.seed, lookup)
+    return run_tree(model, tok, head, messages, method, s, record_steps, store=store)
 
 
 def rank_acceptance(steps, k: int) -> list[float] | None:
@@ -287,13 +251,12 @@ def warm_up(model, tok, head, messages, methods, max_new_tokens, lookup_tokens) 
     if head is None or not trees:
         return None
     if any(m.tree == "auto" for m in trees):  # measures and caches the device's verify profile on first use
-        run_tree(model, tok, head, messages, next(m for m in trees if m.tree == "auto"), short, 0.0, 0)
+        run_tree(model, tok, head, messages, next(m for m in trees if m.tree == "auto"), RunSettings(short, 0.0, 0))
     widest = max(trees, key=lambda m: (m.budget, m.depth))
     probe = Method("eagle2", widest.budget, max(m.depth for m in trees), widest.top_k)
     sequoia = "sequoia" in names
-    run = run_tree(
-        model, tok, head, messages, probe, max_new_tokens if sequoia else short, 0.0, 0, record_steps=sequoia
-    )
+    first = RunSettings(max_new_tokens if sequoia else short, 0.0, 0)
+    run = run_tree(model, tok, head, messages, probe, first, record_steps=sequoia)
     return rank_acceptance(run.steps, probe.top_k) if sequoia else None
 
 
@@ -305,99 +268,65 @@ def warm_up_batch(model, tok, head, prompts, methods, max_new_tokens, batch_size
         run_hf_batch(model, tok, prompts, short, 0.0, 0)
     auto = next((m for m in methods if m.name in TREE_METHODS and m.tree == "auto"), None)
     if auto is not None and (head is not None or auto.name in HEADLESS):
-        run_tree_batch(model, tok, head, prompts, auto, short, 0.0, 0, batch_size, store=store)
+        run_tree_batch(model, tok, head, prompts, auto, RunSettings(short, 0.0, 0), batch_size, store=store)
 
 
-def first_difference(got: list[int], want: list[int]) -> int | None:
-    """Index of the first token where two outputs differ (a length difference counts), or None if equal."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return i
-    return None if len(got) == len(want) else min(len(got), len(want))
+@dataclass
+class _Tally:
+    """`run_bench`'s running results and progress: each (method, temperature) row's totals, the (draft probability,
+    accepted?) pairs of every node the greedy tree runs tried, the progress bar and the log."""
+
+    rows: dict
+    pairs: tuple[list, list]
+    bar: tqdm
+    log: Callable[[str], None]
 
 
-def logit_gap(model, tok, messages, want: list[int], got: list[int], k: int) -> float | None:
-    """At the first difference k: a plain forward's logit of plain decoding's token minus the other output's."""
-    if k >= min(len(want), len(got)):
-        return None  # one output stopped earlier
-    ids = encode_prompt(tok, messages).tolist() + want[:k]
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
-    return float(logits[want[k]] - logits[got[k]])
-
-
-def _empty_row() -> dict:
-    """The running totals of one (method, temperature) row, filled by `_add_run`."""
-    return dict(
-        rate=[],
-        e2e=[],
-        first=[],
-        ratio=[],
-        same=[],
-        new=0,
-        passes=0,
-        predicted=[],
-        lengths=Counter(),
-        mismatches=[],
-    )
-
-
-def _add_run(row: dict, m: Method, run: Run, ref: Run, same: Run | None) -> None:
-    """Add one run to its row; `ref` is plain decoding with stock kernels, `same` with the target's own."""
-    row["rate"].append(run.decode_rate)
-    row["ratio"].append(run.decode_rate / ref.decode_rate)  # NaN (dropped) where either has one pass
-    if m.name != "plain":  # like for like: against plain decoding with the same kernels
-        row["same"].append(run.decode_rate / (same or ref).decode_rate)
-    row["e2e"].append(len(run.token_ids) / run.seconds)
-    row["first"].append(run.first_seconds)
-    row["new"] += len(run.token_ids)
-    row["passes"] += run.passes
-    row["predicted"] += run.predicted
-    row["lengths"].update(run.accepted_lengths)
-
-
-def _check_same_tokens(row: dict, model, tok, messages, i: int, m: Method, run: Run, ref: Run, log) -> None:
-    """Record in the row, and log, where a greedy run's tokens first differ from plain decoding's (prompt `i`)."""
-    if (k := first_difference(run.token_ids, ref.token_ids)) is None:
-        return
-    gap = logit_gap(model, tok, messages, ref.token_ids, run.token_ids, k)
-    row["mismatches"].append(
-        {
-            "prompt": i,
-            "position": k,
-            "got": run.token_ids[k : k + 8],
-            "plain": ref.token_ids[k : k + 8],
-            "logit_gap": gap,
-        }
-    )
-    log(
-        f"MISMATCH {m.label} on prompt {i}: first difference at token {k}: "
-        f"{run.token_ids[k : k + 8]} vs plain {ref.token_ids[k : k + 8]}"
-        + ("" if gap is None else f" (logit gap {gap:.4f} in a plain forward; near 0: a near-tie)")
-    )
-
-
-def run_bench(
-    model,
-    tok,
-    head,
-    prompts,
-    methods,
-    temperatures=(0.0, 1.0),
-    max_new_tokens=64,
-    seed=0,
-    lookup_tokens=10,
-    progress=True,
-    log=None,
-    store="auto",
-    batch_size=1,
-) -> dict:
+def run_bench(model, tok, head, prompts, methods, settings: BenchSettings = BenchSettings(), progress=True, log=None):
     """Every method on every prompt and temperature, each right after plain decoding; returns the results dict.
-    `store`: what copying methods also copy from ("auto": the head folder's datastore.npz; None: nothing).
-    `batch_size` > 1: every method decodes the prompts in groups of that many together (plain and packed: HF
-    `generate` on left-padded batches; tree methods: eagletree's batched decoding), each group right after plain's,
-    and a row's rates are the groups' throughputs (`Run.batch`); HF prompt lookup has no batched run."""
-    log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+    `settings.batch_size` > 1: every method decodes the prompts in groups of that many together (plain and packed:
+    HF `generate` on left-padded batches; tree methods: eagletree's batched decoding), each group right after
+    plain's, and a row's rates are the groups' throughputs (`Run.batch`); HF prompt lookup has no batched run."""
+    s = settings
+    log = log or (lambda text: tqdm.write(text, file=sys.stderr))
+    _check_bench(head, prompts, methods, s.batch_size)
+    t_start = time.perf_counter()
+    accept_by_rank = warm_up(model, tok, head, prompts[0], methods, s.max_new_tokens, s.lookup_tokens)
+    if s.batch_size > 1:
+        warm_up_batch(model, tok, head, prompts[: s.batch_size], methods, s.max_new_tokens, s.batch_size, s.store)
+    if any(m.name == "sequoia" for m in methods):
+        log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
+    everything = [Method("plain")] + list(methods)
+    groups = [(i, prompts[i : i + s.batch_size]) for i in range(0, len(prompts), s.batch_size)]
+    tally = _Tally(
+        rows={(m, t): empty_row() for m in everything for t in s.temperatures},
+        pairs=([], []),
+        bar=tqdm(total=len(groups) * len(s.temperatures) * len(everything), desc="bench", disable=not progress),
+        log=log,
+    )
+    for i, group in groups:
+        for temperature in s.temperatures:
+            run = RunSettings(s.max_new_tokens, temperature, s.seed + i, s.lookup_tokens, accept_by_rank)
+            _run_group_methods(model, tok, head, i, group, everything, run, s, tally)
+    tally.bar.close()
+    results = [summarize(m, t, tally.rows[(m, t)], len(prompts)) for t in s.temperatures for m in everything]
+    return {
+        "prompts": len(prompts),
+        "max_new_tokens": s.max_new_tokens,
+        "temperatures": list(s.temperatures),
+        "seed": s.seed,
+        "lookup_tokens": s.lookup_tokens,
+        **({"batch_size": s.batch_size} if s.batch_size > 1 else {}),
+        "accept_by_rank": accept_by_rank,
+        "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
+        "results": results,
+        "calibration": calibration_bins(*tally.pairs, head),
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def _check_bench(head, prompts, methods, batch_size: int) -> None:
+    """ValueError for a run that cannot start: tree methods without a head, no prompts, HF lookup in batches."""
     if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
         raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
     if not prompts:
@@ -406,90 +335,33 @@ def run_bench(
         raise ValueError(
             "method 'lookup' (HF prompt lookup) decodes one sequence at a time; drop it for --batch-size > 1"
         )
-    t_start = time.perf_counter()
-    accept_by_rank = warm_up(model, tok, head, prompts[0], methods, max_new_tokens, lookup_tokens)
-    if batch_size > 1:
-        warm_up_batch(model, tok, head, prompts[:batch_size], methods, max_new_tokens, batch_size, store)
-    if any(m.name == "sequoia" for m in methods):
-        log(f"sequoia: acceptance by rank {[round(a, 3) for a in accept_by_rank] if accept_by_rank else 'default'}")
-    plain = Method("plain")
-    everything = [plain] + list(methods)
-    rows = {(m, t): _empty_row() for m in everything for t in temperatures}
-    pairs = ([], [])  # (draft probability, accepted?) of every tried node, greedy tree runs
-    groups = [(i, prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
-    bar = tqdm(total=len(groups) * len(temperatures) * len(everything), desc="bench", disable=not progress)
-    settings = dict(
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        lookup_tokens=lookup_tokens,
-        accept_by_rank=accept_by_rank,
-        store=store,
-        batch_size=batch_size,
-    )
-    for i, group in groups:
-        for temperature in temperatures:
-            _run_group_methods(model, tok, head, i, group, temperature, everything, rows, pairs, bar, log, settings)
-    bar.close()
-    results = [summarize(m, t, rows[(m, t)], len(prompts)) for t in temperatures for m in everything]
-    return {
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "temperatures": list(temperatures),
-        "seed": seed,
-        "lookup_tokens": lookup_tokens,
-        **({"batch_size": batch_size} if batch_size > 1 else {}),
-        "accept_by_rank": accept_by_rank,
-        "accept_by_rank_source": "measured (warm-up run, eagle2)" if accept_by_rank else "default",
-        "results": results,
-        "calibration": calibration_bins(*pairs, head),
-        "seconds": time.perf_counter() - t_start,
-    }
 
 
-def _run_group_methods(model, tok, head, i, group, temperature, everything, rows, pairs, bar, log, s) -> None:
+def _run_group_methods(
+    model, tok, head, i, group, everything, run: RunSettings, s: BenchSettings, tally: _Tally
+) -> None:
     """Plain decoding and then every method on the prompts `group` (prompt i and the next ones: one prompt, or a
-    batch decoded together), at one temperature; each run is added to its row (`s`: run_bench's settings)."""
+    batch decoded together), as `run` says (its temperature, the group's seed); each run is added to its row."""
     ref = same = None  # plain decoding with stock kernels; with the target's own (the 'packed' row)
     for m in everything:
-        bar.set_postfix_str(f"prompt {i + 1} T={temperature:g} {m.label}")
-        common = (model, tok, head)
-        if s["batch_size"] == 1:
-            run = run_method(
-                *common,
-                group[0],
-                m,
-                s["max_new_tokens"],
-                temperature,
-                s["seed"] + i,
-                s["lookup_tokens"],
-                s["accept_by_rank"],
-                record_steps=not temperature and m.name in TREE_METHODS and not m.copy,
-                store=s["store"],
-            )
-            answers = [run]
+        tally.bar.set_postfix_str(f"prompt {i + 1} T={run.temperature:g} {m.label}")
+        if s.batch_size == 1:
+            record = not run.temperature and m.name in TREE_METHODS and not m.copy
+            timed = run_method(model, tok, head, group[0], m, run, record_steps=record, store=s.store)
+            answers = [timed]
         else:
-            run, tokens = run_group(
-                *common,
-                group,
-                m,
-                s["max_new_tokens"],
-                temperature,
-                s["seed"] + i,
-                s["batch_size"],
-                s["accept_by_rank"],
-                s["store"],
-            )
-            answers = [Run(t, run.seconds, run.first_seconds, []) for t in tokens]
+            timed, tokens = run_group(model, tok, head, group, m, run, s.batch_size, s.store)
+            answers = [Run(t, timed.seconds, timed.first_seconds, []) for t in tokens]
         if ref is None:
-            ref, ref_answers = run, answers
-        same = run if m.name == "packed" else same
-        row = rows[(m, temperature)]
-        _add_run(row, m, run, ref, same)
-        if not temperature:  # each prompt's tokens against plain decoding's
+            ref, ref_answers = timed, answers
+        same = timed if m.name == "packed" else same
+        row = tally.rows[(m, run.temperature)]
+        add_run(row, m, timed, ref, same)
+        if not run.temperature:  # each prompt's tokens against plain decoding's
             for k, (messages, got, want) in enumerate(zip(group, answers, ref_answers)):
-                _check_same_tokens(row, model, tok, messages, i + k, m, got, want, log)
-        for tree, accepted in run.steps or ():
+                check_same_tokens(row, model, tok, messages, i + k, m, got, want, tally.log)
+        for tree, accepted in timed.steps or ():
             q, y = acceptance_pairs(tree, accepted)
-            pairs[0].extend(q)
-            pairs[1].extend(y)
-        bar.update()
+            tally.pairs[0].extend(q)
+            tally.pairs[1].extend(y)
+        tally.bar.update()

@@ -12,7 +12,7 @@ span, learned as decoding goes.
 A `store.TokenStore` (a corpus such as the target's own earlier answers) adds the continuation of the
 context's longest match there to the same trie, valued like a copied span of that match length.
 
-The tree search (`dynamic._search` with `copies=`) grafts the trie onto the head's candidates:
+The tree search (`batched.search_steps` with `copies=`) grafts the trie onto the head's candidates:
 a copied token equal to a head candidate is one node, and the search chooses among all of them
 under the one node budget. With `copy_trie(at_nodes=True)` copies also start under the head's
 best nodes: the context extended by such a node's path is looked up the same way, and what

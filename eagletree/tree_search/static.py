@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..verify import DraftTree
-from .dynamic import Expand, check_distribution, check_search_args, drive
+from .batched import Expand, drive
+from .checks import check_distribution, check_search_args
 
 
 @dataclass
@@ -172,7 +173,7 @@ def static_search(expand: Expand, root_token: int, shape: Shape, device="cpu", t
 
 
 def static_steps(root_token: int, shape: Shape, device="cpu", token_map=None):
-    """`static_search` as a generator (as `dynamic.search_steps`): yields each level's request, returns the tree."""
+    """`static_search` as a generator (as `batched.search_steps`): yields each level's request, returns the tree."""
     parents = torch.tensor(shape.parents, device=device)
     ranks = torch.tensor(shape.ranks, device=device)
     n = len(shape.parents)

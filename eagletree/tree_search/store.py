@@ -195,7 +195,7 @@ class TokenStore:
     def load(cls, path, tokenizer_id: str | None = None, vocab_size: int | None = None) -> tuple[TokenStore, dict]:
         """(store, header) from a file `save` wrote; with `tokenizer_id`, refuse one made with another tokenizer, with
         `vocab_size`, one holding ids the target does not have. Every problem is a ValueError naming the file."""
-        from ..files import read_npz
+        from ..reading import read_npz
 
         header, arrays = read_npz(
             path,

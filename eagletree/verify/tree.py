@@ -76,6 +76,14 @@ class DraftTree:
     # -- validation ---------------------------------------------------------------------------
 
     def _validate(self, vocab_size):
+        """Raise TreeError, naming the node and value, for the first thing wrong with the tree."""
+        self._check_links()
+        self._check_tokens(vocab_size)
+        self._check_probs(vocab_size)
+        self._check_siblings()
+
+    def _check_links(self) -> None:
+        """One root, node 0, and every other node's parent before it."""
         n = self.tokens.numel()
         if n == 0:
             raise TreeError("empty tree: a draft tree needs at least the root node")
@@ -94,10 +102,18 @@ class DraftTree:
             raise TreeError(
                 f"node {v} has parent {int(parents[v])}; expected a node index in [0, {v - 1}] (parent before child)"
             )
+
+    def _check_tokens(self, vocab_size) -> None:
+        """Token ids in [0, vocab_size)."""
         tokens = self.tokens.cpu()
         if (tokens < 0).any() or (vocab_size is not None and (tokens >= vocab_size).any()):
             v = int(((tokens < 0) | (tokens >= (vocab_size or 1 << 62))).nonzero()[0])
             raise TreeError(f"node {v} has token id {int(tokens[v])}; expected 0 <= id < {vocab_size or 'vocab size'}")
+
+    def _check_probs(self, vocab_size) -> None:
+        """draft_probs in [0, 1], draft_dists [N, vocab] of finite non-negative values, and a sampled tree's
+        tokens possible under their parents' draft_dists."""
+        n = self.tokens.numel()
         if self.draft_probs is not None:
             p = self.draft_probs
             if p.numel() != n:
@@ -119,6 +135,7 @@ class DraftTree:
                 raise TreeError(
                     "a sampled tree needs draft_dists: the distribution each node's children were drawn from"
                 )
+            tokens, parents = self.tokens.cpu(), self.parents.cpu()
             child = torch.arange(1, n)
             q = self.draft_dists.cpu()[parents[1:], tokens[1:]]
             zero = (q <= 0).nonzero()
@@ -127,8 +144,12 @@ class DraftTree:
                 raise TreeError(
                     f"node {v} (token {int(tokens[v])}) has draft probability 0 under its parent's draft_dists"
                 )
+
+    def _check_siblings(self) -> None:
+        # Top-k siblings, and siblings drawn without replacement, are distinct: a repeat would be tried twice.
+        n = self.tokens.numel()
         if n > 1 and not (self.sampled and self.with_replacement):
-            # Top-k siblings, and siblings drawn without replacement, are distinct: a repeat would be tried twice.
+            tokens, parents = self.tokens.cpu(), self.parents.cpu()
             key = parents[1:] * (int(tokens.max()) + 1) + tokens[1:]
             uniq, counts = torch.unique(key, return_counts=True)
             if (counts > 1).any():

@@ -181,7 +181,7 @@ def _mtbench(work: Path, n: int):
 def stage_smollm2(args) -> int:
     """SmolLM2 on the device: eagletree eagle2 and auto vs HF generate on MT-bench prompts, outputs compared."""
 
-    from eagletree.bench import machine_info, markdown_report, method_grid, run_bench
+    from eagletree.bench import BenchSettings, machine_info, markdown_report, method_grid, run_bench
     from eagletree.draft_heads import load_head
     from eagletree.loading import draft_vocab_for
     from eagletree.target import load_target
@@ -209,8 +209,7 @@ def stage_smollm2(args) -> int:
         head,
         prompts,
         methods,
-        temperatures=(0.0,),
-        max_new_tokens=6 if dry else 128,
+        BenchSettings(temperatures=(0.0,), max_new_tokens=6 if dry else 128),
         progress=False,
         log=lambda s: print(s, flush=True),
     )
