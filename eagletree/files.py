@@ -23,10 +23,6 @@ from pathlib import Path
 
 from .errors import EagletreeError
 
-# (re-exported: train/ reads them from here)
-from .reading import read_appended_jsonl as read_appended_jsonl
-from .reading import read_npz as read_npz
-
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _PARTIAL = re.compile(r"^\..+\.partial-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]+$")
 

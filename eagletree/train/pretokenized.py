@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from ..files import read_npz, writing
+from ..files import writing
+from ..reading import read_npz
 from .data import DataError
 from .render import MASK_VERSION, Rendered
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ...draft_heads import target_identity
-from ...files import appending, read_appended_jsonl
+from ...files import appending
+from ...reading import read_appended_jsonl
 from .options import DistillError, DistillOptions
 from .selection import Prompt, Selection
 
