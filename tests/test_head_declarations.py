@@ -194,3 +194,41 @@ def test_profile_times_a_head_of_the_kind_it_is_given(tmp_path, kind):
     (tmp_path / "head" / "config.json").write_text(json.dumps({"head_type": "wizard"}))
     with pytest.raises(Exception, match="unknown head_type 'wizard'"):
         profile_head_type(tmp_path / "head")
+
+
+@pytest.mark.parametrize("tree", ["eagle2", "optimal", "chain", "sequoia", "auto"])
+def test_a_head_is_drafted_as_deep_as_it_drafts(tree):
+    """A Medusa head of 2 heads drafts 2 levels: deeper levels are not asked of it (the config's depth is a
+    maximum), and a static shape deeper than that is refused when the decoder is built."""
+    from eagletree import Decoder, generate
+    from eagletree.decoding.config import DecodeConfig
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = MedusaHead.for_target(model.config, num_heads=2).eval()
+    messages = [{"role": "user", "content": "hello how are you"}]
+    plain = generate(model, tok, None, messages, max_new_tokens=10, copy=False)
+    out = generate(model, tok, head, messages, max_new_tokens=10, tree=tree, budget=8, depth=6, copy=False)
+    assert out.token_ids == plain.token_ids
+    assert Decoder(model, tok, head, DecodeConfig.from_options(depth=6, copy=False)).depth == 2
+    with pytest.raises(ValueError, match=r"tree_paths reach depth 3, but this 'medusa' head drafts 2 levels deep"):
+        Decoder(
+            model,
+            tok,
+            head,
+            DecodeConfig.from_options(tree="sequoia", tree_paths=[(0,), (0, 0), (0, 0, 0)], copy=False),
+        )
+
+
+def test_a_steps_other_head_calls_are_priced():
+    from eagletree.tree_search import LatencyProfile
+    from eagletree.tree_search.searchers import make_searcher
+
+    profile = LatencyProfile([1, 8], [0.010, 0.012], draft_s_per_level=0.001, draft_s_per_step=0.002)
+    assert float(profile.step_time(8, 3)) == pytest.approx(0.012 + 3 * 0.001 + 0.002)
+    assert float(profile.step_time(1, 0)) == pytest.approx(0.010)  # a plain step drafts nothing
+    searcher = make_searcher("auto", profile=profile)
+    assert searcher.step_calls == 1  # the catch-up, unless the head says otherwise
+    searcher.set_drafting(Drafting(catch_up=0, level_calls=0, block_calls=1))
+    assert searcher.step_calls == 1
+    searcher.set_drafting(Drafting(catch_up=2))
+    assert searcher.step_calls == 2

@@ -83,7 +83,11 @@ class Decoder:
         self._drafter, self._drafter_key = None, None  # the batch drafter, kept across runs (`batch_drafter`)
         self._drafter_busy = False
         self._profile_path = None  # the cached profile's file (batch sizes measured later are added to it)
+        # the deepest level drafted: the config's, as deep as the head drafts
+        self.depth = min(config.depth, (head.drafting.max_depth if head is not None else None) or config.depth)
         self.searcher = self._make_searcher(profile, calibrator) if head is not None or copies else None
+        if self.searcher is not None and head is not None:
+            self.searcher.set_drafting(head.drafting)
 
     def _make_searcher(self, profile, calibrator):
         """The tree kind's searcher; `auto`'s with `profile` (default: this device's, measured once and cached)."""
@@ -96,7 +100,7 @@ class Decoder:
         return make_searcher(
             config.tree.value,
             config.budget,
-            config.depth,
+            self.depth,
             config.top_k_draft,
             self.device,
             None,
@@ -294,6 +298,12 @@ def check_head(head, target, config: DecodeConfig) -> None:
             f"(head.to({str(target_device)!r}))"
         )
     paths = config.tree_paths
+    deepest = head.drafting.max_depth
+    if paths is not None and deepest is not None and max(len(p) for p in paths) > deepest:
+        raise ValueError(
+            f"tree_paths reach depth {max(len(p) for p in paths)}, but this {head.head_type!r} head drafts "
+            f"{deepest} levels deep at most"
+        )
     if paths is not None and max(max(p) for p in paths) >= head.drafted_vocab_size():
         raise ValueError(
             f"tree_paths rank {max(max(p) for p in paths)} is past the head's draft vocabulary "

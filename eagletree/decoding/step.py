@@ -23,7 +23,7 @@ class Pass:
     """One target pass over `live` (the batch's sequences in row order) of a Decoder's run in `batch` (BatchRows)."""
 
     def __init__(self, decoder, batch, live: list):
-        self.config, self.searcher = decoder.config, decoder.searcher
+        self.config, self.searcher, self.depth = decoder.config, decoder.searcher, decoder.depth
         self.target, self.stops = decoder.target, decoder.stops
         self.batch, self.live = batch, live
         self.started = time.perf_counter()
@@ -37,7 +37,7 @@ class Pass:
         self.rooms = [self.batch.room(seq) for seq in live]
         self.reach = [min(left, room) for left, room in zip(self.lefts, self.rooms)]
         # drafting deeper than that, or than a tree of the budget's nodes reaches, is wasted
-        top = min(config.depth, searcher.budget - 1) if searcher is not None else 0
+        top = min(self.depth, searcher.budget - 1) if searcher is not None else 0
         self.depths = [min(top, n - 1) for n in self.reach]
 
     def choose_drafting(self, waiting: bool) -> None:

@@ -237,7 +237,9 @@ class AutoSearcher(Searcher):
             return self._chosen(fulls, values, counts)
         self._charge_drafting(spent, searched)
         # (`measured` again: it now holds the drafting cost just timed)
-        counts, expected, rate = choose_batch(scaled, self.measured, spent[1] + 1, fixed=fixed, others=others)
+        counts, expected, rate = choose_batch(
+            scaled, self.measured, spent[1] + self.step_calls, fixed=fixed, others=others
+        )
         if batch == 1 or self.plain_scale is None:  # (else the step's measured gain moves it: observe_step)
             self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
@@ -272,8 +274,9 @@ class AutoSearcher(Searcher):
     def _charge_drafting(self, spent: list, searched: float) -> None:
         """Add a drafted step's drafter and search seconds to the profile's per-level drafting cost.
 
-        Per-level cost from the tree's levels only: the drafter's catch-up call on the committed
-        tokens costs about one more level in steady state (the prompt's first one is paid once anyway).
+        Per-level cost from the tree's levels only: the head's other calls of a step (`step_calls`: its catch-up
+        on the committed tokens) cost about one more level each in steady state (the prompt's first one is paid
+        once anyway).
         The search's own work between the calls (top-k, ranking, copy lookups) is charged per level too:
         it is paid before the verify pass as well, and on a CPU it is not small next to the head's calls."""
         self.draft_s += spent[0]

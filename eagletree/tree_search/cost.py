@@ -63,6 +63,9 @@ class LatencyProfile:
     sizes: list[int]  # node counts N measured, ascending
     verify_s: list[float]  # seconds of one verify pass (mask + forward + accept + commit) at each N
     draft_s_per_level: float = 0.0  # seconds of one drafter call (one depth level)
+    # seconds of the head calls a drafted step makes besides its levels' (its catch-up on the accepted tokens: the
+    # head's `Drafting`), 0 where they are counted as one more level (auto's live estimate)
+    draft_s_per_step: float = 0.0
     search_s_per_level: float = 0.0  # seconds of tree-search bookkeeping per level
     device: str = "cpu"
     model: str = ""
@@ -94,8 +97,10 @@ class LatencyProfile:
         return batch == 1 or str(batch) in self.batch_verify_s
 
     def step_time(self, n, depth) -> torch.Tensor:
-        """Seconds of one decoding step: drafting and searching `depth` levels, then verifying n nodes."""
-        return depth * (self.draft_s_per_level + self.search_s_per_level) + self.verify(n)
+        """Seconds of one decoding step: drafting (its catch-up, where depth > 0) and searching `depth` levels, then
+        verifying n nodes."""
+        drafting = depth * (self.draft_s_per_level + self.search_s_per_level) + (self.draft_s_per_step if depth else 0)
+        return drafting + self.verify(n)
 
     def save(self, path) -> None:
         """Write atomically (temporary file, then rename)."""

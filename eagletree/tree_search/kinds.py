@@ -18,9 +18,15 @@ class Searcher:
     """A tree kind. `budget`: most nodes per tree (root included); `top_k`: candidates per drafted node."""
 
     static = False  # a fixed shape: copied spans cannot be grafted into it
+    step_calls = 1  # head calls a drafted step makes besides its levels' (`set_drafting`)
 
     def __init__(self, budget: int, top_k: int, device="cpu", token_map=None):
         self.budget, self.top_k, self.device, self.token_map = budget, top_k, device, token_map
+
+    def set_drafting(self, drafting) -> None:
+        """The head's `Drafting`: the calls a drafted step makes besides one per level (its catch-up on the
+        accepted tokens, a block drafter's call), which a searcher weighing drafting charges at a level's cost."""
+        self.step_calls = drafting.catch_up + drafting.block_calls
 
     def start(self) -> None:
         """A new generation begins: forget what the last one taught (the searchers that learn as they go)."""
