@@ -232,3 +232,45 @@ def test_a_steps_other_head_calls_are_priced():
     assert searcher.step_calls == 1
     searcher.set_drafting(Drafting(catch_up=2))
     assert searcher.step_calls == 2
+
+
+def test_a_new_kind_of_head_is_a_class_and_a_registration(tmp_path):
+    """A kind of head added from outside the package (here: Medusa's heads declared as a block drafter, one call a
+    step for all its levels) is saved, loaded, trained, profiled and decoded with, batched too, by registering it:
+    nothing outside its class is changed."""
+    from eagletree import Decoder
+    from eagletree.bench.profile import profile_costs
+    from eagletree.decoding.config import DecodeConfig
+    from eagletree.draft_heads import base, load_head, register_head
+    from eagletree.train.config import TrainConfig
+    from eagletree.train.loop import train
+
+    from helpers import tiny_conversations
+
+    class BlockHead(MedusaHead):
+        head_type = "test-block"
+
+        @property
+        def drafting(self) -> Drafting:
+            return Drafting(max_depth=self.num_heads, follows_drafts=False, catch_up=0, level_calls=0, block_calls=1)
+
+    register_head(BlockHead)
+    try:
+        model, tok = tiny_model("llama"), tiny_tokenizer()
+        cfg = TrainConfig.from_sources(None, ["head_type=test-block", "medusa_heads=2", "noise=0.2"])
+        cfg.out_dir, cfg.report_to, cfg.steps, cfg.device, cfg.save_every = str(tmp_path / "run"), "none", 2, "cpu", 2
+        cfg.max_len, cfg.warmup_steps, cfg.grad_accum = 40, 1, 1
+        trained, _ = train(cfg, model_and_tokenizer=(model, tok), conversations=tiny_conversations(4), progress=False)
+        assert type(trained) is BlockHead
+        head = load_head(tmp_path / "run" / "head", target_config=model.config)
+        assert type(head) is BlockHead and head.drafting.block_calls == 1
+        rows = profile_costs(model, head, [1, 4], depth=3, top_k=2, prefix=8, reps=1, progress=False)
+        assert rows[1]["draft_ms"] > 0  # its block, drafted when the accepted tokens are committed
+        prompts = [[{"role": "user", "content": p}] for p in ("hello how are you", "tell me a joke", "why")]
+        plain = Decoder(model, tok, None, DecodeConfig.from_options(max_new_tokens=8, copy=False))
+        drafted = Decoder(model, tok, head, DecodeConfig.from_options(max_new_tokens=8, copy=False, tree="eagle2"))
+        want = [r.token_ids for r in plain.generate_batch(prompts)]
+        assert [r.token_ids for r in drafted.generate_batch(prompts)] == want
+        assert [drafted.generate(p).token_ids for p in prompts] == want
+    finally:
+        base._REGISTRY.pop("test-block", None)

@@ -211,10 +211,12 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
 
 
 def step_drafting(drafting, measured: dict, depth: int) -> float:
-    """Seconds of a step's drafting to `depth` levels, by the head's declared calls: its catch-up on the accepted
-    tokens, then its calls per level below the root (as deep as it drafts)."""
+    """Seconds of a step's drafting to `depth` levels, by the head's declared calls: what its drafter does when the
+    accepted tokens are committed (`measured["catch_up"]`: the catch-up, and a block drafter's block, which it drafts
+    there), then its calls per level below the root (as deep as it drafts)."""
     levels = min(depth, drafting.max_depth or depth) - 1
-    return drafting.catch_up * measured["catch_up"] + drafting.level_calls * levels * measured["level"]
+    commit = measured["catch_up"] if drafting.catch_up or drafting.block_calls else 0.0
+    return commit + drafting.level_calls * levels * measured["level"]
 
 
 def project(rows, tokens_per_pass) -> list[dict]:

@@ -91,7 +91,7 @@ class Drafting:
     batched: bool = False  # its batch drafter drafts several sequences' levels in one head call
     catch_up: int = 1  # head calls a step makes on the accepted tokens before the tree
     level_calls: int = 1  # head calls per tree level
-    block_calls: int = 0  # head calls a step makes for all its levels at once (a block drafter)
+    block_calls: int = 0  # head calls a step makes for all its levels at once (a block drafter, in its `extend`)
 
     def calls(self, levels: int) -> int:
         """Head calls of a step that searches `levels` tree levels (the root's own level included)."""

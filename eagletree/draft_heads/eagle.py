@@ -30,8 +30,10 @@ class EagleHead(DraftHead):
 
     def __init__(self, config: HeadConfig):
         super().__init__()
-        if config.head_type != "eagle":
-            raise HeadError(f"head_type {config.head_type!r} is not supported by EagleHead; expected 'eagle'")
+        if config.head_type != self.head_type:
+            raise HeadError(
+                f"head_type {config.head_type!r} is not supported by EagleHead; expected {self.head_type!r}"
+            )
         self.config = config
         self.layer_config = config_from_dict(config.layer_config)
         h = config.hidden_size
@@ -51,7 +53,7 @@ class EagleHead(DraftHead):
         fc_bias=False (the default) matches EAGLE's LLaMA-3 heads and vLLM, whose fc has no bias.
         """
         head_cfg = HeadConfig(
-            head_type="eagle",
+            head_type=cls.head_type,
             hidden_size=target_config.hidden_size,
             target=target_identity(target_config),
             layer_config=layer_config_dict(target_config),

@@ -61,7 +61,7 @@ class Eagle3Head(DraftHead):
                 f"fused_layers must be 3 decoder layer indices in [0, {tc.num_hidden_layers - 2}], got {layers}"
             )
         config = HeadConfig(
-            head_type="eagle3",
+            head_type=cls.head_type,
             hidden_size=tc.hidden_size,
             target=target_identity(tc),
             layer_config=layer_config_dict(tc),

@@ -48,7 +48,7 @@ class MedusaHead(DraftHead):
         cls, target_config, draft_tokens=None, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False
     ) -> MedusaHead:
         config = HeadConfig(
-            head_type="medusa",
+            head_type=cls.head_type,
             hidden_size=target_config.hidden_size,
             target=target_identity(target_config),
             layer_config={},
