@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 
 from eagletree.bench import build_config, parse_list, random_target
-from eagletree.cli import at_least
+from eagletree.cli.common import at_least
 from eagletree.loading import load_models
 from eagletree.packing import pack_target, packing_problem, stock_kernels
 from eagletree.verify.profile import measure_batch_verify, measure_verify

@@ -25,12 +25,15 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from . import serve
+from .bench.profile import measure_drafting
 from .decoding import encode_prompt, generate, head_features
+from .decoding.resources import latency_profile
 from .draft_heads import make_drafter, target_to_draft
 from .target import new_cache
 from .tree_search import LatencyProfile
@@ -294,6 +297,14 @@ def load_profile(path):
     )
 
 
+def measure_profile(target, head):
+    """The latency profile of `target` and `head` on the target's device: the verify pass (measured once and
+    cached) and the head's drafting per level, timed on the features the head reads."""
+    profile = latency_profile(target)
+    profile.draft_s_per_level = measure_drafting(target, head, [16], prefix=128, reps=3)[16]["level"]
+    return profile
+
+
 def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int, progress=True) -> dict:
     """The plan's static tree through eagletree's `generate` on `prompts`: measured tokens per pass."""
     new = passes = 0
@@ -323,6 +334,21 @@ def check_plan(target, tokenizer, head, plan: Plan, prompts, max_new_tokens: int
         "relative_error": error,
         "within_tolerance": abs(error) <= CHECK_TOLERANCE,
     }
+
+
+def read_acceptance(path) -> tuple[dict, Acceptance]:
+    """The JSON an earlier plan wrote at `path` (`plan -o`), and its acceptance; ValueError naming the file (as
+    --acceptance) when it cannot be read or holds no acceptance."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read --acceptance {path!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"--acceptance {path!r}: expected a plan's JSON object, got {type(data).__name__}")
+    try:
+        return data, Acceptance.from_dict(data.get("acceptance", data))
+    except ValueError as e:
+        raise ValueError(f"--acceptance {path!r}: {e} (expected a plan's JSON, as plan -o writes it)") from None
 
 
 def check_reused_acceptance(data: dict, head, source: str, engine: str | None = None) -> None:

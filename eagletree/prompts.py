@@ -96,6 +96,22 @@ def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]
     return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]
 
 
+def humaneval_range(spec: str, flag: str = "--prompts") -> tuple[int | None, int]:
+    """(count, offset) of `humaneval`, `humaneval:N` (the first N problems) or `humaneval:A-B` (problems A to B,
+    counted from 1, so `humaneval:21-40` is HumanEval/20 .. HumanEval/39); ValueError naming the flag and spec."""
+    rest = spec.removeprefix("humaneval").removeprefix(":")
+    first, dash, last = rest.partition("-")
+    if not rest:
+        return None, 0
+    if not dash and rest.isdigit() and int(rest) >= 1:
+        return int(rest), 0
+    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError(
+            f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B (problems A to B, 1 <= A <= B)"
+        )
+    return int(last) - int(first) + 1, int(first) - 1
+
+
 def by_category(categories, new_tokens, passes) -> dict[str, float]:
     """Tokens per pass per category (in order of first appearance) and "mean" over all, from per-prompt
     counts: each is total tokens over total passes, as the EAGLE papers' MT-bench tables report tau."""

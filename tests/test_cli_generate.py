@@ -78,12 +78,12 @@ def test_compare_plain_when_sampling_compares_rates_after_the_first_pass(tiny_cl
     # Sampled, each run draws its own answer: one that stops early has more of its time in the prefill, so the
     # speedups compare the rates after each run's first pass (as bench does), and say so. (A fixed tree: `auto`'s
     # choice follows the machine's timing, and with it the sampled answer, which may then stop in its first pass.)
-    import eagletree.commands as commands
+    import eagletree.bench.compare as compare
     from eagletree.bench.runners import Run
 
     _, _, args = tiny_cli
     plain = Run(list(range(20)), seconds=3.0, first_seconds=1.0, accepted_lengths=[1] + [1] * 19)  # 19 tokens in 2 s
-    monkeypatch.setattr(commands, "run_hf", lambda *a, **kw: plain)
+    monkeypatch.setattr(compare, "run_hf", lambda *a, **kw: plain)
     assert (
         cli_main(
             [
@@ -185,7 +185,7 @@ def test_generate_streams_then_prints_stats(tiny_cli, capsys):
 def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsys, monkeypatch):
     _, _, args = tiny_cli
     seen = []
-    import eagletree.commands as cli
+    import eagletree.cli.generate as cli
 
     real_answer = cli._answer
 
@@ -202,7 +202,7 @@ def test_chat_keeps_the_conversation_and_reports_tokens_per_pass(tiny_cli, capsy
 
 def test_chat_refuses_a_message_that_overflows_the_context_and_goes_on(tiny_cli, capsys, monkeypatch):
     model, _, args = tiny_cli
-    import eagletree.commands as cli
+    import eagletree.cli.generate as cli
 
     seen, real_answer = [], cli._answer
 
@@ -221,7 +221,7 @@ def test_chat_refuses_a_message_that_overflows_the_context_and_goes_on(tiny_cli,
 
 def test_ctrl_c_stops_a_chat_answer_and_the_conversation_goes_on(tiny_cli, capsys, monkeypatch):
     _, _, args = tiny_cli
-    import eagletree.commands as cli
+    import eagletree.cli.generate as cli
 
     seen, real_answer = [], cli._answer
 
@@ -383,14 +383,14 @@ def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, m
     assert (head_dir / COPY_CALIBRATION).read_text() == before
     assert CopyCalibration.load(head_dir / COPY_CALIBRATION_FULL_VOCAB).draft_vocab_size == vocab
     # a run that tried no copied span leaves the table as it was
-    import eagletree.commands as commands
+    import eagletree.train.evaluate as evaluate
 
     # a table already there is replaced only with --overwrite, refused before measuring
-    monkeypatch.setattr(commands, "measure_copy_calibration", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(evaluate, "measure_copy_calibration", lambda *a, **k: pytest.fail("measured"))
     assert cli_main(["calibrate-copy", "--target", "tiny", "--head", str(head_dir), "--prompts", str(prompts)]) == 2
     assert f"{head_dir / COPY_CALIBRATION} holds a copy table already; pass --overwrite" in capsys.readouterr().err
     monkeypatch.setattr(
-        commands, "measure_copy_calibration", lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0})
+        evaluate, "measure_copy_calibration", lambda *a, **k: (CopyCalibration(), {"tokens_per_pass": 1.0})
     )
     assert (
         cli_main(

@@ -621,8 +621,8 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
 
 
 def test_distill_answers_named_humaneval_problems_with_their_task_ids(tmp_path):
-    from eagletree.commands import distill_prompts
     from eagletree.prompts import CODE_INSTRUCTION
+    from eagletree.train.distill import distill_prompts
 
     convs = distill_prompts("humaneval:101-103", 0.02)  # problems 101-103 are HumanEval/100 .. HumanEval/102
     assert [c.id for c in convs] == ["HumanEval/100", "HumanEval/101", "HumanEval/102"]

@@ -158,7 +158,7 @@ def test_engine_vllm_without_vllm_fails_in_one_line_naming_the_package(tmp_path,
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as where it is not installed
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")  # (restored after the test: import_vllm sets it)
     monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded"))
-    monkeypatch.setattr("eagletree.commands.distill_prompts", lambda *a, **k: pytest.fail("read the prompts"))
+    monkeypatch.setattr("eagletree.train.distill.distill_prompts", lambda *a, **k: pytest.fail("read the prompts"))
     for flag in ("--engine", "--decoder"):  # --decoder: the option's older name
         assert main(["distill", "--out", str(tmp_path / "d.jsonl"), flag, "vllm"]) == 2
         [line] = capsys.readouterr().err.splitlines()
@@ -206,7 +206,7 @@ def test_the_distill_command_answers_through_the_vllm_engine(tmp_path, capsys, m
     monkeypatch.setattr(
         vllm_engine, "VllmEngine", lambda folder, target: engines.append(FakeEngine(model)) or engines[-1]
     )
-    monkeypatch.setattr("eagletree.commands.distill_prompts", lambda *a, **k: tiny_conversations(70))
+    monkeypatch.setattr("eagletree.train.distill.distill_prompts", lambda *a, **k: tiny_conversations(70))
     monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the weights"))
     out = tmp_path / "d.jsonl"
     assert main(["distill", "--out", str(out), "--engine", "vllm", "--max-new-tokens", "4"]) == 0
@@ -271,8 +271,8 @@ def vllm_venv():
 @pytest.fixture(scope="module")
 def hf_records(_smollm2_session, tmp_path_factory):
     """`--engine hf`'s records (this venv, transformers 5.20+) for the first PROMPTS training conversations."""
-    from eagletree.commands import distill_prompts
     from eagletree.train.data import HELDOUT_FRACTION
+    from eagletree.train.distill import distill_prompts
 
     model, tok = _smollm2_session
     out = tmp_path_factory.mktemp("hf") / "hf.jsonl"

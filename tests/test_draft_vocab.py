@@ -127,7 +127,8 @@ def test_load_models_draft_vocab(tmp_path, monkeypatch):
     [("vllm", "auto", None), ("eagle", "auto", None), ("sglang", "auto", 33), ("vllm", "head", 33)],
 )
 def test_plan_measures_the_vocabulary_its_engine_drafts_over(engine, vocab, size, capsys):
-    from eagletree.commands import _draft_vocab, _engine_vocab
+    from eagletree.cli.models import _draft_vocab
+    from eagletree.cli.plan import _engine_vocab
 
     model = tiny_model("llama")
     args = argparse.Namespace(draft_vocab=vocab, engine=engine)

@@ -42,11 +42,11 @@ def test_export_into_the_current_or_a_parent_folder_is_refused(saved_head, tmp_p
 
 
 def test_export_under_a_file_is_refused_before_the_head_is_read(saved_head, tmp_path, monkeypatch, capsys):
-    import eagletree.commands as commands
+    import eagletree.loading as loading
 
     _, head_dir = saved_head
     (tmp_path / "afile").write_text("x")
-    monkeypatch.setattr(commands, "load_head", lambda *a, **k: pytest.fail("the head was read first"))
+    monkeypatch.setattr(loading, "load_head", lambda *a, **k: pytest.fail("the head was read first"))
     assert _export(head_dir, tmp_path / "afile" / "x") == 2
     assert f"--out '{tmp_path / 'afile' / 'x'}': '{tmp_path / 'afile'}' is a file" in capsys.readouterr().err
 

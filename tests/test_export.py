@@ -499,11 +499,11 @@ def test_speculators_configs_eagletree_does_not_compute_are_refused_at_import(tm
 def test_cli_exports_eagle3_heads_for_vllm_and_refuses_eagle1_heads_before_loading_the_target(
     tmp_path, saved_target, monkeypatch, capsys
 ):
-    from eagletree import commands
+    from eagletree import target
     from eagletree.cli import main
 
     loads = []
-    monkeypatch.setattr(commands.target, "load_target", lambda spec, **kw: loads.append(spec) or (saved_target, None))
+    monkeypatch.setattr(target, "load_target", lambda spec, **kw: loads.append(spec) or (saved_target, None))
     Eagle3Head.for_target(saved_target, torch.arange(3, 97, 3)).save_pretrained(tmp_path / "e3")
     eagle_head(saved_target).save_pretrained(tmp_path / "e1")
 

@@ -130,7 +130,7 @@ def test_plan_measures_an_eagle3_heads_drafting_without_a_profile(tmp_path, monk
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     monkeypatch.setattr("eagletree.target.load_target", lambda spec, dtype=None, device=None: (model, tok))
-    monkeypatch.setattr("eagletree.commands.make_plan", capture)
+    monkeypatch.setattr("eagletree.plan.make_plan", capture)
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))
     Eagle3Head.for_target(model, torch.arange(60)).save_pretrained(tmp_path / "head")
     prompts = tmp_path / "prompts.jsonl"

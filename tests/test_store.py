@@ -384,10 +384,10 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
         "4",
         "--json",
     ]
-    import eagletree.commands as commands
+    import eagletree.cli.models as models
 
-    stores, real = [], commands.Decoder
-    monkeypatch.setattr(commands, "Decoder", lambda *a, **kw: stores.append(a[3].copy.datastore) or real(*a, **kw))
+    stores, real = [], models.Decoder
+    monkeypatch.setattr(models, "Decoder", lambda *a, **kw: stores.append(a[3].copy.datastore) or real(*a, **kw))
     named = str(tmp_path / "head" / "datastore.npz")
     for flag in ([], ["--datastore", "none"], ["--datastore", named]):
         assert main(gen + flag) == 0, flag

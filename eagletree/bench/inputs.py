@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..prompts import humaneval_prompts, mtbench_subset
+from ..prompts import humaneval_prompts, humaneval_range, mtbench_subset
 from ..train.data import load_dataset, split
 from ..train.evaluate import heldout_prompts
 
@@ -100,22 +100,6 @@ def spec_count(spec: str, name: str) -> int | None:
     if n and (not n.isdigit() or int(n) < 1):
         raise ValueError(f"--prompts {spec!r}: expected {name} or {name}:N with N a positive integer")
     return int(n) if n else None
-
-
-def humaneval_range(spec: str, flag: str = "--prompts") -> tuple[int | None, int]:
-    """(count, offset) of `humaneval`, `humaneval:N` (the first N problems) or `humaneval:A-B` (problems A to B,
-    counted from 1, so `humaneval:21-40` is HumanEval/20 .. HumanEval/39); ValueError naming the flag and spec."""
-    rest = spec.removeprefix("humaneval").removeprefix(":")
-    first, dash, last = rest.partition("-")
-    if not rest:
-        return None, 0
-    if not dash and rest.isdigit() and int(rest) >= 1:
-        return int(rest), 0
-    if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(
-            f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B (problems A to B, 1 <= A <= B)"
-        )
-    return int(last) - int(first) + 1, int(first) - 1
 
 
 def load_prompts(spec: str) -> list[list[dict]]:

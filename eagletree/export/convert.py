@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
+from .. import target as targets  # targets.load_target is looked up per call, so a test can stand a tiny model in
 from ..draft_heads import DraftHead, HeadError
 from ..files import check_output_dir
+from ..tree_search.copy import copy_calibration_names
 from .layout import Layout
 from .registry import layout_for, recognize
 from .shared import read_export_config
@@ -68,6 +70,25 @@ def import_folder(folder, target) -> DraftHead:
     """The head in a folder of any registered format, for `target`: the target model, or its config where the
     folder's layout does not need the model (`recognize_folder(folder).imports_with_model` says which)."""
     return recognize_folder(folder).load(Path(folder), target)
+
+
+def import_head(folder, target_spec: str, out, overwrite: bool = False) -> DraftHead:
+    """`eagletree import`: the head in `folder` (any registered format) for the target `target_spec` names (the
+    model, on the CPU, where the folder's layout builds the head from it; else only its config), saved as an
+    eagletree head in `out`. `overwrite` writes into a non-empty `out`, keeping its other files but the
+    calibration tables measured for the head it replaces."""
+    layout = recognize_folder(folder)
+    if layout.imports_with_model:
+        model, _ = targets.load_target(target_spec, device="cpu")
+        head = layout.load(Path(folder), model)
+    else:
+        from transformers import AutoConfig  # lazy: the config alone, where no model is loaded
+
+        head = layout.load(Path(folder), AutoConfig.from_pretrained(targets.resolve_target(target_spec)))
+    head.save_pretrained(out, keep_others=True, replace=overwrite)
+    for name in ("calibration.json", *copy_calibration_names(False)):  # measured for the head replaced there
+        (Path(out) / name).unlink(missing_ok=True)
+    return head
 
 
 def import_for_config(folder, target_config) -> DraftHead:

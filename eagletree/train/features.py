@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..draft_heads import FeatureSpec, head_class, target_identity
 from ..errors import EagletreeError
 from ..files import is_partial, write_json_atomic, writing
+from .config import on_cpu, resolve_precision
 from .render import MASK_VERSION, RenderError, render
 
 MANIFEST = "manifest.json"
@@ -60,6 +61,12 @@ def load_manifest(folder: Path) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise FeatureError(f"{path} is damaged ({e}); delete the folder to start over") from e
+
+
+def features_dtype(cfg, device: str | None) -> torch.dtype:
+    """The precision the target computes the cached features in: the config's training precision on `device`, as
+    training resolves it."""
+    return torch.bfloat16 if resolve_precision(cfg.precision, on_cpu(device)) == "bf16" else torch.float32
 
 
 def check_features_dir(folder) -> None:

@@ -225,3 +225,15 @@ class TokenStore:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: bad lookup settings in the header ({e!r}); make it again") from None
         return store, header
+
+
+def index_answers(sources: list[Path], tokenizer, out, min_match: int = 5, replace: bool = False) -> dict:
+    """`eagletree datastore`: the assistant turns of the chat JSONL files `sources` (`TokenStore.from_chat_file`),
+    indexed for retrieved spans whose match needs `min_match`+ context tokens, saved at `out` under the tokenizer's
+    fingerprint (`replace`: over a store already there). Returns the saved header."""
+    store = TokenStore.from_chat_file(
+        sources, tokenizer, min_match=min_match, max_ngram=max(8, min_match), max_match=max(16, min_match)
+    )
+    names = [f.name for f in sources]
+    source = names[0] if len(names) == 1 else names
+    return store.save(out, vocab_fingerprint(tokenizer), replace=replace, source=source)

@@ -7,7 +7,8 @@ ones, after the conversation so far) with the target (greedy by default) and app
 record per answer; train on the file with `dataset=PATH`.
 
 Only the training side of the held-out split is read, so evaluation prompts stay unseen. Three parts:
-- `selection`: which prompts are answered, in which batches;
+- `selection`: which prompts are answered (`distill_prompts`: a dataset's training split, or HumanEval problems),
+  in which batches;
 - `records`: the append-only, resumable output file (a rerun skips the ids already answered, and a line
   cut off by an interruption is removed before anything is appended);
 - one answerer per engine, each only turning prompts into answers: HF `generate` on left-padded batches
@@ -17,10 +18,10 @@ Only the training side of the held-out split is read, so evaluation prompts stay
   `batch_size`, vLLM batching each chunk itself: its greedy fp32 answers are HF's too.
 """
 
-from .options import DECODERS, DistillError, DistillOptions, check_match
+from .options import DECODERS, DistillError, DistillOptions, check_match, default_batch_size, default_decoder
 from .records import answered_ids, ids_in
 from .run import distill
-from .selection import first_turns, user_turns
+from .selection import distill_prompts, first_turns, user_turns
 
 __all__ = [
     "DECODERS",
@@ -28,7 +29,10 @@ __all__ = [
     "DistillOptions",
     "answered_ids",
     "check_match",
+    "default_batch_size",
+    "default_decoder",
     "distill",
+    "distill_prompts",
     "first_turns",
     "ids_in",
     "user_turns",

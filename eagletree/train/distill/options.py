@@ -16,6 +16,18 @@ class DistillError(EagletreeError, ValueError):
     """Bad distillation settings or output file; the message names the value."""
 
 
+def default_decoder(temperature: float) -> str:
+    """The answerer used unless one is named: greedy answers come faster from eagletree's batched decoding with the
+    head, sampled ones from HF generate."""
+    return "hf" if temperature else "eagletree"
+
+
+def default_batch_size(decoder: str) -> int:
+    """Prompts answered together unless told: vLLM batches each call's prompts itself, and larger calls keep it
+    busy."""
+    return 64 if decoder == "vllm" else 16
+
+
 def check_match(match: str) -> re.Pattern:
     """distill's `match`, compiled; a DistillError naming it when it is not a regular expression."""
     try:

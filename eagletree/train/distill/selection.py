@@ -6,11 +6,13 @@ draws the same seeds) as a straight one; the answers already written are left ou
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ...decoding import encode_prompt
-from ..data import TURNS
+from ...prompts import humaneval_prompts, humaneval_range
+from ..data import TURNS, Conversation, load_dataset, split
 from .options import DistillError, DistillOptions, check_match
 
 
@@ -47,6 +49,22 @@ class Selection:
     def count(self, ids: set[str]) -> int:
         """How many of the picked prompts `ids` holds."""
         return sum(p.id in ids for b in self.batches for p in b)
+
+
+def distill_prompts(dataset: str, heldout_fraction: float) -> list[Conversation]:
+    """The conversations `distill` answers: a dataset's training split, or the HumanEval problems `humaneval:A-B`
+    names, all of them (problem ids `HumanEval/<A-1>` ..), for a head that sees the evaluation's wording of code
+    questions; the evaluation must then use other problems (the README's code rows use problems 1-80)."""
+    if dataset == "humaneval" or dataset.startswith("humaneval:"):
+        count, offset = humaneval_range(dataset, flag="--dataset")  # ValueError naming the spec
+        return [
+            Conversation(f"HumanEval/{offset + i}", messages)
+            for i, messages in enumerate(humaneval_prompts(count, offset))
+        ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_convs, _ = split(load_dataset(dataset), heldout_fraction)  # a bad fraction: ValueError
+    return train_convs
 
 
 def first_turns(conversations) -> list[tuple[str, list[dict]]]:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import EagletreeError
-from .files import disk_full_error, is_disk_full
-from .reading import read_appended_jsonl
+from ..errors import EagletreeError
+from ..files import disk_full_error, is_disk_full
+from ..reading import read_appended_jsonl
 
 
 class AnswersFileError(EagletreeError, ValueError):
