@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from . import serve
-from .bench.profile import measure_drafting
+from .bench.profile import measure_drafting, step_drafting
 from .decoding import encode_prompt, generate, head_features
 from .decoding.resources import latency_profile
 from .draft_heads import make_drafter, target_to_draft
@@ -281,6 +281,7 @@ def load_profile(path):
         verify = [(r["forward_ms"] + r["engine_ms"] - r["search_ms"]) / 1e3 for r in rows]
         levels = [r["draft_level_ms"] / 1e3 for r in rows if r["n"] > 1]
         search = [r["search_ms"] / 1e3 / max(int(data.get("depth", 6)), 1) for r in rows if r["n"] > 1]
+        catch_ups = [r.get("catch_up_ms", 0.0) / 1e3 for r in rows if r["n"] > 1]  # (a profile from before: none)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"{str(path)!r}: bench profile rows need n, forward_ms, engine_ms, search_ms and draft_level_ms ({e})"
@@ -291,6 +292,7 @@ def load_profile(path):
         verify,
         draft_s_per_level=median(levels),
         search_s_per_level=median(search),
+        draft_s_per_step=median(catch_ups),
         device=str(data.get("device", "")),
         model=str(data.get("config", "")),
         notes={"from": str(path)},
@@ -299,9 +301,12 @@ def load_profile(path):
 
 def measure_profile(target, head):
     """The latency profile of `target` and `head` on the target's device: the verify pass (measured once and
-    cached) and the head's drafting per level, timed on the features the head reads."""
+    cached) and the head's drafting, timed on the features the head reads: per level, and what a step's commit of
+    the accepted tokens costs the head besides (its catch-up)."""
     profile = latency_profile(target)
-    profile.draft_s_per_level = measure_drafting(target, head, [16], prefix=128, reps=3)[16]["level"]
+    drafting = measure_drafting(target, head, [16], prefix=128, reps=3)[16]
+    profile.draft_s_per_level = drafting["level"]
+    profile.draft_s_per_step = step_drafting(head.drafting, drafting, 1)  # (depth 1: no level below the root)
     return profile
 
 

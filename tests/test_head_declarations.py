@@ -138,7 +138,7 @@ def test_plan_measures_an_eagle3_heads_drafting_without_a_profile(tmp_path, monk
     args = ["plan", "--target", "tiny", "--head", str(tmp_path / "head"), "--engine", "vllm", "--prompts", str(prompts)]
     with pytest.raises(Planned) as planned:
         main(args + ["-o", str(tmp_path / "plan.json")])
-    assert planned.value.args[0].draft_s_per_level > 0
+    assert planned.value.args[0].draft_s_per_level > 0 and planned.value.args[0].draft_s_per_step > 0
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -233,6 +233,10 @@ def test_a_bench_profile_file_is_read(tmp_path):
     profile = load_profile(tmp_path / "profile.json")
     assert profile.sizes == [1, 16] and profile.verify_s == pytest.approx([0.011, 0.0134])
     assert profile.draft_s_per_level == pytest.approx(0.0005) and profile.search_s_per_level == pytest.approx(0.0001)
+    assert profile.draft_s_per_step == 0.0  # a profile.json from before the head's catch-up was timed
+    rows[1]["catch_up_ms"] = 0.4
+    (tmp_path / "profile.json").write_text(json.dumps({"depth": 6, "rows": rows}))
+    assert load_profile(tmp_path / "profile.json").draft_s_per_step == pytest.approx(0.0004)
     (tmp_path / "bad.json").write_text(json.dumps({"rows": [{"n": 1}]}))
     with pytest.raises(ValueError, match="bench profile rows need"):
         load_profile(tmp_path / "bad.json")

@@ -200,6 +200,7 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
                 "forward_ms": v["forward"] * 1e3,
                 "ratio": v["forward"] / t1,
                 "draft_level_ms": d["level"] * 1e3,
+                "catch_up_ms": step_drafting(head.drafting, d, 1) * 1e3 if n > 1 else 0.0,
                 "draft_ms": draft * 1e3,
                 "search_ms": d["search"] * 1e3,
                 "engine_ms": engine * 1e3,
