@@ -20,7 +20,7 @@ import torch
 
 from eagletree import DecodeConfig, Decoder, generate
 from eagletree.bench import load_prompts, run_hf
-from eagletree.draft_heads import load_head
+from eagletree.draft import load_head
 from eagletree.loading import head_to_load
 from eagletree.packing import cpu_model
 from eagletree.target import load_target

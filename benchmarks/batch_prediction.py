@@ -27,12 +27,12 @@ import torch
 
 from eagletree import DecodeConfig, Decoder
 from eagletree.bench import load_prompts
-from eagletree.decoding.resources import head_calibrator
-from eagletree.draft_heads import load_head
+from eagletree.decode.resources import head_calibrator
+from eagletree.draft import load_head
 from eagletree.loading import head_to_load
+from eagletree.search.cost import LatencyProfile
+from eagletree.search.searchers import best_nodes, calibrated_values
 from eagletree.target import load_target
-from eagletree.tree_search.cost import LatencyProfile
-from eagletree.tree_search.searchers import best_nodes, calibrated_values
 
 SEARCH_BUDGET = 128  # nodes per step searched: enough that a batch's one budget finds all it would take
 

@@ -20,7 +20,7 @@ import torch
 from eagletree import DecodeConfig, Decoder
 from eagletree.bench import load_prompts
 from eagletree.bench.throughput import budget_split, plot_throughput, throughput, throughput_table
-from eagletree.draft_heads import load_head
+from eagletree.draft import load_head
 from eagletree.loading import head_to_load
 from eagletree.packing import cpu_model, kernels_tag, pack_target
 from eagletree.target import load_target

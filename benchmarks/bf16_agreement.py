@@ -16,7 +16,7 @@ import statistics
 import warnings
 
 from eagletree.bench import first_difference, load_prompts, run_hf
-from eagletree.decoding import generate
+from eagletree.decode import generate
 from eagletree.loading import SHIPPED_HEADS, load_models
 
 TARGET = "smollm2-135m"

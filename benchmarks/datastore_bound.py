@@ -29,9 +29,9 @@ import torch
 from tqdm import tqdm
 
 from eagletree.bench import load_prompts
-from eagletree.decoding import decode_steps, encode_prompt
+from eagletree.decode import decode_steps, encode_prompt
 from eagletree.loading import SHIPPED_HEADS, load_models
-from eagletree.tree_search.copy import NgramIndex
+from eagletree.search.copy import NgramIndex
 
 TARGET = "smollm2-135m"
 SEPARATOR = -1  # between answers: never in a context, so no match or span crosses it

@@ -22,12 +22,12 @@ import time
 import torch
 
 from eagletree.bench import load_prompts
-from eagletree.decoding import Decoder
-from eagletree.decoding import step as decoding_step
-from eagletree.decoding.config import DecodeConfig
-from eagletree.draft_heads import batch_drafter
-from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
-from eagletree.draft_heads.drafter import TreeDrafter
+from eagletree.decode import Decoder
+from eagletree.decode import step as decoding_step
+from eagletree.decode.config import DecodeConfig
+from eagletree.draft import batch_drafter
+from eagletree.draft.batch_drafter import RaggedTreeDrafter
+from eagletree.draft.drafter import TreeDrafter
 from eagletree.loading import head_to_load, load_models
 from eagletree.packing import kernels_used
 
@@ -53,7 +53,7 @@ def parse_args(argv=None):
         "--lean",
         default="on",
         choices=["on", "off"],
-        help="off: the head's transformers layer instead of its lean form (draft_heads/lean.py), for a before/after",
+        help="off: the head's transformers layer instead of its lean form (draft/lean.py), for a before/after",
     )
     ap.add_argument("--pack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

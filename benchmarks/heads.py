@@ -35,12 +35,12 @@ import torch
 from tqdm import tqdm
 
 from eagletree.bench import load_prompts, ratio_interval, sharegpt_heldout, spec_count
-from eagletree.draft_heads import HeadError, load_head
+from eagletree.draft import HeadError, load_head
 from eagletree.files import write_json_atomic
 from eagletree.loading import load_models
 from eagletree.prompts import by_category, mtbench_subset
+from eagletree.search.store import DATASTORE
 from eagletree.train.evaluate import heldout_prompts, tokens_per_pass
-from eagletree.tree_search.store import DATASTORE
 
 
 def main(argv=None) -> int:

@@ -19,9 +19,9 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from eagletree.bench import load_prompts
-from eagletree.decoding import GenerationStats, decode_steps
+from eagletree.decode import GenerationStats, decode_steps
 from eagletree.loading import SHIPPED_HEADS, load_models
-from eagletree.tree_search.copy import copy_only
+from eagletree.search.copy import copy_only
 
 TARGET = "smollm2-135m"
 

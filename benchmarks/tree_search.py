@@ -23,11 +23,10 @@ import torch
 from tqdm import tqdm
 
 from eagletree.bench import TimedDrafter, sharegpt_heldout
-from eagletree.decoding import decode_steps
+from eagletree.decode import decode_steps
 from eagletree.loading import load_models
 from eagletree.packing import kernels_used
-from eagletree.train.evaluate import heldout_prompts
-from eagletree.tree_search import (
+from eagletree.search import (
     chain_shape,
     eagle2_search,
     optimal_search,
@@ -35,6 +34,7 @@ from eagletree.tree_search import (
     sequoia_tree,
     static_search,
 )
+from eagletree.train.evaluate import heldout_prompts
 from eagletree.verify.profile import measure_verify
 
 BUDGETS = (8, 16, 32, 60)

@@ -9,12 +9,12 @@ __version__ = "0.1.0"
 __all__ = ["CopyOptions", "DecodeConfig", "Decoder", "Sampling", "TreeKind", "generate"]
 
 _HOMES = {
-    "CopyOptions": "decoding",
-    "DecodeConfig": "decoding",
-    "Sampling": "decoding",
-    "TreeKind": "decoding",
-    "Decoder": "decoding",
-    "generate": "decoding",
+    "CopyOptions": "decode",
+    "DecodeConfig": "decode",
+    "Sampling": "decode",
+    "TreeKind": "decode",
+    "Decoder": "decode",
+    "generate": "decode",
 }
 
 

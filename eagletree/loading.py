@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from . import target  # target.load_target is looked up per call, so a test can stand a tiny model in for it
-from .draft_heads import DraftHead, HeadError, is_foreign_head
-from .draft_heads import load_head as load_saved_head
-from .draft_heads.precision import load_or_measure_draft_dtype
+from .draft import DraftHead, HeadError, is_foreign_head
+from .draft import load_head as load_saved_head
+from .draft.precision import load_or_measure_draft_dtype
 from .export.convert import import_for_config
 from .packing import pack_target
 
@@ -21,7 +21,7 @@ SHIPPED_HEADS = {"smollm2-135m": Path(__file__).parent / "heads" / "smollm2-135m
 
 def draft_dtype(name: str, model):
     """The head's precision for --draft-dtype `name`: 'auto' = the target's, except for an fp32 target on a CPU
-    with native bf16, where `load_models` measures fp32 against bf16 drafting (`draft_heads.precision`) and this
+    with native bf16, where `load_models` measures fp32 against bf16 drafting (`draft.precision`) and this
     gives fp32 to load the head in before measuring (the target's own pass keeps its precision either way)."""
     if name == "auto":
         return torch.float32 if measures_draft_dtype(model) else model.dtype
@@ -53,7 +53,7 @@ def _check_draft_vocab_name(name: str) -> None:
 
 
 def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
-    """Any head folder: a saved eagletree head (`draft_heads.load_head`), or an export in a registered format
+    """Any head folder: a saved eagletree head (`draft.load_head`), or an export in a registered format
     (`eagletree.export`) imported for the target whose config is `target_config`."""
     if not is_foreign_head(directory):
         return load_saved_head(directory, target_config=target_config, dtype=dtype, device=device)

@@ -2,7 +2,7 @@
 
 Every record becomes OpenAI-style messages ({"role": "system" | "user" | "assistant", "content": str}; an assistant
 turn may carry "weight": 0, as in OpenAI's fine-tuning format: context, not trained on). Below both training data
-(`train.data`) and the datastore of retrieved spans (`tree_search.store`), which read the same records.
+(`train.data`) and the datastore of retrieved spans (`search.store`), which read the same records.
 """
 
 from __future__ import annotations

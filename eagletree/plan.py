@@ -32,12 +32,12 @@ from tqdm import tqdm
 
 from . import serve
 from .bench.profile import measure_drafting, step_drafting
-from .decoding import encode_prompt, generate, head_features
-from .decoding.resources import latency_profile
-from .draft_heads import make_drafter, target_to_draft
+from .decode import encode_prompt, generate, head_features
+from .decode.resources import latency_profile
+from .draft import make_drafter, target_to_draft
+from .search import LatencyProfile
+from .search.cost import read_profile_json
 from .target import new_cache
-from .tree_search import LatencyProfile
-from .tree_search.cost import read_profile_json
 from .verify import prefill
 
 CHECK_TOLERANCE = 0.05

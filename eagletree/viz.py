@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .decoding import Decoder, GenerationStats, encode_prompt
-from .decoding.config import DecodeConfig
+from .decode import Decoder, GenerationStats, encode_prompt
+from .decode.config import DecodeConfig
 from .target import new_cache
 from .verify import DraftTree, accept_tree, prefill, target_probs, verify_tree
 

@@ -66,7 +66,7 @@ def write_exports(heads, target, out: Path) -> list[Export]:
 
 def load_heads(args):
     """The target, and the heads to export: --head folders, or the shipped head and two random EAGLE-3 heads."""
-    from eagletree.draft_heads import Eagle3Head, load_head
+    from eagletree.draft import Eagle3Head, load_head
     from eagletree.loading import SHIPPED_HEADS
     from eagletree.target import load_target
 

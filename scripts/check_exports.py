@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config_cls, model1, model3 = eagle_modules(args.eagle_repo)
 
-    from eagletree.draft_heads import Eagle3Head, load_head
+    from eagletree.draft import Eagle3Head, load_head
     from eagletree.export.convert import export_head, exported_state
     from eagletree.loading import SHIPPED_HEADS
     from eagletree.target import load_target

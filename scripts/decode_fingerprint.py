@@ -13,7 +13,7 @@ import sys
 import torch
 
 from eagletree import generate
-from eagletree.draft_heads import load_head
+from eagletree.draft import load_head
 from eagletree.target import load_target
 
 PROMPTS = [

@@ -89,7 +89,7 @@ def smollm2(_smollm2_session):
 @pytest.fixture(scope="session")
 def shipped_head(_smollm2_session):
     """The head shipped for SmolLM2 (float32), loaded once per session; tests must not change it."""
-    from eagletree.draft_heads import load_head
+    from eagletree.draft import load_head
     from eagletree.loading import SHIPPED_HEADS
 
     model, _ = _smollm2_session

@@ -18,16 +18,16 @@ import math
 import pytest
 import torch
 
-from eagletree.decoding import Decoder, GenerationStats, end_progress, hf_generation_config, late_sequences, schedule
-from eagletree.decoding.config import CopyOptions, DecodeConfig, Sampling
-from eagletree.decoding.sequence import SequenceState
-from eagletree.draft_heads import Eagle3Head, EagleHead, MedusaHead, make_drafter
-from eagletree.draft_heads.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
+from eagletree.decode import Decoder, GenerationStats, end_progress, hf_generation_config, late_sequences, schedule
+from eagletree.decode.config import CopyOptions, DecodeConfig, Sampling
+from eagletree.decode.sequence import SequenceState
+from eagletree.draft import Eagle3Head, EagleHead, MedusaHead, make_drafter
+from eagletree.draft.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
+from eagletree.search import LatencyProfile
+from eagletree.search.cost import choose_batch, choose_budget
+from eagletree.search.searchers import AutoSearcher, Job, best_nodes, make_searcher, trees_can_pay
 from eagletree.target import new_cache
 from eagletree.target.ragged import RaggedCache, plan, ragged_forward, use_ragged
-from eagletree.tree_search import LatencyProfile
-from eagletree.tree_search.cost import choose_batch, choose_budget
-from eagletree.tree_search.searchers import AutoSearcher, Job, best_nodes, make_searcher, trees_can_pay
 from eagletree.verify import DraftTree, prefill, target_probs
 from eagletree.verify.batch import prefill_rows
 from eagletree.verify.engine import verify_tree
@@ -1023,7 +1023,7 @@ def test_in_a_batch_lookups_that_find_no_span_pause_and_a_sequence_alone_keeps_l
     searcher.observe_lookups(4, True)
     assert searcher.copy_skip == 8  # (a found span does not end a pause early)
 
-    from eagletree.decoding import step as pass_stages
+    from eagletree.decode import step as pass_stages
 
     told, calls = [], []
     real_copy_trie = pass_stages.copy_trie
@@ -1139,7 +1139,7 @@ def test_a_released_batch_fills_the_freed_rows_from_the_end_and_stays_in_row_ord
     answers, so rows are freed in the middle)."""
     from types import SimpleNamespace
 
-    from eagletree.decoding.rows import BatchRows
+    from eagletree.decode.rows import BatchRows
 
     moves = []
     batch = SimpleNamespace(cache=SimpleNamespace(keep_rows=moves.append), drafter=None)

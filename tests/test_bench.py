@@ -10,7 +10,7 @@ import torch
 
 from eagletree import bench
 from eagletree.cli import main as cli_main
-from eagletree.draft_heads import EagleHead
+from eagletree.draft import EagleHead
 from eagletree.loading import SHIPPED_HEADS, head_to_load
 from eagletree.verify import DraftTree
 
@@ -453,7 +453,7 @@ def test_packed_target_adds_a_packed_row_and_plain_keeps_the_stock_kernels(tmp_p
     assert [r["label"] for r in again["results"]] == ["plain", "packed", "eagle2 4"]
     # +copy rows copy from the head's datastore.npz too (read once for the whole run), unless --datastore none; the
     # settings say which
-    from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
+    from eagletree.search.store import SEPARATOR, TokenStore, vocab_fingerprint
 
     TokenStore([5, 6, 7, 8, 9, 10, SEPARATOR]).save(tmp_path / "head" / "datastore.npz", vocab_fingerprint(tok))
     stores, real_method = [], bench.runners.run_method
@@ -716,7 +716,7 @@ def test_the_cli_parses_without_torch_matplotlib_or_transformers():
 def test_plain_decoding_ignores_the_models_own_generation_settings(tiny_setup):
     """HF generate fills unset settings from the model's generation_config; plain decoding is compared with
     eagletree's decoding, which applies none of them (a repetition penalty there made every row 'not identical')."""
-    from eagletree.decoding import generate
+    from eagletree.decode import generate
 
     model, tok, head = tiny_setup
     messages = [{"role": "user", "content": "abab abab abab"}]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from eagletree.draft_heads import EagleHead
+from eagletree.draft import EagleHead
 
 from helpers import tiny_config, tiny_model, tiny_tokenizer
 

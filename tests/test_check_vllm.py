@@ -327,7 +327,7 @@ def test_vllm_serves_the_export_as_eagletree_decodes(tmp_path):
 def test_vllm_serves_an_eagle3_head_in_both_exports_as_eagletree_decodes(tmp_path, fmt):
     import torch
 
-    from eagletree.draft_heads import Eagle3Head
+    from eagletree.draft import Eagle3Head
     from eagletree.target import load_target
 
     target, _ = load_target("smollm2-135m", dtype=torch.float32, device="cpu")

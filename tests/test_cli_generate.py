@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eagletree.cli import main as cli_main
-from eagletree.decoding import generate
-from eagletree.draft_heads import EagleHead
+from eagletree.decode import generate
+from eagletree.draft import EagleHead
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -275,7 +275,7 @@ def test_a_list_of_prompts_gives_one_result_each():
 
 
 def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
-    from eagletree.tree_search.copy import CopyCalibration
+    from eagletree.search.copy import CopyCalibration
 
     _, _, args = tiny_cli
     prompt = "one two three four one two three four one two"
@@ -341,9 +341,9 @@ def test_copy_option_and_calibrate_copy(tiny_cli, capsys, tmp_path):
 
 def test_copy_tables_are_kept_per_draft_vocabulary(tiny_cli, capsys, tmp_path, monkeypatch):
     """A table measured drafting over the full vocabulary (a GPU's auto) never replaces the head's own one."""
-    from eagletree.decoding.resources import head_copy_calibration
-    from eagletree.draft_heads import load_head
-    from eagletree.tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
+    from eagletree.decode.resources import head_copy_calibration
+    from eagletree.draft import load_head
+    from eagletree.search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 
     model, _, _ = tiny_cli
     head_dir = tmp_path / "vocab-head"
@@ -459,7 +459,7 @@ def test_generate_prompts_writes_one_line_per_prompt_with_the_single_prompt_answ
 
 
 def test_generate_prompts_resumes_an_interrupted_run_without_duplicates(tiny_cli, tmp_path, monkeypatch, capsys):
-    from eagletree.decoding import Decoder
+    from eagletree.decode import Decoder
 
     _, _, args = tiny_cli
     prompts = tmp_path / "p.txt"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_tree_search import connected_subtrees, drafter, paths_of
 
-from eagletree.tree_search import eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand
-from eagletree.tree_search.copy import CopyCalibration, CopyTrie, NgramIndex, bin_labels, copy_trie, match_bin
+from eagletree.search import eagle2_search, eagle2_tree, optimal_search, optimal_tree, path_expand
+from eagletree.search.copy import CopyCalibration, CopyTrie, NgramIndex, bin_labels, copy_trie, match_bin
 from eagletree.verify import accept_tree
 
 
@@ -275,7 +275,7 @@ def test_a_copied_token_equal_to_a_head_candidate_is_one_node_and_copies_reach_p
 def test_a_head_candidate_of_probability_zero_does_not_merge_with_a_copy():
     """top-k can return tokens the head gives probability 0; a copy of such a token is the copy's alone (the
     reference search makes it a copy-only node), not 'proposed by both'."""
-    from eagletree.tree_search import eagle2_search
+    from eagletree.search import eagle2_search
 
     def child_probs(path):
         return torch.tensor([0.0, 0.7, 0.3, 0.0, 0.0], dtype=torch.float64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagletree.cli import build_parser
-from eagletree.decoding.config import (
+from eagletree.decode.config import (
     CPU_BUDGET,
     GPU_BUDGET,
     TREE_KINDS,
@@ -114,9 +114,9 @@ def test_the_command_line_and_the_library_share_defaults_and_rules():
 
 
 def test_the_library_decodes_with_the_device_default_too():
-    from eagletree.decoding import Decoder
-    from eagletree.draft_heads import EagleHead
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.decode import Decoder
+    from eagletree.draft import EagleHead
+    from eagletree.search import LatencyProfile
 
     from helpers import tiny_model, tiny_tokenizer
 
@@ -136,9 +136,9 @@ def test_the_library_decodes_with_the_device_default_too():
 
 
 def test_generate_reuses_its_last_decoder_while_models_options_and_files_are_the_same(tmp_path, monkeypatch):
-    import eagletree.decoding.api as api
-    from eagletree.draft_heads import EagleHead, load_head
-    from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
+    import eagletree.decode.api as api
+    from eagletree.draft import EagleHead, load_head
+    from eagletree.search.store import SEPARATOR, TokenStore, vocab_fingerprint
 
     from helpers import tiny_model, tiny_tokenizer
 

@@ -14,7 +14,7 @@ from helpers import tiny_conversations, tiny_model, tiny_tokenizer
 
 def greedy_alone(model, tok, messages, max_new_tokens):
     """The argmax of the model's logits token by token, one prompt, no cache: what a distilled answer must equal."""
-    from eagletree.decoding import encode_prompt, stop_token_ids
+    from eagletree.decode import encode_prompt, stop_token_ids
 
     ids, stops, out = encode_prompt(tok, messages), stop_token_ids(model, tok), []
     with torch.no_grad():
@@ -302,7 +302,7 @@ def test_sampled_answers_follow_the_seed(tmp_path):
 
 
 def test_the_eagletree_decoder_writes_the_records_hf_writes(tmp_path, monkeypatch):
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     monkeypatch.setenv("EAGLETREE_CACHE", str(tmp_path / "cache"))  # auto's latency profile lands here
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -441,7 +441,7 @@ def test_init_head_errors_name_the_problem(tmp_path):
 
 def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkeypatch):
     from eagletree import target
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
     from eagletree.train.data import is_heldout
     from eagletree.train.evaluate import evaluate_run
 
@@ -485,7 +485,7 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
     (tmp_path / "run" / "head").mkdir(parents=True, exist_ok=True)
     cfg.out_dir = str(tmp_path / "run")
     evaluate_run(cfg, head, n_prompts=2, max_new_tokens=12)
-    from eagletree.tree_search.copy import CopyCalibration
+    from eagletree.search.copy import CopyCalibration
 
     saved = json.loads((tmp_path / "run" / "head" / "copy_calibration.json").read_text())
     assert CopyCalibration.load(tmp_path / "run" / "head" / "copy_calibration.json").max_len == 16
@@ -493,7 +493,7 @@ def test_eval_dataset_gives_held_out_prompts_to_a_distilled_run(tmp_path, monkey
 
 
 def test_evaluation_decodes_prompt_lists_in_batches():
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
     from eagletree.train.evaluate import (
         heldout_prompts,
         main,

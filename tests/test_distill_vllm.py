@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagletree.decoding import hf_generation_config
+from eagletree.decode import hf_generation_config
 from eagletree.train.data import Conversation
 from eagletree.train.distill import DistillError, answered_ids, distill
 
@@ -80,7 +80,7 @@ def sorted_lines(path):
 
 
 def test_the_vllm_path_writes_the_records_hf_writes_chunk_by_chunk(tmp_path):
-    from eagletree.decoding import encode_prompt
+    from eagletree.decode import encode_prompt
     from eagletree.train.distill import first_turns
 
     model, tok = model_with_a_stop_word(tmp_path)
@@ -219,8 +219,8 @@ def test_the_distill_command_answers_through_the_vllm_engine(tmp_path, capsys, m
 
 
 def test_vllm_target_reads_what_distill_reads_of_the_loaded_model(tmp_path):
-    from eagletree.decoding import stop_token_ids
-    from eagletree.draft_heads import target_identity
+    from eagletree.decode import stop_token_ids
+    from eagletree.draft import target_identity
     from eagletree.target import load_target
     from eagletree.train.vllm_engine import kv_cache_bytes, vllm_target
 

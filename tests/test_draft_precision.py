@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from eagletree.draft_heads import Eagle3Head, EagleHead, precision
-from eagletree.draft_heads.precision import draft_dtype_path, load_or_measure_draft_dtype, measure_draft_dtypes
+from eagletree.draft import Eagle3Head, EagleHead, precision
+from eagletree.draft.precision import draft_dtype_path, load_or_measure_draft_dtype, measure_draft_dtypes
 from eagletree.loading import draft_dtype, load_models
 
 from helpers import tiny_model, tiny_tokenizer

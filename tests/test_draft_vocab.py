@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from eagletree.decoding import GenerationStats, decode_steps
-from eagletree.draft_heads import EagleHead, HeadError, MedusaHead, TreeDrafter, make_drafter
-from eagletree.draft_heads.eagle3 import Eagle3Head
+from eagletree.decode import GenerationStats, decode_steps
+from eagletree.draft import EagleHead, HeadError, MedusaHead, TreeDrafter, make_drafter
+from eagletree.draft.eagle3 import Eagle3Head
 from eagletree.loading import draft_vocab_for, load_models
 
 from helpers import tiny_model, tiny_tokenizer

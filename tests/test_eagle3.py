@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from eagletree.decoding import generate
-from eagletree.draft_heads import Eagle3Head, TreeDrafter, load_head
-from eagletree.tree_search import optimal_search
+from eagletree.decode import generate
+from eagletree.draft import Eagle3Head, TreeDrafter, load_head
+from eagletree.search import optimal_search
 
 from helpers import tiny_tokenizer
 
@@ -85,7 +85,7 @@ def test_eagle3_tree_call_equals_each_path_alone():
 
 
 def test_ttt_mask_matches_inference_visibility():
-    from eagletree.draft_heads.objectives import ttt_mask
+    from eagletree.draft.objectives import ttt_mask
 
     m = ttt_mask(5, 3)
     # step 3 at position 4 drafts from start 2: context positions 0..2 (step 1), its chain at 3 (step 2) and 4 (step 3)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagletree.cli import main
-from eagletree.draft_heads import EagleHead
+from eagletree.draft import EagleHead
 from eagletree.loading import load_head  # any head folder: an export is imported
 
 from helpers import tiny_model
@@ -151,7 +151,7 @@ def test_cached_files_are_written_whole_and_follow_the_umask(tmp_path):
     from safetensors.torch import save_file
 
     from eagletree.files import write_json_atomic, writing
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     old = os.umask(0o022)
     try:
@@ -265,7 +265,7 @@ def test_decoding_options_out_of_range_are_one_line_naming_the_option(tiny_cli, 
 
 
 def test_decoding_options_are_checked_in_the_python_api():
-    from eagletree.decoding import generate
+    from eagletree.decode import generate
 
     from helpers import tiny_tokenizer
 
@@ -554,7 +554,7 @@ def test_the_evaluation_command_checks_its_counts(capsys, tmp_path, monkeypatch)
 
 
 def test_a_damaged_calibration_is_named_with_its_file(tmp_path):
-    from eagletree.decoding.resources import head_calibrator
+    from eagletree.decode.resources import head_calibrator
 
     head_dir = tmp_path / "head"
     EagleHead.for_target(tiny_model("llama").config).save_pretrained(head_dir)

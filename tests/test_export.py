@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagletree.draft_heads import Eagle3Head, EagleHead, TreeDrafter
+from eagletree.draft import Eagle3Head, EagleHead, TreeDrafter
 from eagletree.export import TOKEN_MAP
 from eagletree.export.convert import engine_notes, export_head
 from eagletree.export.eagle import import_eagle
@@ -149,7 +149,7 @@ def test_rope_base_dtype_and_ties_are_written_for_every_reader(tmp_path, fmt):
 
 
 def test_rope_scaling_is_written_for_eagle_when_the_target_scales():
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
     from eagletree.export.shared import rope_fields
 
     linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
@@ -280,7 +280,7 @@ def test_sglang_zero_bias_comes_back_as_no_bias(tmp_path):
 def test_an_export_for_another_target_or_with_damaged_files_is_refused(tmp_path):
     from transformers import AutoConfig
 
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
 
     model = llama()
     _, _, out = exported(eagle_head(model), tmp_path, "vllm")
@@ -306,7 +306,7 @@ def test_an_export_for_another_target_or_with_damaged_files_is_refused(tmp_path)
 
 
 def test_a_bad_token_map_is_refused(tmp_path):
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
 
     model = llama()
     _, _, out = exported(eagle_head(model), tmp_path, "sglang")
@@ -465,7 +465,7 @@ def test_eagle3_engine_exports_round_trip_and_draft_identically(tmp_path, saved_
 
 
 def test_each_head_type_is_refused_the_other_types_formats_in_one_line(tmp_path, saved_target):
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
 
     model = saved_target
     eagle3 = Eagle3Head.for_target(model).eval()
@@ -479,7 +479,7 @@ def test_each_head_type_is_refused_the_other_types_formats_in_one_line(tmp_path,
 
 
 def test_speculators_configs_eagletree_does_not_compute_are_refused_at_import(tmp_path, saved_target):
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
 
     model = saved_target
     _, _, out = exported(Eagle3Head.for_target(model).eval(), tmp_path, "speculators", target=model)

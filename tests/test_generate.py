@@ -2,10 +2,10 @@ import pytest
 import torch
 
 import eagletree
-from eagletree.decoding import Decoder, GenerationStats, decode_steps, generate
-from eagletree.decoding.config import CopyOptions, DecodeConfig
-from eagletree.draft_heads import EagleHead
-from eagletree.tree_search.searchers import make_searcher
+from eagletree.decode import Decoder, GenerationStats, decode_steps, generate
+from eagletree.decode.config import CopyOptions, DecodeConfig
+from eagletree.draft import EagleHead
+from eagletree.search.searchers import make_searcher
 
 from helpers import chi_square_p, tiny_model, tiny_tokenizer
 
@@ -63,7 +63,7 @@ def test_edge_cases():
 
 
 def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
@@ -99,7 +99,7 @@ def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
     with pytest.raises(ValueError, match="the head is on meta but the target on cpu; move the head there"):
         generate(model, tok, EagleHead.for_target(model.config).to("meta"), ids, max_new_tokens=3)
     # a stop string is one token: as the vocabulary writes it, or text that encodes to one token
-    from eagletree.decoding import stop_token_ids
+    from eagletree.decode import stop_token_ids
 
     token = tok.convert_ids_to_tokens(7)
     assert 7 in stop_token_ids(model, tok, [token]) and 9 in stop_token_ids(model, tok, [9])
@@ -113,7 +113,7 @@ def test_prompts_as_token_ids_and_bad_inputs_named_at_the_call():
 
 
 def test_head_for_another_target_is_refused():
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
 
     head = EagleHead.for_target(tiny_model("qwen2").config)
     with pytest.raises(HeadError, match="model_type"):
@@ -144,7 +144,7 @@ def test_stats_add_up():
 
 
 def test_medusa_generation_is_lossless():
-    from eagletree.draft_heads import MedusaHead
+    from eagletree.draft import MedusaHead
 
     model, tok = tiny_model("qwen2"), tiny_tokenizer()
     head = MedusaHead.for_target(model.config, num_heads=3).eval()
@@ -159,7 +159,7 @@ def test_medusa_generation_is_lossless():
 def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kind):
     """Each head type's drafter is a Drafter (extend, begin_tree, __call__, token_map), so inspecting a step,
     which resets the drafted tree with begin_tree, works for all of them and changes no token."""
-    from eagletree.draft_heads import Drafter, Eagle3Head, MedusaHead, make_drafter
+    from eagletree.draft import Drafter, Eagle3Head, MedusaHead, make_drafter
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagletree.tree_search.store import SEPARATOR, TokenStore
+    from eagletree.search.store import SEPARATOR, TokenStore
     from eagletree.verify import target_probs
 
     torch.manual_seed(0)
@@ -271,7 +271,7 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
 
 @pytest.mark.parametrize("tree", ["eagle2", "auto"])
 def test_copied_spans_are_lossless_and_carry_repetitive_text(tree):
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
@@ -315,7 +315,7 @@ def test_copied_spans_are_lossless_and_carry_repetitive_text(tree):
 
 
 def test_copies_follow_the_budget_and_are_not_built_where_no_tree_pays():
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
@@ -349,7 +349,7 @@ def test_copy_options_are_checked():
 
 
 def test_streaming_pieces_join_to_the_text():
-    from eagletree.decoding import stream_text
+    from eagletree.decode import stream_text
 
     class ByteTokenizer:  # multi-byte characters split across tokens, as byte-level BPE does
         def decode(self, ids, skip_special_tokens=True):
@@ -389,7 +389,7 @@ def test_streaming_pieces_join_to_the_text():
 
 
 def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
@@ -408,7 +408,7 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
     assert max(result.stats.predicted) < max(wide.stats.predicted)  # the steep profile kept smaller trees
     profile = tmp_path / "p.json"
     LatencyProfile([1, 8], [0.01, 0.012]).save(profile)
-    from eagletree.decoding.resources import latency_profile
+    from eagletree.decode.resources import latency_profile
 
     assert latency_profile(model, profile).sizes == [1, 8]
 
@@ -416,8 +416,8 @@ def test_auto_tree_is_lossless_and_prunes_by_cost(tmp_path):
 def test_a_cached_latency_profile_measured_on_a_busy_machine_is_measured_again(monkeypatch, tmp_path):
     import json
 
-    import eagletree.decoding.resources as resources
-    from eagletree.decoding.resources import PROFILE_SIZES
+    import eagletree.decode.resources as resources
+    from eagletree.decode.resources import PROFILE_SIZES
     from eagletree.target.ragged import use_ragged
 
     model = tiny_model("llama")
@@ -495,7 +495,7 @@ def test_one_token_prompt_drafts_after_the_first_pass_and_a_bf16_head_drafts_for
 
 
 def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()
@@ -543,7 +543,7 @@ def test_auto_stops_drafting_while_trees_do_not_pay_and_probes_again():
 
 
 def test_streaming_survives_text_that_changes_when_more_tokens_arrive():
-    from eagletree.decoding import stream_text
+    from eagletree.decode import stream_text
 
     class CleanupTokenizer:  # decodes like HF's clean_up_tokenization_spaces=True unless told otherwise
         words = ["i", " '", "m", " fine"]

@@ -1,4 +1,4 @@
-"""Heads declare what they read and how they draft; code outside draft_heads/ asks them, never tests their kind."""
+"""Heads declare what they read and how they draft; code outside draft/ asks them, never tests their kind."""
 
 import ast
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagletree.draft_heads import Drafting, Eagle3Head, EagleHead, FeatureSpec, MedusaHead, head_class, head_types
+from eagletree.draft import Drafting, Eagle3Head, EagleHead, FeatureSpec, MedusaHead, head_class, head_types
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -51,7 +51,7 @@ def test_nothing_outside_the_heads_tests_a_heads_kind():
     files = [
         p
         for p in [*ROOT.glob("eagletree/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("benchmarks/*.py")]
-        if "draft_heads" not in p.relative_to(ROOT).parts
+        if "draft" not in p.relative_to(ROOT).parts
     ]
     found = [line for path in sorted(files) for line in _kind_tests(path)]
     assert not found, "ask the head (feature_spec, drafting, its factories) instead:\n" + "\n".join(found)
@@ -98,7 +98,7 @@ def test_medusa_drafts_under_draft_dtype_auto_on_a_bf16_cpu(tmp_path, monkeypatc
     """--draft-dtype auto times the head's drafter in fp32 and bf16: that drafter is the head's own batch drafter
     (a ragged EAGLE drafter read `head.layer`, which a Medusa head has none of)."""
     from eagletree import generate
-    from eagletree.draft_heads import precision
+    from eagletree.draft import precision
     from eagletree.loading import load_models
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -120,7 +120,7 @@ def test_plan_measures_an_eagle3_heads_drafting_without_a_profile(tmp_path, monk
     """Without --profile, plan times the head's drafting on this device: on the features the head reads (an EAGLE-3
     head's three layers, not the last hidden state alone)."""
     from eagletree.cli import main
-    from eagletree.tree_search.cost import LatencyProfile
+    from eagletree.search.cost import LatencyProfile
 
     class Planned(BaseException):
         """Stops the command once its profile is measured (a random head's acceptance would end it anyway)."""
@@ -201,7 +201,7 @@ def test_a_head_is_drafted_as_deep_as_it_drafts(tree):
     """A Medusa head of 2 heads drafts 2 levels: deeper levels are not asked of it (the config's depth is a
     maximum), and a static shape deeper than that is refused when the decoder is built."""
     from eagletree import Decoder, generate
-    from eagletree.decoding.config import DecodeConfig
+    from eagletree.decode.config import DecodeConfig
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = MedusaHead.for_target(model.config, num_heads=2).eval()
@@ -220,8 +220,8 @@ def test_a_head_is_drafted_as_deep_as_it_drafts(tree):
 
 
 def test_a_steps_other_head_calls_are_priced():
-    from eagletree.tree_search import LatencyProfile
-    from eagletree.tree_search.searchers import make_searcher
+    from eagletree.search import LatencyProfile
+    from eagletree.search.searchers import make_searcher
 
     profile = LatencyProfile([1, 8], [0.010, 0.012], draft_s_per_level=0.001, draft_s_per_step=0.002)
     assert float(profile.step_time(8, 3)) == pytest.approx(0.012 + 3 * 0.001 + 0.002)
@@ -240,8 +240,8 @@ def test_a_new_kind_of_head_is_a_class_and_a_registration(tmp_path):
     nothing outside its class is changed."""
     from eagletree import Decoder
     from eagletree.bench.profile import profile_costs
-    from eagletree.decoding.config import DecodeConfig
-    from eagletree.draft_heads import base, load_head, register_head
+    from eagletree.decode.config import DecodeConfig
+    from eagletree.draft import base, load_head, register_head
     from eagletree.train.config import TrainConfig
     from eagletree.train.loop import train
 

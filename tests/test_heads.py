@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from eagletree.draft_heads import (
+from eagletree.draft import (
     EagleHead,
     HeadError,
     TreeDrafter,
@@ -12,7 +12,7 @@ from eagletree.draft_heads import (
     target_identity,
     target_to_draft,
 )
-from eagletree.tree_search import eagle2_search, optimal_search
+from eagletree.search import eagle2_search, optimal_search
 
 from helpers import tiny_model
 
@@ -38,7 +38,7 @@ def test_head_shapes_and_size(kind):
 def test_a_head_for_a_bf16_target_keeps_float32_weights():
     # Training's precision=auto loads the target in bf16, and its config then says dtype=bfloat16: the head's
     # weights must stay float32 (the optimizer's master copy) while autocast computes in bf16.
-    from eagletree.draft_heads.eagle3 import Eagle3Head
+    from eagletree.draft.eagle3 import Eagle3Head
 
     model = tiny_model("llama").to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
@@ -191,7 +191,7 @@ def test_mismatched_target_and_corrupted_files(tmp_path):
 
 
 def test_medusa_head_round_trip_and_drafting(tmp_path):
-    from eagletree.draft_heads import MedusaDrafter, MedusaHead, load_head
+    from eagletree.draft import MedusaDrafter, MedusaHead, load_head
 
     model = tiny_model("llama")
     head = MedusaHead.for_target(model.config, num_heads=3).eval()
@@ -262,7 +262,7 @@ def test_export_layout_and_import_round_trip(tmp_path, fmt, arch, bias):
 
 
 def test_export_refusals(tmp_path):
-    from eagletree.draft_heads import HeadError
+    from eagletree.draft import HeadError
     from eagletree.export.convert import export_head
 
     llama = tiny_model("llama")

@@ -1,5 +1,5 @@
-"""The eagletree modules import one another without a circle (design.md: target <- verify <- tree_search <-
-draft_heads <- decoding <- train, bench, viz). Every import counts: top-level, inside functions and under
+"""The eagletree modules import one another without a circle (design.md: target <- verify <- search <-
+draft <- decoding <- train, bench, viz). Every import counts: top-level, inside functions and under
 TYPE_CHECKING, since each is a dependency the layering must allow."""
 
 import ast
@@ -141,7 +141,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "eagletree.packing" in graph["eagletree.draft_heads.drafter"]  # (the graph is the package's)
+    assert "eagletree.packing" in graph["eagletree.draft.drafter"]  # (the graph is the package's)
     cycles = find_cycles(graph)
     assert not cycles, "import cycles among eagletree modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
@@ -149,4 +149,4 @@ def test_no_import_cycles():
 def test_the_search_layer_does_not_import_training():
     graph = import_graph()
     found = {m: sorted(d for d in deps if d.startswith("eagletree.train")) for m, deps in graph.items()}
-    assert not {m: d for m, d in found.items() if m.startswith("eagletree.tree_search") and d}
+    assert not {m: d for m, d in found.items() if m.startswith("eagletree.search") and d}

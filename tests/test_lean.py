@@ -1,4 +1,4 @@
-"""The drafter's lean layer (draft_heads/lean.py): the head's decoder layer as fused tensor operations.
+"""The drafter's lean layer (draft/lean.py): the head's decoder layer as fused tensor operations.
 
 It must draft what the transformers layer drafts (same distributions within float rounding, in fp32 and with
 packed kernels; the same top tokens in bf16), on every layout a batch makes (rows of different sizes, padding,
@@ -8,9 +8,9 @@ a prompt's long block), and step aside for a layer it does not reproduce.
 import pytest
 import torch
 
-from eagletree.draft_heads import Eagle3Head, EagleHead
-from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
-from eagletree.draft_heads.lean import SHORT_BLOCK, LeanLayer, LeanUnsupported, lean_layer
+from eagletree.draft import Eagle3Head, EagleHead
+from eagletree.draft.batch_drafter import RaggedTreeDrafter
+from eagletree.draft.lean import SHORT_BLOCK, LeanLayer, LeanUnsupported, lean_layer
 from eagletree.packing import pack_linears, packing_problem
 
 from helpers import tiny_config, tiny_model

@@ -3,8 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagletree.decoding import generate
-from eagletree.draft_heads import EagleHead
+from eagletree.decode import generate
+from eagletree.draft import EagleHead
 from eagletree.packing import (
     PackedLinear,
     PackingError,

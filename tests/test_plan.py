@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from eagletree.draft_heads import EagleHead
+from eagletree.draft import EagleHead
 from eagletree.plan import Acceptance, best_plan, engine_config, load_profile, measure_acceptance
-from eagletree.tree_search import LatencyProfile, sequoia_tree
+from eagletree.search import LatencyProfile, sequoia_tree
 
 from helpers import tiny_model, tiny_tokenizer
 
@@ -49,7 +49,7 @@ def test_sequoia_with_acceptance_by_depth_equals_brute_force():
 
 
 def test_depth_one_acceptance_equals_the_heads_ranks_over_the_answer():
-    from eagletree.decoding import generate
+    from eagletree.decode import generate
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def brute_force_plan(acceptance, profile, max_nodes, max_depth, chain=False):
 
 
 def test_plan_refuses_a_head_whose_levels_do_not_read_its_own_features():
-    from eagletree.draft_heads import MedusaHead
+    from eagletree.draft import MedusaHead
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = MedusaHead.for_target(model.config, num_heads=3).eval()
@@ -345,7 +345,7 @@ def test_real_plan_predicts_the_static_trees_tokens_per_pass(smollm2):
     """On the shipped head: the plan's tree decoded by `generate` gives the predicted tokens/pass (same prompts,
     so only the estimator is checked, not prompt-to-prompt noise)."""
     from eagletree.bench import load_prompts
-    from eagletree.draft_heads import load_head
+    from eagletree.draft import load_head
     from eagletree.loading import SHIPPED_HEADS
     from eagletree.plan import PlanOptions, make_plan
 

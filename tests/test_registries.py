@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagletree import export, serve
-from eagletree.draft_heads import Eagle3Head, EagleHead, HeadError, MedusaHead
+from eagletree.draft import Eagle3Head, EagleHead, HeadError, MedusaHead
 from eagletree.export.convert import check_format, export_head, import_folder, recognize_folder
 from eagletree.export.layout import Layout
 
@@ -129,7 +129,7 @@ def test_a_new_format_is_one_module_and_one_register_line(tmp_path, target, monk
 
 def test_each_engine_says_tree_or_chain_its_vocabulary_and_its_settings():
     from eagletree.plan import Acceptance, best_plan, engine_config
-    from eagletree.tree_search import LatencyProfile
+    from eagletree.search import LatencyProfile
 
     assert serve.engine_names() == ("vllm", "sglang", "eagle")
     rules = {name: (serve.engine(name).chain, serve.engine(name).full_vocab) for name in serve.engine_names()}

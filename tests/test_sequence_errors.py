@@ -20,9 +20,9 @@ from test_batch import (
 )
 
 from eagletree.cli import main as cli_main
-from eagletree.decoding import Decoder, decode_text, encode_prompt
-from eagletree.decoding.config import DecodeConfig
-from eagletree.draft_heads import EagleHead
+from eagletree.decode import Decoder, decode_text, encode_prompt
+from eagletree.decode.config import DecodeConfig
+from eagletree.draft import EagleHead
 from eagletree.target import TargetError
 from eagletree.train.distill import DistillError, distill
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eagletree.decoding import generate
-from eagletree.draft_heads import EagleHead, load_head
+from eagletree.decode import generate
+from eagletree.draft import EagleHead, load_head
 from eagletree.loading import SHIPPED_HEADS
 from eagletree.packing import pack_linears, packing_problem, stock_kernels
 
@@ -127,7 +127,7 @@ def test_the_lean_drafter_drafts_what_the_transformers_layer_drafts_on_real_feat
     """On the target's own features of real prompts, the shipped head's lean layer gives the transformers layer's
     distributions (fp32: to float rounding; bf16: close, with the same top tokens wherever they are not a near
     tie), through a catch-up on each prompt and two drafting levels of the top-4 children."""
-    from eagletree.draft_heads.batch_drafter import RaggedTreeDrafter
+    from eagletree.draft.batch_drafter import RaggedTreeDrafter
 
     model, tok = smollm2
     head = load_head(HEAD, target_config=smollm2[0].config, dtype=dtype)  # (the shared one may have been packed)

@@ -9,8 +9,8 @@ from torch import nn
 
 import eagletree.packing as packing
 from eagletree.packing import KernelChoice, PackedLinear, is_packed, kernels_tag, kernels_used, pack_target
-from eagletree.tree_search import LatencyProfile
-from eagletree.tree_search.searchers import AutoSearcher, trees_can_pay
+from eagletree.search import LatencyProfile
+from eagletree.search.searchers import AutoSearcher, trees_can_pay
 
 
 def test_kernel_choice_keeps_packing_only_where_it_measured_faster(monkeypatch, tmp_path):
@@ -151,8 +151,8 @@ def test_bench_names_the_cpus_vector_instructions_and_native_bf16(monkeypatch):
 def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     # Packed only at 2-8 rows (as if one-row and large products were faster with the stock kernel here): the
     # head's Linears and its lm_head slice run packed at those row counts only, like the target's.
-    from eagletree.decoding import generate
-    from eagletree.draft_heads import EagleHead, make_drafter
+    from eagletree.decode import generate
+    from eagletree.draft import EagleHead, make_drafter
 
     from helpers import tiny_model, tiny_tokenizer
 
@@ -176,7 +176,7 @@ def test_the_drafter_follows_the_targets_kernel_choice(monkeypatch, tmp_path):
     real = packing.packed_linear
     record = lambda x, p, b: rows.append(x.numel() // x.shape[-1]) or real(x, p, b)  # noqa: E731
     monkeypatch.setattr(packing, "packed_linear", record)
-    monkeypatch.setattr("eagletree.draft_heads.drafter.packed_linear", record)
+    monkeypatch.setattr("eagletree.draft.drafter.packed_linear", record)
     with torch.no_grad():
         drafter.extend(torch.randn(1, model.config.hidden_size), torch.tensor([7]))  # one row: stock kernels
         assert rows == []
@@ -197,7 +197,7 @@ def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(
     # A bf16 head for an fp32 target (--draft-dtype auto on CPUs with native bf16): which kernel wins differs with
     # the dtype, so the drafter measures its own Linears and lm_head slice in bf16 instead of taking the target's
     # fp32 choice; measured once, then read from the cache, keyed by the head's dtype and draft vocabulary.
-    from eagletree.draft_heads import EagleHead, make_drafter
+    from eagletree.draft import EagleHead, make_drafter
 
     from helpers import tiny_model
 
@@ -230,7 +230,7 @@ def test_a_head_in_another_precision_drafts_with_its_own_measured_kernel_choice(
         assert all(m.choice is drafter.kernel_choice for m in head.modules() if isinstance(m, PackedLinear))
         with torch.no_grad():  # stock kernels at every row count now, like the choice says
             rows = []
-            monkeypatch.setattr("eagletree.draft_heads.drafter.packed_linear", lambda *a: rows.append(1))
+            monkeypatch.setattr("eagletree.draft.drafter.packed_linear", lambda *a: rows.append(1))
             drafter.extend(torch.randn(1, model.config.hidden_size), torch.tensor([7]))
             drafter(torch.arange(1, 5), torch.arange(4), torch.zeros(4, dtype=torch.long), level=2)
             assert rows == []

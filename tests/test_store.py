@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from eagletree.tree_search.store import SEPARATOR, TokenStore, vocab_fingerprint
+from eagletree.search.store import SEPARATOR, TokenStore, vocab_fingerprint
 
 from helpers import tiny_tokenizer
 
@@ -147,8 +147,8 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
     # spans are accepted, the output stays the target's, with or without a head.
     import torch
 
-    from eagletree.decoding import GenerationStats, decode_steps
-    from eagletree.draft_heads import EagleHead
+    from eagletree.decode import GenerationStats, decode_steps
+    from eagletree.draft import EagleHead
 
     from helpers import tiny_model
 
@@ -193,11 +193,11 @@ def test_retrieved_spans_are_lossless_and_carry_text_the_store_holds():
 def test_decoding_reads_the_heads_datastore_by_default_and_checks_it(tmp_path, monkeypatch):
     import numpy as np
 
-    from eagletree.decoding import Decoder, decode_steps, generate
-    from eagletree.decoding.config import DecodeConfig
-    from eagletree.decoding.resources import resolve_store
-    from eagletree.draft_heads import EagleHead, load_head
-    from eagletree.tree_search.store import DATASTORE
+    from eagletree.decode import Decoder, decode_steps, generate
+    from eagletree.decode.config import DecodeConfig
+    from eagletree.decode.resources import resolve_store
+    from eagletree.draft import EagleHead, load_head
+    from eagletree.search.store import DATASTORE
 
     from helpers import tiny_model
 
@@ -299,7 +299,7 @@ def test_the_datastore_command_saves_next_to_the_head_and_generate_takes_the_fla
     import numpy as np
 
     from eagletree.cli import main
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     from helpers import tiny_model
 

@@ -199,7 +199,7 @@ def test_training_reduces_the_loss(tmp_path):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     real = EagleHead.training_loss
     calls = {"n": 0}
@@ -214,13 +214,13 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
         run(tiny_cfg(tmp_path))
     # the history of the checkpointed steps is on disk too
     assert [r["step"] for r in _records(tmp_path)] == [1, 2]
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     assert EagleHead.from_pretrained(tmp_path / "checkpoints" / "step-0000002" / "head") is not None
 
 
 def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     model = tiny_model("llama")
     torch.manual_seed(0)
@@ -241,8 +241,8 @@ def test_a_head_started_from_the_targets_last_layer_trains(tmp_path):
     first = {k: r[0].item() for k, r in ratio.items()}
     assert first["self_attn.q_proj.weight"] == pytest.approx(first["self_attn.v_proj.weight"], rel=1e-5)
     assert first["self_attn.o_proj.weight"] == pytest.approx(first["mlp.down_proj.weight"], rel=1e-5)
-    from eagletree.draft_heads.base import HeadError
-    from eagletree.draft_heads.eagle import _last_layer_scales
+    from eagletree.draft.base import HeadError
+    from eagletree.draft.eagle import _last_layer_scales
 
     residual, normed, feature = _last_layer_scales(model, None)
     assert first["mlp.down_proj.weight"] == pytest.approx(feature / residual, rel=1e-5) and feature / residual < 0.9
@@ -414,7 +414,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
 
 
 def test_evaluation_reports_agreement_tokens_per_pass_and_calibration():
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
     from eagletree.train.evaluate import agreement, answer_sequences, calibrate, heldout_prompts, tokens_per_pass
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -482,8 +482,8 @@ def test_precision_key(tmp_path, monkeypatch):
 def test_unrolled_steps_equal_sequential_drafting():
     """The training-time test of an EAGLE-1/2 head: step k at position p is exactly the depth-k node that
     chain drafting from the committed position p-k+1 computes, one step at a time with the head's cache."""
-    from eagletree.draft_heads import EagleHead
-    from eagletree.draft_heads.objectives import unroll_drafts
+    from eagletree.draft import EagleHead
+    from eagletree.draft.objectives import unroll_drafts
 
     model = tiny_model("llama")
     torch.manual_seed(1)
@@ -512,7 +512,7 @@ def test_unrolled_steps_equal_sequential_drafting():
 
 
 def test_eagle_head_trains_with_the_training_time_test(tmp_path):
-    from eagletree.draft_heads import objectives
+    from eagletree.draft import objectives
 
     seen = []
     real = objectives.unroll_drafts
@@ -582,7 +582,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
     import os
     import signal
 
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
     from eagletree.train.loop import TrainingInterrupted
 
     straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
@@ -615,7 +615,7 @@ def test_a_signal_during_the_last_step_still_writes_the_head(tmp_path, monkeypat
     import os
     import signal
 
-    from eagletree.draft_heads import EagleHead
+    from eagletree.draft import EagleHead
 
     straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
     real, calls = EagleHead.training_loss, {"n": 0}

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from eagletree.tree_search import (
+from eagletree.search import (
     Calibrator,
     LatencyProfile,
     acceptance_pairs,
@@ -326,7 +326,7 @@ def test_calibration_makes_predicted_tokens_per_pass_match_measured():
 def test_a_static_tree_cut_near_the_end_keeps_exactly_its_shallow_nodes():
     """Near the end of a generation a static shape is cut to the depth still wanted; the cut takes a prefix,
     so the shape's nodes must come by depth (Sequoia's came depth first: the cut kept deep nodes)."""
-    from eagletree.tree_search.searchers import make_searcher
+    from eagletree.search.searchers import make_searcher
 
     for shape in (sequoia_tree([0.6, 0.2, 0.1], budget=16, depth=5), make_searcher("sequoia", 16, 5).shape):
         depth = [0] * len(shape.parents)
@@ -346,7 +346,7 @@ def test_a_static_tree_cut_near_the_end_keeps_exactly_its_shallow_nodes():
 def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
     """drive_batch(top_k=...) checks, ranks and reads back a level's distributions for every search together; the
     trees are those each search draws from its own distributions, with a draft vocabulary mapped alike."""
-    from eagletree.tree_search.batched import SearchSpec, drive_batch, search_steps
+    from eagletree.search.batched import SearchSpec, drive_batch, search_steps
 
     vocab = 7
     token_map = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:vocab] if mapped else None
@@ -381,8 +381,8 @@ def test_a_batch_reads_its_top_k_back_at_once_and_draws_the_same_trees(mapped):
 def test_softmax_rows_are_checked_for_nan_on_the_read_back():
     """The batch drafter's levels (`SoftmaxRows`) skip the two passes of check_distribution: the same top-k lists
     as the checked path, and a NaN anywhere in a row still raises, named as the check names it."""
-    from eagletree.draft_heads.batch_drafter import SoftmaxRows
-    from eagletree.tree_search.readback import top_k_lists
+    from eagletree.draft.batch_drafter import SoftmaxRows
+    from eagletree.search.readback import top_k_lists
 
     g = torch.Generator().manual_seed(0)
     probs = [torch.softmax(torch.randn(n, 50, generator=g), -1) for n in (3, 1, 2)]

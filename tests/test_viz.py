@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagletree.cli import main
-from eagletree.decoding import GenerationStats, decode_steps
-from eagletree.draft_heads import EagleHead
+from eagletree.decode import GenerationStats, decode_steps
+from eagletree.draft import EagleHead
 from eagletree.verify import accept_sampling, accept_tree, target_probs
 from eagletree.viz import render_html, show_token, step_data, viz_step
 
@@ -260,7 +260,7 @@ def test_page_walk_is_the_engines_walk(browser, tmp_path):
 
 @pytest.mark.real
 def test_viz_on_smollm2(smollm2, tmp_path):
-    from eagletree.draft_heads import load_head
+    from eagletree.draft import load_head
     from eagletree.loading import SHIPPED_HEADS
 
     model, tok = smollm2

@@ -6,12 +6,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..decoding.config import MIN_TEMPERATURE
-from ..decoding.resources import resolve_store
+from ..decode.config import MIN_TEMPERATURE
+from ..decode.resources import resolve_store
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
-from ..tree_search.store import DATASTORE
+from ..search.store import DATASTORE
 from .inputs import DEFAULT_METHODS, FULL, HEADLESS, QUICK, TREE_METHODS, Method, load_prompts, method_grid, parse_list
 from .report import machine_info, write_outputs
 from .runners import BenchSettings, run_bench
@@ -125,7 +125,7 @@ def _datastore(args, methods: list[Method], model, tok, head):
 
 def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, command) -> int:
     """`bench --batch-sizes`: the batched throughput table and plot in --out."""
-    from ..decoding.config import DecodeConfig
+    from ..decode.config import DecodeConfig
     from ..files import write_json_atomic, write_text_atomic
     from .throughput import plot_throughput, throughput, throughput_table
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..draft_heads import head_class, make_drafter
+from ..draft import head_class, make_drafter
 from ..files import check_output_folder, write_json_atomic, write_text_atomic
-from ..tree_search import eagle2_search
+from ..search import eagle2_search
 from ..verify.profile import measure_verify
 from .inputs import TREE_METHODS, parse_list
 from .report import machine_info, vocab_words

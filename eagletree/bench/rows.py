@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding import encode_prompt
+from ..decode import encode_prompt
 from .inputs import Method
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..decoding import (
+from ..decode import (
     Decoder,
     GenerationStats,
     decode_steps,
@@ -20,9 +20,9 @@ from ..decoding import (
     stop_token_ids,
     whole_answers,
 )
-from ..decoding.config import DecodeConfig
+from ..decode.config import DecodeConfig
 from ..packing import stock_kernels
-from ..tree_search import acceptance_pairs
+from ..search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
 from .rows import Run, add_run, check_same_tokens, empty_row
 from .stats import calibration_bins, summarize

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from ..decoding.resources import head_calibrator
+from ..decode.resources import head_calibrator
 from .inputs import Method
 
 

@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from ..decoding import Decoder, hf_generation_config, stop_token_ids, whole_answers
-from ..decoding.config import DecodeConfig
+from ..decode import Decoder, hf_generation_config, stop_token_ids, whole_answers
+from ..decode.config import DecodeConfig
 
 METHODS = ("HF generate", "eagletree plain", "eagletree trees")
 

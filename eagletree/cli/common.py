@@ -11,7 +11,7 @@ import argparse
 import sys
 import warnings
 
-from ..decoding.config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
+from ..decode.config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
 from ..errors import EagletreeError
 
 DEFAULTS = DecodeConfig()  # the library's decoding defaults are the command line's

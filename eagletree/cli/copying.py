@@ -58,7 +58,7 @@ def add_copying_parsers(sub) -> None:
 
 def _check_calibrate_flags(args) -> None:
     """calibrate-copy's refusals before anything is read: counts, --head none, an --out that cannot be written."""
-    from ..decoding.config import check_options
+    from ..decode.config import check_options
     from ..files import check_output_file
 
     check_options(cli=True, max_new_tokens=args.max_new_tokens, budget=args.budget, depth=args.depth)
@@ -75,8 +75,8 @@ def _check_calibrate_flags(args) -> None:
 def cmd_calibrate_copy(args) -> int:
     """Measure how often copied spans are accepted and save it next to the head (copy_calibration.json)."""
     from ..bench import load_prompts
+    from ..search.copy import bin_labels, copy_calibration_names
     from ..train.evaluate import measure_copy_calibration
-    from ..tree_search.copy import bin_labels, copy_calibration_names
     from .models import load_from_args
 
     _check_calibrate_flags(args)
@@ -125,7 +125,7 @@ def _datastore_out(args) -> Path:
     """Where the datastore goes: --out, else the head folder's datastore.npz (a saved head's folder)."""
     from ..files import check_output_file
     from ..loading import head_to_load
-    from ..tree_search.store import DATASTORE
+    from ..search.store import DATASTORE
 
     if args.out:
         check_output_file(args.out)
@@ -144,9 +144,9 @@ def _datastore_out(args) -> Path:
 def cmd_datastore(args) -> int:
     """Index the assistant turns of a chat JSONL file for retrieved spans, saved next to the head (datastore.npz)."""
     from .. import target
-    from ..draft_heads import HeadError
+    from ..draft import HeadError
     from ..loading import load_head
-    from ..tree_search.store import index_answers
+    from ..search.store import index_answers
 
     sources = _datastore_sources(args.source)
     out = _datastore_out(args)

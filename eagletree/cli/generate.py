@@ -50,7 +50,7 @@ def add_generate_parsers(sub) -> None:
 def _answer(decoder, messages, stream_to=None) -> dict:
     """One answer, streamed to `stream_to` as it is decoded, with its statistics."""
     from ..bench.runners import Run
-    from ..decoding import GenerationStats, decode_text, stream_text
+    from ..decode import GenerationStats, decode_text, stream_text
 
     stats = GenerationStats()
     steps = decoder.steps(messages, stats)
@@ -93,8 +93,8 @@ def cmd_generate(args) -> int:
     if args.prompts is not None:
         return _generate_prompts(args)
     from ..bench.compare import compare_plain
-    from ..decoding import check_utf8
-    from ..decoding.config import DecodeConfig
+    from ..decode import check_utf8
+    from ..decode.config import DecodeConfig
     from ..packing import kernels_used
     from .models import load_from_args
 
@@ -162,7 +162,7 @@ def _generate_prompts(args) -> int:
     from pathlib import Path
 
     from ..bench.inputs import read_prompt_file
-    from ..decoding.config import DecodeConfig
+    from ..decode.config import DecodeConfig
     from ..files import check_output_file
     from .models import load_from_args
     from .prompt_batch import answered, decode_prompts, run_summary
@@ -187,7 +187,7 @@ def _generate_prompts(args) -> int:
 
 def cmd_chat(args) -> int:
     """Interactive chat: streams each answer and shows tokens/pass; the conversation is kept."""
-    from ..decoding.config import DecodeConfig
+    from ..decode.config import DecodeConfig
     from .models import load_from_args
 
     *_, decoder = load_from_args(args, DecodeConfig.from_args(args))
@@ -223,7 +223,7 @@ def cmd_chat(args) -> int:
 def _read_message() -> str | None:
     """The user's next message; None to end the chat (an empty line, Ctrl-D or Ctrl-C), "" after a line that could
     not be read (named on stderr: a bad line is not the end of the conversation)."""
-    from ..decoding import check_utf8
+    from ..decode import check_utf8
 
     try:
         text = check_utf8(input("you> "), "that line")

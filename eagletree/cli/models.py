@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
-from ..decoding import Decoder
-from ..decoding.config import DecodeConfig
+from ..decode import Decoder
+from ..decode.config import DecodeConfig
 from ..loading import head_to_load, load_models
 
 

@@ -21,8 +21,8 @@ def cmd_viz(args) -> int:
     """Write one real drafting step (tree, mask, acceptance replay) as a self-contained HTML page."""
     from pathlib import Path
 
-    from ..decoding import check_utf8
-    from ..decoding.config import DecodeConfig
+    from ..decode import check_utf8
+    from ..decode.config import DecodeConfig
     from ..files import check_output_file, write_text_atomic
     from ..viz import render_html, viz_step
     from .models import load_from_args

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from .. import target as targets  # targets.load_target is looked up per call, so a test can stand a tiny model in
-from ..draft_heads import DraftHead, HeadError
+from ..draft import DraftHead, HeadError
 from ..files import check_output_dir
-from ..tree_search.copy import copy_calibration_names
+from ..search.copy import copy_calibration_names
 from .layout import Layout
 from .registry import layout_for, recognize
 from .shared import read_export_config

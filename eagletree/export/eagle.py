@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..draft_heads import EagleHead
+from ..draft import EagleHead
 from . import TOKEN_MAP
 from .layout import Layout
 from .shared import (

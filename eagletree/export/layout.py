@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..draft_heads import DraftHead, HeadError
+from ..draft import DraftHead, HeadError
 from ..files import building, publish
 
 WEIGHTS = "model.safetensors"

@@ -28,7 +28,7 @@ def format_names() -> tuple[str, ...]:
 
 def _module(name: str):
     if name not in _MODULES:
-        from ..draft_heads import HeadError
+        from ..draft import HeadError
 
         raise HeadError(f"export format {name!r} is not one of {format_names()}")
     return import_module(_MODULES[name])
@@ -55,7 +55,7 @@ def layout_for(name: str, head):
     for layout in format_layouts(name):
         if head.head_type in layout.heads:
             return layout
-    from ..draft_heads import HeadError
+    from ..draft import HeadError
 
     raise HeadError(refusal(name, head.head_type))
 
@@ -100,6 +100,6 @@ def recognize(config: dict, folder):
     ):
         if picked:
             return picked[0]
-    from ..draft_heads import HeadError
+    from ..draft import HeadError
 
     raise HeadError(f"{str(folder)!r} holds no export eagletree reads (its formats: {_quoted(format_names())})")

@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..draft_heads import HeadError, check_draft_vocab, t2d_mask, target_identity
-from ..draft_heads.layers import layer_config_dict
+from ..draft import HeadError, check_draft_vocab, t2d_mask, target_identity
+from ..draft.layers import layer_config_dict
 from . import TOKEN_MAP
 
 # Keys of a transformers config that say nothing about the head (two are local paths; the dtype is rewritten).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..draft_heads import HeadError
+from ..draft import HeadError
 from .eagle3 import Eagle3Layout
 from .shared import eagle3_fields, eagle3_state, identity, layer_fields
 

@@ -12,7 +12,7 @@ configs/eagle.py, config/speculative.py, v1/spec_decode/llm_base_proposer.py).
 
 from __future__ import annotations
 
-from ..draft_heads import HeadError
+from ..draft import HeadError
 from .eagle import EagleLayout
 from .eagle3 import Eagle3Layout
 from .shared import eagle3_state

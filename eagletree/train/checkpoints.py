@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..draft_heads import HeadError, load_head
+from ..draft import HeadError, load_head
 from ..files import appending, building, publish, write_text_atomic
 from .config import TrainConfig, TrainingError, lr_lambda
 

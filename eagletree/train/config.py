@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..draft_heads import head_class, head_types
+from ..draft import head_class, head_types
 from ..errors import EagletreeError
 from ..target import cpu_has_bf16
 

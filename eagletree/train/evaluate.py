@@ -14,15 +14,15 @@ import torch
 from tqdm import tqdm
 
 from .. import target as targets
-from ..decoding import Decoder, GenerationStats, decode_steps, encode_prompt, whole_answers
-from ..decoding.config import DecodeConfig
-from ..draft_heads import TreeDrafter, load_head
+from ..decode import Decoder, GenerationStats, decode_steps, encode_prompt, whole_answers
+from ..decode.config import DecodeConfig
+from ..draft import TreeDrafter, load_head
 from ..errors import EagletreeError
 from ..files import check_output_folder, write_json_atomic
 from ..packing import pack_target
 from ..prompts import by_category, mtbench_subset
-from ..tree_search import Calibrator, acceptance_pairs, calibration_report
-from ..tree_search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
+from ..search import Calibrator, acceptance_pairs, calibration_report
+from ..search.copy import COPY_CALIBRATION, COPY_CALIBRATION_FULL_VOCAB, CopyCalibration
 from .config import TrainConfig, TrainingError
 from .data import DataError, load_training_data, split
 from .distill.selection import first_turns

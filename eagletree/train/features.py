@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..draft_heads import FeatureSpec, head_class, target_identity
+from ..draft import FeatureSpec, head_class, target_identity
 from ..errors import EagletreeError
 from ..files import is_partial, write_json_atomic, writing
 from .config import on_cpu, resolve_precision

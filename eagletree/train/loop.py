@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from ..draft_heads import HeadError, build_draft_vocab, head_class
+from ..draft import HeadError, build_draft_vocab, head_class
 from ..loading import load_head  # init_head may be an export to import
 from ..target import checked_device, load_target
 from .checkpoints import (

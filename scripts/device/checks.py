@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from eagletree.decoding import decode_steps
-from eagletree.draft_heads import EagleHead
+from eagletree.decode import decode_steps
+from eagletree.draft import EagleHead
 from eagletree.target import new_cache
 from eagletree.verify import DraftTree, accept_tree, prefill, target_probs, verify_step, verify_tree
 from eagletree.verify.synthetic import SyntheticPair, synthetic_tree

@@ -182,7 +182,7 @@ def stage_smollm2(args) -> int:
     """SmolLM2 on the device: eagletree eagle2 and auto vs HF generate on MT-bench prompts, outputs compared."""
 
     from eagletree.bench import BenchSettings, machine_info, markdown_report, method_grid, run_bench
-    from eagletree.draft_heads import load_head
+    from eagletree.draft import load_head
     from eagletree.loading import draft_vocab_for
     from eagletree.target import load_target
 
@@ -334,7 +334,7 @@ def _train_for_time_left(args, t_start: float, dev, model, tok, records):
 def _compare_heads_on_mtbench(args, dev, model, tok):
     """Tokens/pass of the new head and the shipped one on the same MT-bench prompts, prompt by prompt (paired).
     Returns the results entry and its summary line."""
-    from eagletree.draft_heads import load_head
+    from eagletree.draft import load_head
     from eagletree.train.evaluate import tokens_per_pass
 
     dry = args.dry_run

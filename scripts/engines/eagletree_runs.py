@@ -17,8 +17,8 @@ def prepare(args, work: Path) -> dict:
     head imported back from it over the vocabulary vLLM drafts over, the prompts' token ids and the stop tokens."""
     import torch
 
-    from eagletree.decoding import encode_prompt, stop_token_ids
-    from eagletree.draft_heads import load_head
+    from eagletree.decode import encode_prompt, stop_token_ids
+    from eagletree.draft import load_head
     from eagletree.loading import SHIPPED_HEADS
     from eagletree.prompts import mtbench_subset
     from eagletree.target import load_target
@@ -58,7 +58,7 @@ def prepare(args, work: Path) -> dict:
 
 def _chain_config(args, max_new_tokens: int):
     """Greedy decoding through a static chain of k drafts (budget k + 1 nodes), no copied spans."""
-    from eagletree.decoding.config import CopyOptions, DecodeConfig
+    from eagletree.decode.config import CopyOptions, DecodeConfig
 
     return DecodeConfig(
         tree="chain",
@@ -109,7 +109,7 @@ def aligned_chain(decoder, prompts, firsts: list[int], m: int, stops) -> tuple[d
 def run_eagletree(setup: dict, args, chain: bool, firsts: list[int] | None = None) -> dict:
     """eagletree's plain decoding (chain=False), or a static chain of k drafts (one at a time on vLLM's schedule,
     from the answers' first tokens `firsts`, see `aligned_chain`): one prompt at a time and all in one batch."""
-    from eagletree.decoding import Decoder
+    from eagletree.decode import Decoder
 
     target, tokenizer, prompts = setup["target"], setup["tokenizer"], setup["prompts"]
     head = setup["head"] if chain else None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from ...decoding import Decoder
-from ...decoding.config import DecodeConfig
+from ...decode import Decoder
+from ...decode.config import DecodeConfig
 from .answers import answer_of, check_prompts_fit, stops_of
 from .options import DistillOptions
 from .selection import Batch, Prompt

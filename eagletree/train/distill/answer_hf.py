@@ -6,7 +6,7 @@ import zlib
 
 import torch
 
-from ...decoding import hf_generation_config
+from ...decode import hf_generation_config
 from .answers import answer_of, stops_of
 from .options import DistillOptions
 from .selection import Batch, Prompt

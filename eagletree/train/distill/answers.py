@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from ...decoding import stop_token_ids
+from ...decode import stop_token_ids
 from ...target.ragged import sliding_window
 from .options import DistillError
 from .records import Answer

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ...draft_heads import target_identity
+from ...draft import target_identity
 from ...files import appending
 from ...reading import read_appended_jsonl
 from .options import DistillError, DistillOptions

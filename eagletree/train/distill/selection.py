@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ...decoding import encode_prompt
+from ...decode import encode_prompt
 from ...prompts import humaneval_prompts, humaneval_range
 from ..data import TURNS, Conversation, load_dataset, split
 from .options import DistillError, DistillOptions, check_match

@@ -11,14 +11,14 @@ import json
 import warnings
 from pathlib import Path
 
-from ..draft_heads import target_identity
+from ..draft import target_identity
 from ..packing import kernels_tag, machine_key
+from ..search import Calibrator, LatencyProfile
+from ..search.copy import CopyCalibration, copy_calibration_names
+from ..search.store import DATASTORE, TokenStore, vocab_fingerprint
 from ..target import GQA_SDPA, cache_dir
 from ..target.attention import RAGGED
 from ..target.lean import lean_model
-from ..tree_search import Calibrator, LatencyProfile
-from ..tree_search.copy import CopyCalibration, copy_calibration_names
-from ..tree_search.store import DATASTORE, TokenStore, vocab_fingerprint
 from ..verify.profile import measure_batch_verify
 
 # A cached profile whose one-token pass is this many times slower than a fresh probe was measured

@@ -56,7 +56,7 @@ __all__ = sorted(_HOMES)
 
 def __getattr__(name: str):
     if name not in _HOMES:
-        raise AttributeError(f"module 'eagletree.decoding' has no attribute {name!r}")
+        raise AttributeError(f"module 'eagletree.decode' has no attribute {name!r}")
     from importlib import import_module
 
     return getattr(import_module(f".{_HOMES[name]}", __name__), name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..tree_search.searchers import AutoSearcher
+from ..search.searchers import AutoSearcher
 
 
 class PromptQueue:

@@ -106,7 +106,7 @@ class AutoSearcher(Searcher):
 
     def batch_end(self) -> None:
         """The last prompt has joined the batch: from now on only the answers that end it draft, and a step is
-        measured by how far they move (`decoding.late_sequences`), so the pauses that drafting for the whole batch
+        measured by how far they move (`decode.late_sequences`), so the pauses that drafting for the whole batch
         earned no longer hold."""
         self.pauses.clear()
         self.pause = self._pause_for(1)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from ..tree_search.copy import copy_trie
-from ..tree_search.searchers import Job
+from ..search.copy import copy_trie
+from ..search.searchers import Job
 from ..verify import DraftTree
 from ..verify.batch import verify_rows
 from .schedule import drafting_sequences, end_progress, worth_drafting

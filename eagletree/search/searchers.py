@@ -11,7 +11,7 @@ and `observe(...)`, so a new kind is a new class:
 - `AutoSearcher`: the cost-aware tree: the optimal tree's prefix with the most expected tokens
   per second on this device, and no drafting at all while trees do not pay.
 
-`expand(nodes, tokens, parents, level) -> probs` is the drafter (see draft_heads.Drafter), or None
+`expand(nodes, tokens, parents, level) -> probs` is the drafter (see draft.Drafter), or None
 when the head does not draft this step; `copies` is a CopyTrie of copied spans, or None.
 
 The interface and the first three kinds live in `kinds.py`, `AutoSearcher` in `auto.py`; this module builds a
@@ -54,7 +54,7 @@ def make_searcher(
     profile: LatencyProfile | None = None,
     calibrator=None,
 ) -> Searcher:
-    """The searcher of a tree kind (decoding.config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g.
+    """The searcher of a tree kind (decode.config.TreeKind's values). "sequoia" takes `paths` (rank paths, e.g.
     [(0,), (1,), (0, 0)]) to draft that static shape instead of Sequoia's own; "auto" needs the device's latency
     `profile`."""
     if kind == "eagle2":

@@ -160,7 +160,7 @@ class CopyOptions:
 
 
 def _is_token_store(value) -> bool:
-    from ..tree_search.store import TokenStore  # (torch: not needed to parse a command line)
+    from ..search.store import TokenStore  # (torch: not needed to parse a command line)
 
     return isinstance(value, TokenStore)
 
@@ -214,7 +214,7 @@ class DecodeConfig:
             self._check_tree_paths()
 
     def _check_tree_paths(self) -> None:
-        from ..tree_search.static import choices_shape  # (torch: not needed to parse a command line)
+        from ..search.static import choices_shape  # (torch: not needed to parse a command line)
 
         if self.tree is not TreeKind.SEQUOIA:
             raise OptionError("tree_paths", f"gives the fixed shape of tree='sequoia', got tree={self.tree.value!r}")

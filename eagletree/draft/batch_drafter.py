@@ -23,7 +23,7 @@ Request = tuple  # (row, nodes [F], tokens [F], parents [F], level): one row's f
 
 class SoftmaxRows(list):
     """A level's distributions, each row a softmax of the head's logits: the searches' top-k read-back checks them
-    for NaN only (`tree_search.readback.top_k_lists`)."""
+    for NaN only (`search.readback.top_k_lists`)."""
 
     softmax_rows = True
 

@@ -14,12 +14,12 @@ from copy import deepcopy
 
 import torch
 
-from ..draft_heads.batch_drafter import drafter_key, make_batch_drafter
+from ..draft.batch_drafter import drafter_key, make_batch_drafter
+from ..search.copy import CopyCalibration
+from ..search.searchers import AutoSearcher, make_searcher
+from ..search.store import TokenStore
 from ..target.loading import TargetError
 from ..target.ragged import sliding_window, use_ragged
-from ..tree_search.copy import CopyCalibration
-from ..tree_search.searchers import AutoSearcher, make_searcher
-from ..tree_search.store import TokenStore
 from .config import DecodeConfig, TreeKind
 from .prompts import check_token_ids, encode_prompt, fit_context, fit_window, stop_token_ids
 from .resources import (

@@ -18,7 +18,7 @@ from .vocab import check_draft_vocab
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-_REGISTRY: dict[str, type] = {}  # head_type -> DraftHead subclass, filled by the package (draft_heads/__init__.py)
+_REGISTRY: dict[str, type] = {}  # head_type -> DraftHead subclass, filled by the package (draft/__init__.py)
 
 
 class HeadError(EagletreeError, ValueError):
@@ -181,11 +181,11 @@ class DraftHead(nn.Module):
         return self.feature_spec.training_features(model, ids)
 
     def make_drafter(self, target_model):
-        """The `Drafter` (draft_heads/drafter.py) that drafts trees with this head."""
+        """The `Drafter` (draft/drafter.py) that drafts trees with this head."""
         raise NotImplementedError(f"{type(self).__name__} does not define make_drafter()")
 
     def make_batch_drafter(self, target_model):
-        """The batch drafter (draft_heads/batch_drafter.py) for several sequences: one `make_drafter` drafter per
+        """The batch drafter (draft/batch_drafter.py) for several sequences: one `make_drafter` drafter per
         row unless the head drafts a batch in one call."""
         from .batch_drafter import PerRowDrafter
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..tree_search.copy import CopyCalibration, NgramIndex, copy_only
+from ..search.copy import CopyCalibration, NgramIndex, copy_only
 from ..verify import DraftTree
 
 
