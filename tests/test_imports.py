@@ -1,5 +1,5 @@
 """The eagletree modules import one another without a circle (design.md: target <- verify <- search <-
-draft <- decoding <- train, bench, viz). Every import counts: top-level, inside functions and under
+draft <- decode <- train, export, serve, bench, viz). Every import counts: top-level, inside functions and under
 TYPE_CHECKING, since each is a dependency the layering must allow."""
 
 import ast
