@@ -53,3 +53,23 @@ def test_verify_cost_prints_transformers_and_the_decoding_passes(tmp_path, capsy
     assert "stock kernels" in out and "the passes decoding runs" in out
     last = out.split("the passes decoding runs")[1]
     assert "| 1 |" in last and "| 3 |" in last and "| 1.00 |" in last
+
+
+def test_hostile_inputs_judges_each_outcome():
+    """benchmarks/hostile_inputs.py: a refused input is fine when refused in one line before the target loads; a
+    kill (time or memory limit) is a hang, a Python traceback counts as one, a success where a refusal was due is
+    silent wrong."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("hostile_inputs", ROOT / "benchmarks" / "hostile_inputs.py")
+    hostile = importlib.util.module_from_spec(spec)
+    sys.modules["hostile_inputs"] = hostile  # (its dataclass looks its module up there)
+    spec.loader.exec_module(hostile)
+    Run = hostile.Run
+    assert Run(2, "", "error: --out 'x': a folder").refused() == "fine"
+    assert Run(2, "", "loaded smollm2-135m (...)\nerror: bad").refused() == "late"
+    assert Run(1, "", "Traceback (most recent call last):\n  ...\nTypeError: x").refused() == "traceback"
+    assert Run(None, "", "").refused() == Run(-9, "", "").refused() == Run(137, "", "").refused() == "hang"
+    assert Run(0, "", "").refused() == "silent wrong"
+    assert len(hostile.CLI_CASES) >= 15
