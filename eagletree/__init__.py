@@ -2,11 +2,12 @@
 
 `DecodeConfig` (with `Sampling` and `CopyOptions`) says how to decode, a `Decoder` decodes with a target,
 its tokenizer and a draft head, and `generate` is the one-call form. Names load on first use, so that
-`import eagletree` (and the command line's parsing) does not import torch.
+`import eagletree` (and the command line's parsing) does not import torch. `except eagletree.EagletreeError`
+catches every error eagletree raises for bad input or files.
 """
 
 __version__ = "0.1.0"
-__all__ = ["CopyOptions", "DecodeConfig", "Decoder", "Sampling", "TreeKind", "generate"]
+__all__ = ["CopyOptions", "DecodeConfig", "Decoder", "EagletreeError", "Sampling", "TreeKind", "generate"]
 
 _HOMES = {
     "CopyOptions": "decode",
@@ -15,6 +16,7 @@ _HOMES = {
     "TreeKind": "decode",
     "Decoder": "decode",
     "generate": "decode",
+    "EagletreeError": "errors",  # the base of every error eagletree raises for bad input
 }
 
 

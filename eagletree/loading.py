@@ -11,8 +11,10 @@ import torch
 from . import target  # target.load_target is looked up per call, so a test can stand a tiny model in for it
 from .draft import DraftHead, HeadError, is_foreign_head
 from .draft import load_head as load_saved_head
+from .draft.base import check_head_target, read_head_config
 from .draft.precision import load_or_measure_draft_dtype
-from .export.convert import import_for_config
+from .errors import InvalidValue
+from .export.convert import import_for_config, importable_layout
 from .packing import pack_target
 
 DRAFT_VOCABS = ("auto", "head", "full")
@@ -49,7 +51,7 @@ def draft_vocab_for(name: str, model) -> str:
 
 def _check_draft_vocab_name(name: str) -> None:
     if name not in DRAFT_VOCABS:
-        raise ValueError(f"draft_vocab must be one of {DRAFT_VOCABS}, got {name!r}")
+        raise InvalidValue(f"draft_vocab must be one of {DRAFT_VOCABS}, got {name!r}")
 
 
 def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHead:
@@ -64,6 +66,24 @@ def load_head(directory, target_config=None, dtype=None, device=None) -> DraftHe
     return head.to(dtype) if dtype is not None else head
 
 
+def check_head_folder(directory, target_spec=None) -> None:
+    """HeadError naming the folder unless it holds a head `load_head` loads (a saved eagletree head, or an export it
+    imports) and, with `target_spec`, one built for that target; reads config files only, never the weights, so a
+    bad --head is named before the target loads."""
+    if is_foreign_head(directory):
+        importable_layout(directory)
+        return
+    config = read_head_config(directory)
+    target_config = None
+    if target_spec is not None:
+        try:
+            target_config = target.target_config(target_spec)
+        except target.TargetError:  # (loading the target names it)
+            pass
+    if target_config is not None:
+        check_head_target(config, target_config)
+
+
 def head_to_load(target_name: str, head, required: bool = True):
     """The head folder to load for --head `head`: None for 'none'; when not given, the one shipped for the target.
 
@@ -75,7 +95,7 @@ def head_to_load(target_name: str, head, required: bool = True):
     shipped = SHIPPED_HEADS.get(target_name)
     if shipped is None or not shipped.is_dir():
         if required:
-            raise ValueError(
+            raise InvalidValue(
                 f"no head is shipped for target {target_name!r}; pass --head DIR "
                 "(train one with train.py) or --head none for plain decoding"
             )
@@ -102,6 +122,9 @@ def load_models(
     Returns (model, tokenizer, head, how many Linears were packed).
     """
     _check_draft_vocab_name(draft_vocab)  # before loading anything
+    target.checked_device(device)
+    if head_dir is not None:
+        check_head_folder(head_dir, target_name)
     model, tok = target.load_target(target_name, dtype=None if dtype is None else getattr(torch, dtype), device=device)
     packed = pack_target(model, pack)
     head = None

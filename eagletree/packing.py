@@ -71,19 +71,19 @@ class KernelChoice:
 
     def __post_init__(self):
         if not self.sizes or not (len(self.sizes) == len(self.stock_s) == len(self.packed_s)):
-            raise ValueError(
+            raise PackingError(
                 f"kernel choice needs one stock and one packed time per size, got sizes {self.sizes}, "
                 f"stock {self.stock_s}, packed {self.packed_s}"
             )
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in self.sizes):
-            raise ValueError(f"kernel choice sizes must be integers, got {self.sizes}")
+            raise PackingError(f"kernel choice sizes must be integers, got {self.sizes}")
         if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
-            raise ValueError(f"kernel choice sizes must be distinct, ascending and >= 1, got {self.sizes}")
+            raise PackingError(f"kernel choice sizes must be distinct, ascending and >= 1, got {self.sizes}")
         if not all(
             isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
             for t in list(self.stock_s) + list(self.packed_s)
         ):
-            raise ValueError(
+            raise PackingError(
                 f"kernel choice times must be finite seconds >= 0, got stock {self.stock_s}, packed {self.packed_s}"
             )
 
@@ -419,7 +419,7 @@ def pack_target(model, mode: str, choice_path=None) -> int:
     faster nowhere), 'on' packs every row count (an error says why it cannot), 'off' keeps PyTorch's stock
     kernels. Returns how many Linears were packed."""
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"pack must be 'auto', 'on' or 'off', got {mode!r}")
+        raise PackingError(f"pack must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off" or (mode == "auto" and packing_problem(model)):
         return 0
     count = pack_linears(model)

@@ -35,6 +35,7 @@ from .bench.profile import measure_drafting, step_drafting
 from .decode import encode_prompt, generate, head_features
 from .decode.resources import latency_profile
 from .draft import make_drafter, target_to_draft
+from .errors import InvalidValue
 from .search import LatencyProfile
 from .search.cost import read_profile_json
 from .target import new_cache
@@ -87,11 +88,11 @@ class Acceptance:
             table = cls(**{k: data[k] for k in keys}, rank_paths=data.get("rank_paths"))
             bad = [k for k, v in table.paths.items() if not _is_path(k) or not 0 <= int(v) <= table.positions]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"an acceptance table needs {', '.join(keys)}: {e}") from None
+            raise InvalidValue(f"an acceptance table needs {', '.join(keys)}: {e}") from None
         if not isinstance(table.positions, int) or isinstance(table.positions, bool) or table.positions < 1:
-            raise ValueError(f"acceptance: positions must be an integer >= 1, got {table.positions!r}")
+            raise InvalidValue(f"acceptance: positions must be an integer >= 1, got {table.positions!r}")
         if bad:
-            raise ValueError(
+            raise InvalidValue(
                 f"acceptance: path counts must lie in [0, positions={table.positions}], keys like '0,1'; bad: {bad[:3]}"
             )
         rank_paths = table.rank_paths
@@ -107,7 +108,7 @@ class Acceptance:
                 for answer in rank_paths
             )
         ):
-            raise ValueError(
+            raise InvalidValue(
                 "acceptance: rank_paths must be a list (per prompt) of lists (per answer position) of "
                 "rank paths such as [0, 1] (ranks >= 0)"
             )
@@ -133,12 +134,12 @@ def measure_acceptance(
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring); a
     progress bar per prompt on stderr unless progress=False."""
     if not head.drafting.follows_drafts:  # engines' EAGLE trees feed each level the head's own output
-        raise ValueError(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
+        raise InvalidValue(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
     if not prompts:
-        raise ValueError("measuring acceptance needs at least one prompt")
+        raise InvalidValue("measuring acceptance needs at least one prompt")
     for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise InvalidValue(f"{name} must be an integer >= 1, got {value!r}")
     device = next(target.parameters()).device
     rank_paths = []
     for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
@@ -204,7 +205,7 @@ def _tally(rank_paths: list[list[list[int]]], depth: int, top_k: int, prompts: i
                 key = ",".join(map(str, path[: d + 1]))
                 paths[key] = paths.get(key, 0) + 1
     if positions == 0:
-        raise ValueError("the target answered none of the prompts (each stopped at once)")
+        raise InvalidValue("the target answered none of the prompts (each stopped at once)")
     accept = [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
     return Acceptance(paths, positions, accept, reached, top_k, prompts, rank_paths)
 
@@ -231,7 +232,7 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
     """
     chain = serve.engine(engine).chain  # (ValueError naming the engines for another name)
     if max_nodes < 2 or max_depth < 1:
-        raise ValueError(f"max_nodes must be >= 2 and max_depth >= 1, got {max_nodes} and {max_depth}")
+        raise InvalidValue(f"max_nodes must be >= 2 and max_depth >= 1, got {max_nodes} and {max_depth}")
     candidates = [tuple(int(r) for r in key.split(",")) for key in acceptance.paths]
     if chain:  # one draft token per level
         candidates = [p for p in candidates if not any(p)]
@@ -251,7 +252,7 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
             if best is None or expected / step > best[0] * (1 + 1e-12):
                 best = (expected / step, tree, expected, depth, step)
     if best is None:
-        raise ValueError("the head's drafts were never accepted on these prompts: no tree beats plain decoding")
+        raise InvalidValue("the head's drafts were never accepted on these prompts: no tree beats plain decoding")
     rate, tree, expected, depth, step = best
     paths = sorted(tree, key=lambda p: (len(p), p))
     # the top-k an engine must draft at for every planned node to be among its candidates: the largest rank + 1
@@ -283,7 +284,7 @@ def load_profile(path):
         search = [r["search_ms"] / 1e3 / max(int(data.get("depth", 6)), 1) for r in rows if r["n"] > 1]
         catch_ups = [r.get("catch_up_ms", 0.0) / 1e3 for r in rows if r["n"] > 1]  # (a profile from before: none)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
+        raise InvalidValue(
             f"{str(path)!r}: bench profile rows need n, forward_ms, engine_ms, search_ms and draft_level_ms ({e})"
         ) from None
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
@@ -347,13 +348,13 @@ def read_acceptance(path) -> tuple[dict, Acceptance]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read --acceptance {path!r}: {e}") from e
+        raise InvalidValue(f"cannot read --acceptance {path!r}: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"--acceptance {path!r}: expected a plan's JSON object, got {type(data).__name__}")
+        raise InvalidValue(f"--acceptance {path!r}: expected a plan's JSON object, got {type(data).__name__}")
     try:
         return data, Acceptance.from_dict(data.get("acceptance", data))
     except ValueError as e:
-        raise ValueError(f"--acceptance {path!r}: {e} (expected a plan's JSON, as plan -o writes it)") from None
+        raise InvalidValue(f"--acceptance {path!r}: {e} (expected a plan's JSON, as plan -o writes it)") from None
 
 
 def check_reused_acceptance(data: dict, head, source: str, engine: str | None = None) -> None:
@@ -369,12 +370,12 @@ def check_reused_acceptance(data: dict, head, source: str, engine: str | None = 
             engine is not None and serve.engine(engine).full_vocab and (head.can_widen_vocab() or head.is_widened())
         )
         if match == "head" and engine_full:
-            raise ValueError(
+            raise InvalidValue(
                 f"--acceptance {source}: measured drafting over {measured} tokens (the head's draft "
                 f"vocabulary), but {engine} drafts this head over all {full}: measure anew without "
                 "--acceptance"
             )
-        raise ValueError(
+        raise InvalidValue(
             f"--acceptance {source}: measured drafting over {measured} tokens, but the head drafts "
             f"over {head.drafted_vocab_size()} here; pass --draft-vocab {match} to reuse it, or measure "
             "anew without --acceptance"
@@ -475,6 +476,6 @@ def _x(value) -> str:
 def split_prompts(prompts: list) -> tuple[list, list]:
     """The first half measures the acceptance, the second checks the tree (disjoint prompts)."""
     if len(prompts) < 2:
-        raise ValueError(f"plan needs at least 2 prompts (one to measure, one to check), got {len(prompts)}")
+        raise InvalidValue(f"plan needs at least 2 prompts (one to measure, one to check), got {len(prompts)}")
     half = math.ceil(len(prompts) / 2)
     return prompts[:half], prompts[half:]

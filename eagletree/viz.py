@@ -14,6 +14,7 @@ import torch
 
 from .decode import Decoder, GenerationStats, encode_prompt
 from .decode.config import DecodeConfig
+from .errors import InvalidValue
 from .target import new_cache
 from .verify import DraftTree, accept_tree, prefill, target_probs, verify_tree
 
@@ -35,7 +36,7 @@ def step_data(
     Target distributions are warped with temperature (1.0 when greedy), top_k and top_p, as sampling uses them.
     """
     if tree.sampled:
-        raise ValueError("viz replays top-k drafted trees; got a tree with sampled=True")
+        raise InvalidValue("viz replays top-k drafted trees; got a tree with sampled=True")
     tree, logits = tree.to("cpu"), logits.detach().float().cpu()
     accepted, next_token = accept_tree(tree, logits)  # greedy: the page's greedy walk must give the same
     probs = target_probs(logits, temperature or 1.0, top_k, top_p).double()  # [N, vocab]
@@ -90,9 +91,9 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, config: DecodeConfi
     if config is None:
         config = DecodeConfig.from_options(**{"tree": "eagle2", "budget": 60, **options})
     if head is None:
-        raise ValueError("viz needs a draft head (got none): the page shows the tree the head drafts")
+        raise InvalidValue("viz needs a draft head (got none): the page shows the tree the head drafts")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an integer >= 1 (1 = the first decoding step), got {step!r}")
+        raise InvalidValue(f"step must be an integer >= 1 (1 = the first decoding step), got {step!r}")
     ids = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(steps=[])
     emitted = []
@@ -101,7 +102,7 @@ def viz_step(target, tokenizer, head, prompt, step: int = 1, config: DecodeConfi
             break
         emitted += pass_.tokens
     else:
-        raise ValueError(
+        raise InvalidValue(
             f"step {step} is past the end of the generation: it stopped after {stats.passes} steps "
             f"({stats.new_tokens} tokens, max_new_tokens={config.max_new_tokens}); pick a step <= "
             f"{stats.passes}"

@@ -734,3 +734,94 @@ def test_a_cache_folder_that_cannot_be_written_names_eagletree_cache(tmp_path, m
     outside = OSError(30, "Read-only file system")  # elsewhere the error stays the filesystem's own
     assert cache_write_error(tmp_path / "out" / "p.json", outside) is None
     assert cache_write_error(cache / "p.json", OSError(28, "No space left on device")) is None
+
+
+def test_a_bad_head_is_named_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """Issue 69: a missing --head folder, one that is not a head's, one whose config.json transformers refuses and a
+    head for another target's sizes were reported only after the target had loaded (the target's config is read
+    from its folder, without the weights)."""
+    llama, qwen = tiny_model("llama"), tiny_model("qwen2")
+    llama.config.save_pretrained(tmp_path / "llama")  # a target folder: its config.json alone
+    EagleHead.for_target(llama.config).save_pretrained(tmp_path / "llama-head")
+    EagleHead.for_target(qwen.config).save_pretrained(tmp_path / "qwen-head")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    _edit_head_config(tmp_path / "llama-head", tmp_path / "odd-head", hidden_size=1024, num_attention_heads=9)
+    loads = []
+
+    def load(spec, dtype=None, device=None):
+        loads.append(spec)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("eagletree.target.load_target", load)
+    for head, message in (
+        ("nowhere", "is not a head folder: no such folder (expected config.json and model.safetensors)"),
+        ("notes", "is not a head folder: expected config.json and model.safetensors"),
+        (
+            "qwen-head",
+            "head was trained for a target with model_type = 'qwen2', but this target has model_type = 'llama'",
+        ),
+        (
+            "odd-head",
+            "layer_config is not a valid 'llama' config: The hidden size (1024) is not a multiple of the number",
+        ),
+    ):
+        argv = ["--target", str(tmp_path / "llama"), "--head", str(tmp_path / head)]
+        assert main(["generate", *argv, "--prompt", "hi", "--tree", "eagle2"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (head, err)
+    assert loads == []
+    assert (
+        main(
+            ["generate", "--target", str(tmp_path / "llama"), "--head", str(tmp_path / "llama-head"), "--prompt", "hi"]
+        )
+        == 2
+    )
+    assert loads == [str(tmp_path / "llama")] and "stop here" in capsys.readouterr().err  # a good head: loaded
+
+
+def _edit_head_config(head, out, **values):
+    """A copy of the head folder `head` in `out` whose config.json sets `values` everywhere they appear."""
+    import shutil
+
+    shutil.copytree(head, out)
+
+    def edit(node):
+        if isinstance(node, dict):
+            return {k: values[k] if k in values else edit(v) for k, v in node.items()}
+        return node
+
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(edit(config)))
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "eagle"])
+def test_export_of_a_head_whose_config_transformers_refuses_is_one_line(saved_head, tmp_path, capsys, fmt):
+    """Issue 69: a head whose config.json says hidden_size 1024 throughout (not a multiple of its 9 attention heads,
+    as SmolLM2's) raised huggingface_hub's StrictDataclassClassValidationError from building the head's layer."""
+    _, head_dir = saved_head
+    _edit_head_config(head_dir, tmp_path / "odd", hidden_size=1024, num_attention_heads=9)
+    assert main(["export", "--head", str(tmp_path / "odd"), "--format", fmt, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {tmp_path / 'odd' / 'config.json'}: layer_config is not a valid 'llama' config: The hidden size "
+        "(1024) is not a multiple of the number of attention heads (9).\n"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_prompts_file_is_checked_as_the_api_checks_prompts_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Issue 69: a lone surrogate in a JSON prompt ("\\ud800 hi") raised `TypeError: function takes exactly 5
+    arguments` after the model had loaded; the CLI and the API now share one check of chat messages."""
+    monkeypatch.setattr("eagletree.target.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    path = tmp_path / "p.json"
+    for prompts, message in (
+        (
+            ["ok", "\ud800 hi"],
+            "item 1: message 0's content is not valid UTF-8 text (a lone surrogate U+D800 at character 0)",
+        ),
+        ([{"messages": [{"role": "wizard", "content": "hi"}]}], 'item 0: message 0: expected {"role": system|user|'),
+    ):
+        path.write_text(json.dumps(prompts))  # (json writes the surrogate as "\ud800", which json.loads reads back)
+        assert main(["generate", "--target", "tiny", "--head", "none", "--prompts", str(path)]) == 2
+        assert message in capsys.readouterr().err

@@ -128,6 +128,87 @@ def test_head_for_another_target_is_refused():
         )
 
 
+def test_the_batched_api_refuses_what_is_not_a_list_of_prompts_naming_it():
+    """Issue 69: "Hi" was decoded as 2 one-character prompts, a dict as its keys, None a bare TypeError."""
+    from eagletree.errors import EagletreeError
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    decoder = Decoder(
+        model, tok, EagleHead.for_target(model.config).eval(), DecodeConfig(tree="eagle2", budget=8, max_new_tokens=2)
+    )
+    conversation = [{"role": "user", "content": "hi"}]
+    for prompts, given in (
+        ("Hi", "got str 'Hi'"),
+        (b"Hi", "got bytes b'Hi'"),
+        ({"prompt": "hi"}, "got dict {'prompt': 'hi'}"),
+        (None, "got None"),
+        (3, "got int 3"),
+        (torch.tensor([3, 4]), "got Tensor tensor"),
+        (conversation, r"got one conversation \(a list of messages\)"),
+        ([3, 4, 5], r"got one prompt of token ids \(a list of integers\)"),
+    ):
+        for call in (lambda: decoder.generate_batch(prompts), lambda: next(decoder.results(prompts))):
+            with pytest.raises(TypeError, match=f"expected a list of prompts .*, {given}.*; pass \\[prompt\\]") as e:
+                call()
+            assert isinstance(e.value, EagletreeError)
+    assert [r.token_ids for r in decoder.generate_batch(iter([[3, 4], "hi"]))] == [
+        decoder.generate([3, 4]).token_ids,
+        decoder.generate("hi").token_ids,
+    ]  # an ordered iterable of prompts is a list of them
+    assert decoder.generate_batch([]) == []
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_chat_messages_are_checked_as_the_cli_checks_them_naming_prompt_and_message(batched):
+    """Issue 69: the API took a role "wizard", a conversation ending with the assistant's turn and a message without
+    content (a jinja2 UndefinedError with a real template), which the CLI refuses; a lone surrogate (as JSON's
+    "\\ud800" reads) raised `TypeError: function takes exactly 5 arguments` from the batch's re-raise."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    decoder = Decoder(
+        model, tok, EagleHead.for_target(model.config).eval(), DecodeConfig(tree="eagle2", budget=8, max_new_tokens=2)
+    )
+    user = {"role": "user", "content": "hi"}
+    for bad, error, message in (
+        ([{"role": "wizard", "content": "hi"}], ValueError, r'message 0: expected \{"role": system\|user\|assistant, '),
+        (
+            [user, {"role": "assistant", "content": "yo"}],
+            ValueError,
+            "message 1: the messages must end with the user's",
+        ),
+        ([user, {"role": "user"}], ValueError, 'message 1: expected .*, got {"role": "user"}'),
+        ([{"role": "user", "content": 3}], ValueError, 'message 0: expected .*, got {"role": "user", "content": 3}'),
+        ([user, "hi"], TypeError, 'message 1: expected .*, got "hi"'),
+        (
+            [{"role": "user", "content": "ok \ud800 hi"}],
+            ValueError,
+            "message 0's content is not valid UTF-8 text "
+            r"\(a lone surrogate U\+D800 at character 3\)",
+        ),
+        ("\ud800 hi", ValueError, r"the prompt is not valid UTF-8 text \(a lone surrogate U\+D800 at character 0\)"),
+    ):
+        with pytest.raises(error, match=("prompt 1: " if batched else "") + message):
+            decoder.generate_batch([[3, 4], bad]) if batched else decoder.generate(bad)
+        with pytest.raises(error, match=message):
+            generate(model, tok, None, [[3, 4], bad] if batched else bad, max_new_tokens=2, tree="eagle2")
+
+
+def test_a_head_or_config_that_is_not_loaded_is_refused_saying_how_to_load_it():
+    """Issue 69: a head folder's path, or a config given as a string, raised AttributeError."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    head = EagleHead.for_target(model.config).eval()
+    for bad in ("/nonexistent", __import__("pathlib").Path("/nonexistent")):
+        with pytest.raises(
+            TypeError, match=r"head must be a loaded DraftHead or None, got .*eagletree.loading.load_head"
+        ):
+            Decoder(model, tok, bad, DecodeConfig())
+        with pytest.raises(TypeError, match="head must be a loaded DraftHead or None"):
+            generate(model, tok, bad, "hi", max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"config must be a DecodeConfig or None, got str 'x'; .*from_options"):
+        Decoder(model, tok, head, config="x")
+    with pytest.raises(TypeError, match="config must be a DecodeConfig or None, got dict"):
+        generate(model, tok, head, "hi", config={"budget": 8})
+
+
 def test_stats_add_up():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = EagleHead.for_target(model.config).eval()

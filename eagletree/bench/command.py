@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..decode.config import MIN_TEMPERATURE
 from ..decode.resources import resolve_store
+from ..errors import InvalidValue
 from ..files import check_output_folder
 from ..loading import head_to_load, load_models
 from ..packing import is_packed, kernels_used
@@ -26,9 +27,9 @@ def _temperatures(text: str) -> list[float]:
     """--temperatures as a list; ValueError for a value decoding refuses or one listed twice."""
     temperatures = parse_list(text, float, "temperatures")
     if any(not t >= 0 or t == float("inf") or 0 < t < MIN_TEMPERATURE for t in temperatures):  # (NaN fails all)
-        raise ValueError(f"--temperatures must be finite numbers, 0 or >= {MIN_TEMPERATURE:g}, got {temperatures}")
+        raise InvalidValue(f"--temperatures must be finite numbers, 0 or >= {MIN_TEMPERATURE:g}, got {temperatures}")
     if len(set(temperatures)) < len(temperatures):
-        raise ValueError(f"--temperatures lists a temperature twice: {temperatures}")
+        raise InvalidValue(f"--temperatures lists a temperature twice: {temperatures}")
     return temperatures
 
 
@@ -39,7 +40,7 @@ def _methods(args, budgets: list[int]) -> list[Method]:
         names = DEFAULT_METHODS if args.batch_size == 1 else DEFAULT_METHODS.removesuffix(",lookup")
     methods = method_grid(parse_list(names, str, "methods"), budgets, args.depth, args.top_k_draft)
     if args.batch_size > 1 and any(m.name == "lookup" for m in methods):
-        raise ValueError(
+        raise InvalidValue(
             "--methods lookup: HF prompt lookup decodes one sequence at a time; drop it for --batch-size > 1"
         )
     return methods
@@ -59,7 +60,7 @@ def main(args) -> int:
     batch_sizes = _batch_sizes(args)
     head_dir = head_to_load(args.target, args.head or None, required=False)
     if head_dir is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
-        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
+        raise InvalidValue("tree methods need a draft head; pass --head DIR or --methods lookup,copy")  # before loading
     model, tok, head, packed = load_models(
         args.target,
         head_dir,
@@ -93,9 +94,9 @@ def _batch_sizes(args) -> list[int] | None:
     without it."""
     batch_sizes = None if args.batch_sizes is None else parse_list(args.batch_sizes, int, "batch-sizes")
     if batch_sizes is not None and (min(batch_sizes) < 1 or len(set(batch_sizes)) < len(batch_sizes)):
-        raise ValueError(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
+        raise InvalidValue(f"--batch-sizes must be distinct integers >= 1, got {batch_sizes}")
     if getattr(args, "repeats", 1) != 1 and batch_sizes is None:
-        raise ValueError(f"--repeats {args.repeats} repeats the throughput sweep: pass --batch-sizes too")
+        raise InvalidValue(f"--repeats {args.repeats} repeats the throughput sweep: pass --batch-sizes too")
     return batch_sizes
 
 
@@ -106,7 +107,7 @@ def _with_packed_row(methods: list[Method], packed: bool) -> list[Method]:
         # stock plain decoding, the kernels' own gain included), and added when not listed
         return [Method("packed")] + [m for m in methods if m.name != "packed"]
     if any(m.name == "packed" for m in methods):
-        raise ValueError(
+        raise InvalidValue(
             "method 'packed' (plain decoding with packed kernels) needs a packed target; "
             "drop it or pass --pack on/auto on a CPU"
         )
@@ -130,7 +131,7 @@ def _throughput(args, model, tok, head, prompts, max_new_tokens, batch_sizes, co
     from .throughput import plot_throughput, throughput, throughput_table
 
     if head is None:
-        raise ValueError("--batch-sizes compares decoding with the head's trees: pass --head DIR")
+        raise InvalidValue("--batch-sizes compares decoding with the head's trees: pass --head DIR")
     result = throughput(
         model, tok, head, prompts, batch_sizes, DecodeConfig(max_new_tokens=max_new_tokens), repeats=args.repeats
     )

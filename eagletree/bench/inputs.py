@@ -9,6 +9,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..decode.prompts import check_messages
+from ..errors import InvalidType, InvalidValue
 from ..prompts import humaneval_prompts, humaneval_range, mtbench_subset
 from ..train.data import load_dataset, split
 from ..train.evaluate import heldout_prompts
@@ -51,13 +53,13 @@ def parse_list(text: str, kind, what: str) -> list:
     """A comma-separated option as a list of `kind` (int, float or str), or ValueError naming the bad item."""
     items = [s.strip() for s in str(text).split(",") if s.strip()]
     if not items:
-        raise ValueError(f"--{what} is empty; expected a comma-separated list")
+        raise InvalidValue(f"--{what} is empty; expected a comma-separated list")
     out = []
     for s in items:
         try:
             out.append(kind(s))
         except ValueError:
-            raise ValueError(f"--{what}: {s!r} is not {'an integer' if kind is int else 'a number'}") from None
+            raise InvalidValue(f"--{what}: {s!r} is not {'an integer' if kind is int else 'a number'}") from None
     return out
 
 
@@ -65,12 +67,12 @@ def method_grid(names, budgets, depth: int = 6, top_k: int = 10) -> list[Method]
     """Every method at every budget; the chain (width 1) drafts min(budget - 1, depth) tokens, run once per length."""
     bad = [n for n in names if n not in METHODS]
     if bad:
-        raise ValueError(f"unknown method {bad[0]!r}; expected some of {', '.join(METHODS)} (plain always runs)")
+        raise InvalidValue(f"unknown method {bad[0]!r}; expected some of {', '.join(METHODS)} (plain always runs)")
     bad = [b for b in budgets if not isinstance(b, int) or b < 2]
     if bad:
-        raise ValueError(f"budgets must be integers >= 2 (tree nodes per pass, root included), got {bad[0]!r}")
+        raise InvalidValue(f"budgets must be integers >= 2 (tree nodes per pass, root included), got {bad[0]!r}")
     if depth < 1 or top_k < 1:
-        raise ValueError(f"depth and top-k must be >= 1, got depth {depth} and top-k {top_k}")
+        raise InvalidValue(f"depth and top-k must be >= 1, got depth {depth} and top-k {top_k}")
     grid = []
     for name in dict.fromkeys(names):
         if name in BASELINE_LABELS:
@@ -91,14 +93,11 @@ def sharegpt_heldout() -> list:
     return heldout
 
 
-CHAT_ROLES = ("system", "user", "assistant")
-
-
 def spec_count(spec: str, name: str) -> int | None:
     """N in the prompt spec `name:N` (None for plain `name`: all of them), or ValueError naming the spec."""
     n = spec.removeprefix(name).removeprefix(":")
     if n and (not n.isdigit() or int(n) < 1):
-        raise ValueError(f"--prompts {spec!r}: expected {name} or {name}:N with N a positive integer")
+        raise InvalidValue(f"--prompts {spec!r}: expected {name} or {name}:N with N a positive integer")
     return int(n) if n else None
 
 
@@ -116,7 +115,7 @@ def load_prompts(spec: str) -> list[list[dict]]:
     if spec.startswith("heldout:"):
         n = spec.removeprefix("heldout:")
         if not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--prompts {spec!r}: expected heldout:N with N a positive integer")
+            raise InvalidValue(f"--prompts {spec!r}: expected heldout:N with N a positive integer")
         heldout = sharegpt_heldout()
         # Past the conversations the head's evaluation uses; ShareGPT splits long chats into parts, and a part
         # that opens with the assistant continues an earlier answer rather than asking something.
@@ -125,7 +124,7 @@ def load_prompts(spec: str) -> list[list[dict]]:
         ]
         return heldout_prompts(opening, int(n))
     if not spec.endswith(".jsonl"):
-        raise ValueError(f"--prompts {spec!r}: expected mtbench[:N], humaneval[:N], heldout:N or a .jsonl file")
+        raise InvalidValue(f"--prompts {spec!r}: expected mtbench[:N], humaneval[:N], heldout:N or a .jsonl file")
     return read_prompt_file(spec)
 
 
@@ -135,18 +134,18 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
     is text, one prompt per line. Blank lines are skipped; errors name `flag` or the file and line."""
     name, path = os.fspath(path), Path(path)
     if not path.is_file():
-        raise ValueError(f"{flag} {name!r}: no such file")
+        raise InvalidValue(f"{flag} {name!r}: no such file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{flag} {name!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise InvalidValue(f"{flag} {name!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix == ".json":
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not JSON: {e}") from None
+            raise InvalidValue(f"{name} is not JSON: {e}") from None
         if not isinstance(items, list):
-            raise ValueError(f"{name}: expected a JSON list of prompts, got {type(items).__name__}")
+            raise InvalidValue(f"{name}: expected a JSON list of prompts, got {type(items).__name__}")
         prompts = [_prompt_item(item, f"{name} item {i}") for i, item in enumerate(items)]
     else:
         prompts = []
@@ -159,29 +158,23 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{name} line {i} is not JSON: {e}") from None
+                raise InvalidValue(f"{name} line {i} is not JSON: {e}") from None
             prompts.append(_prompt_item(item, f"{name} line {i}"))
     if not prompts:
-        raise ValueError(f"{flag} {name!r} holds no prompts")
+        raise InvalidValue(f"{flag} {name!r} holds no prompts")
     return prompts
 
 
 def _prompt_item(item, where: str) -> list[dict]:
-    """One prompt of a JSON or JSONL file as chat messages; ValueError naming `where` when it is not one."""
+    """One prompt of a JSON or JSONL file as chat messages, checked as decoding checks them (`check_messages`:
+    roles, content, UTF-8, the user's turn last); InvalidValue naming `where` when it is not one."""
     if isinstance(item, dict):
         item = item.get("messages", item.get("prompt"))
     if isinstance(item, str) and item.strip():
-        return [{"role": "user", "content": item}]
-    if isinstance(item, list) and item:
-        for m in item:
-            if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
-                raise ValueError(
-                    f'{where}: each message must be {{"role": {"|".join(CHAT_ROLES)}, '
-                    f'"content": str}}, got {json.dumps(m)[:80]}'
-                )
-        if item[-1]["role"] != "user":
-            raise ValueError(
-                f"{where}: the messages must end with the user's turn to answer, not the {item[-1]['role']}'s"
-            )
-        return item
-    raise ValueError(f'{where}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')
+        item = [{"role": "user", "content": item}]
+    elif not (isinstance(item, list) and item):
+        raise InvalidValue(f'{where}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')
+    try:
+        return check_messages(item)
+    except (InvalidValue, InvalidType) as e:  # (before the model loads: a bad prompt costs no loading)
+        raise InvalidValue(f"{where}: {e}") from None

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..draft import head_class, make_drafter
+from ..errors import InvalidValue
 from ..files import check_output_folder, write_json_atomic, write_text_atomic
 from ..search import eagle2_search
 from ..verify.profile import measure_verify
@@ -48,7 +49,7 @@ def build_config(spec: str):
         kw = dict(BUILTIN_CONFIGS[spec])
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     if not Path(spec).exists():
-        raise ValueError(
+        raise InvalidValue(
             f"--config {spec!r} is neither a built-in config ({', '.join(BUILTIN_CONFIGS)}) nor an existing config.json"
         )
     return AutoConfig.from_pretrained(spec)
@@ -81,7 +82,7 @@ def profile_head_type(head_dir) -> str:
     try:
         kind = json.loads(path.read_text()).get("head_type", "eagle")
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"--head {head_dir}: cannot read its head_type from {path}: {e}") from None
+        raise InvalidValue(f"--head {head_dir}: cannot read its head_type from {path}: {e}") from None
     head_class(kind)  # an unknown kind is refused here, naming the known ones
     return kind
 
@@ -91,7 +92,7 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     full; head = as many as the head in `head_dir` drafts over (its config.json's draft_vocab_size); auto = full
     on a GPU, else the head's when a head is given."""
     if choice == "full" and head_dir:
-        raise ValueError(
+        raise InvalidValue(
             "profile --draft-vocab full does not read --head (the random head drafts over the "
             "whole vocabulary); drop --head, or pass --draft-vocab head"
         )
@@ -100,7 +101,7 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     if choice == "full":
         return None
     if not head_dir:
-        raise ValueError(
+        raise InvalidValue(
             "profile --draft-vocab head: pass --head DIR; the random head drafts over as many "
             "tokens as that head's draft vocabulary"
         )
@@ -108,9 +109,9 @@ def profile_draft_vocab(choice: str, head_dir, device: torch.device, vocab_size:
     try:
         size = json.loads(path.read_text()).get("draft_vocab_size")
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"--head {head_dir}: cannot read its draft vocabulary from {path}: {e}") from None
+        raise InvalidValue(f"--head {head_dir}: cannot read its draft vocabulary from {path}: {e}") from None
     if size is not None and not (isinstance(size, int) and 1 <= size <= vocab_size):
-        raise ValueError(
+        raise InvalidValue(
             f"--head {head_dir}: draft_vocab_size {size!r} in {path}, expected an integer in "
             f"1..{vocab_size} (the --config's vocab_size)"
         )
@@ -185,7 +186,7 @@ def profile_costs(model, head, sizes, depth=6, top_k=10, prefix=256, reps=10, pr
     The overhead is search, mask, acceptance and KV commit, as a share of the verify forward.
     """
     if sizes[0] != 1 or sorted(set(sizes)) != list(sizes):
-        raise ValueError(f"--sizes must be ascending, distinct and start at 1, got {sizes}")
+        raise InvalidValue(f"--sizes must be ascending, distinct and start at 1, got {sizes}")
     verify = measure_verify(model, sizes, prefix=prefix, depth=depth, reps=reps, progress=progress)
     drafting = measure_drafting(model, head, [n for n in sizes if n > 1], depth, top_k, prefix, reps)
     t1 = verify[1]["forward"]
@@ -266,7 +267,7 @@ def measured_tokens_per_pass(path) -> dict:
             if not r["temperature"] and r["method"] in TREE_METHODS
         }
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(
+        raise InvalidValue(
             f"{path}: not a bench results.json (expected the JSON `eagletree bench` writes, with "
             f"results rows): {type(e).__name__}: {e}"
         ) from None
@@ -317,12 +318,12 @@ def main_profile(args, command: str = "eagletree profile") -> int:
     check_output_folder(args.out, "-o/--out")  # before minutes of measuring
     sizes = parse_list(args.sizes, int, "sizes")
     if args.tokens_per_pass is not None and not 1.0 <= args.tokens_per_pass < float("inf"):
-        raise ValueError(
+        raise InvalidValue(
             f"--tokens-per-pass must be a finite number >= 1 (a pass emits at least one token), "
             f"got {args.tokens_per_pass}"
         )
     if args.results and not Path(args.results).is_file():
-        raise ValueError(f"--results {args.results!r} does not exist; expected a bench results.json")
+        raise InvalidValue(f"--results {args.results!r} does not exist; expected a bench results.json")
     config = build_config(args.config)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or "bfloat16")

@@ -21,6 +21,7 @@ from ..decode import (
     whole_answers,
 )
 from ..decode.config import DecodeConfig
+from ..errors import InvalidValue
 from ..packing import stock_kernels
 from ..search import acceptance_pairs
 from .inputs import HEADLESS, TREE_METHODS, Method
@@ -162,7 +163,7 @@ def run_group(model, tok, head, prompts, method: Method, settings: RunSettings, 
     """One batched run of `method` (plain, packed or a tree method) on `prompts` together: (Run, tokens each)."""
     s = settings
     if method.name == "lookup":
-        raise ValueError("HF prompt lookup decodes one sequence at a time; it has no batched run")
+        raise InvalidValue("HF prompt lookup decodes one sequence at a time; it has no batched run")
     if method.name == "plain":
         with stock_kernels(model):
             return run_hf_batch(model, tok, prompts, s.max_new_tokens, s.temperature, s.seed)
@@ -328,11 +329,11 @@ def run_bench(model, tok, head, prompts, methods, settings: BenchSettings = Benc
 def _check_bench(head, prompts, methods, batch_size: int) -> None:
     """ValueError for a run that cannot start: tree methods without a head, no prompts, HF lookup in batches."""
     if head is None and any(m.name in TREE_METHODS and m.name not in HEADLESS for m in methods):
-        raise ValueError("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
+        raise InvalidValue("tree methods need a draft head; pass --head DIR or --methods lookup,copy")
     if not prompts:
-        raise ValueError("no prompts to benchmark")
+        raise InvalidValue("no prompts to benchmark")
     if batch_size > 1 and any(m.name == "lookup" for m in methods):
-        raise ValueError(
+        raise InvalidValue(
             "method 'lookup' (HF prompt lookup) decodes one sequence at a time; drop it for --batch-size > 1"
         )
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..decode import Decoder, hf_generation_config, stop_token_ids, whole_answers
 from ..decode.config import DecodeConfig
+from ..errors import InvalidValue
 
 METHODS = ("HF generate", "eagletree plain", "eagletree trees")
 
@@ -55,9 +56,9 @@ def throughput(
     the rounds}}, "rounds": {method: {B: [tok/s per round]}}, "identical": every eagletree answer equals plain
     decoding alone, "hf_identical": {B: HF batched answers equal to it (the last round's)}}."""
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch sizes must be integers >= 1, got {sizes}")
+        raise InvalidValue(f"batch sizes must be integers >= 1, got {sizes}")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+        raise InvalidValue(f"repeats must be an integer >= 1, got {repeats!r}")
     plain = Decoder(target, tok, None, replace(config, copy=replace(config.copy, enabled=False)))  # no copies
     trees = Decoder(target, tok, head, config)
     trees.prepare(min(max(sizes), len(prompts)))  # the batch passes' profile: measured once, not timed

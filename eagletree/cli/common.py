@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from ..decode.config import CPU_BUDGET, GPU_BUDGET, TREE_KINDS, DecodeConfig, TreeKind
-from ..errors import EagletreeError
+from ..errors import EagletreeError, InvalidValue
 
 DEFAULTS = DecodeConfig()  # the library's decoding defaults are the command line's
 
@@ -37,7 +37,7 @@ def at_least(low: int):
 def refuse_head_none(args, command: str, why: str) -> None:
     """ValueError before loading when a command that needs a draft head is given --head none."""
     if args.head == "none":
-        raise ValueError(
+        raise InvalidValue(
             f"--head none: {command} {why}; pass a head folder, or leave --head out for the target's shipped head"
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InvalidValue
 from .common import add_model_args, at_least, refuse_head_none
 
 
@@ -65,7 +66,7 @@ def _check_calibrate_flags(args) -> None:
     refuse_head_none(args, "calibrate-copy", "measures the copied spans next to a head's candidates")
     for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 2), ("--budget", args.budget, 2)):
         if value < least:  # fewer would try no copied span, and the table would be replaced by an uninformed one
-            raise ValueError(
+            raise InvalidValue(
                 f"{flag} must be >= {least} for calibrate-copy (a copied span needs room to be tried), got {value}"
             )
     if args.out:
@@ -82,11 +83,11 @@ def cmd_calibrate_copy(args) -> int:
     _check_calibrate_flags(args)
     prompts = load_prompts(args.prompts)
     if args.out and Path(args.out).exists() and not args.overwrite:
-        raise ValueError(f"--out {args.out!r} exists; pass --overwrite to replace it")
+        raise InvalidValue(f"--out {args.out!r} exists; pass --overwrite to replace it")
     model, tok, head = load_from_args(args)
     out = Path(args.out) if args.out else head.folder / copy_calibration_names(head.is_widened())[0]
     if out.exists() and not args.overwrite:  # (a head's table may have taken an hour of prompts to measure)
-        raise ValueError(
+        raise InvalidValue(
             f"{out} holds a copy table already; pass --overwrite to replace it with this run's, or --out "
             "to write it elsewhere"
         )
@@ -94,7 +95,7 @@ def cmd_calibrate_copy(args) -> int:
         head, model, tok, prompts, args.max_new_tokens, budget=args.budget, depth=args.depth, top_k_draft=10
     )
     if not calibration.tried.sum():
-        raise ValueError(
+        raise InvalidValue(
             f"no copied span was tried on these {len(prompts)} prompts (their answers repeated nothing "
             f"of their context), so there is nothing to measure; {out} was left as it was. Use more or "
             "longer prompts (--prompts heldout:64, --max-new-tokens 128)"
@@ -115,7 +116,7 @@ def _datastore_sources(paths: list[str]) -> list[Path]:
     sources = []
     for source in map(Path, paths):
         if not source.is_file():
-            raise ValueError(f"--from {str(source)!r}: no such file")
+            raise InvalidValue(f"--from {str(source)!r}: no such file")
         if source.resolve() not in [s.resolve() for s in sources]:  # a file named twice is read once
             sources.append(source)
     return sources
@@ -132,10 +133,10 @@ def _datastore_out(args) -> Path:
         return Path(args.out)
     folder = head_to_load(args.target, args.head)
     if folder is None:
-        raise ValueError("--head none: a datastore is saved next to a head; pass a head folder, or --out FILE")
+        raise InvalidValue("--head none: a datastore is saved next to a head; pass a head folder, or --out FILE")
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"--head {str(folder)!r} is not a saved head (no config.json); pass --out to write the datastore elsewhere"
         )
     return folder / DATASTORE
@@ -151,13 +152,13 @@ def cmd_datastore(args) -> int:
     sources = _datastore_sources(args.source)
     out = _datastore_out(args)
     if out.exists() and not args.overwrite:
-        raise ValueError(f"{out} exists; pass --overwrite to replace it, or --out to write elsewhere")
+        raise InvalidValue(f"{out} exists; pass --overwrite to replace it, or --out to write elsewhere")
     model, tok = target.load_target(args.target, device="cpu")
     if not args.out:  # saved next to a head: it must draft for this target (the store holds this tokenizer's ids)
         try:
             load_head(out.parent, target_config=model.config)
         except HeadError as e:
-            raise ValueError(f"--head {str(out.parent)!r}: {e}") from None
+            raise InvalidValue(f"--head {str(out.parent)!r}: {e}") from None
     header = index_answers(sources, tok, out, args.min_match, replace=args.overwrite)
     print(
         f"wrote {out}: {header['tokens']:,} tokens of {header['texts']:,} answers from "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .. import serve
+from ..errors import InvalidValue
 from .common import add_model_args, at_least, refuse_head_none
 
 EXPORT_PLACEHOLDER = "EXPORT_DIR"  # plan's --export default: the engine's settings name no folder yet
@@ -54,7 +55,7 @@ def _check_export(export: str) -> None:
     """ValueError unless --export is the placeholder or a folder `eagletree export` wrote."""
     if export != EXPORT_PLACEHOLDER and not (Path(export) / "config.json").is_file():
         what = "has no config.json" if Path(export).is_dir() else "no such folder"
-        raise ValueError(
+        raise InvalidValue(
             f"--export {export!r}: {what}; expected the folder `eagletree export` wrote (the plan names it in "
             f"the engine's settings), or leave --export out for the placeholder {EXPORT_PLACEHOLDER}"
         )
@@ -88,7 +89,7 @@ def cmd_plan(args) -> int:
     measure, check = plan.split_prompts(load_prompts(args.prompts))
     model, tok, head = load_from_args(args)
     if head is None:
-        raise ValueError("plan needs a draft head (--head DIR)")
+        raise InvalidValue("plan needs a draft head (--head DIR)")
     _engine_vocab(args, head)
     if data is not None:
         plan.check_reused_acceptance(data, head, args.acceptance, args.engine)

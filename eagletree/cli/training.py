@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..errors import InvalidValue
 from ..train.data import HELDOUT_FRACTION, TURNS
 from .common import at_least
 
@@ -148,7 +149,7 @@ def cmd_data(args) -> int:
     from ..train.data import load_dataset, stats
 
     if not 0.0 < args.heldout_fraction < 1.0:
-        raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
+        raise InvalidValue(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     counts = stats(load_dataset(args.dataset), args.heldout_fraction)
     print(json.dumps(counts, indent=2) if args.stats else _counts_line(counts))
     return 0
@@ -182,7 +183,7 @@ def cmd_features(args) -> int:
 
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
-        raise ValueError("the config has no features_dir; pass features_dir=PATH")
+        raise InvalidValue("the config has no features_dir; pass features_dir=PATH")
     check_output_folder(cfg.features_dir, "features_dir")
     check_features_dir(cfg.features_dir)  # before loading the target
     device = args.device or cfg.device or None  # the flag, else the config's device key (as training reads it)
@@ -218,7 +219,7 @@ def _check_engine(args):
         import_vllm()  # a missing vLLM fails here, before anything is loaded
     elif args.decoder == "eagletree":
         if args.temperature:
-            raise ValueError(
+            raise InvalidValue(
                 f"--engine eagletree answers greedily; --temperature {args.temperature:g} samples: use --engine hf"
             )
         head_path = head_to_load(args.target, args.head, required=False)
@@ -226,7 +227,7 @@ def _check_engine(args):
             print("distill: --engine eagletree without a head: plain batched decoding", file=sys.stderr)
         return head_path
     elif args.head is not None:
-        raise ValueError("--head goes with --engine eagletree (HF generate decodes without a head)")
+        raise InvalidValue("--head goes with --engine eagletree (HF generate decodes without a head)")
     return None
 
 

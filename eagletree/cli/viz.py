@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import InvalidValue
 from .common import add_decoding_args, at_least, refuse_head_none
 
 
@@ -29,7 +30,7 @@ def cmd_viz(args) -> int:
 
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
-        raise ValueError("--prompt is empty; give the text to answer")
+        raise InvalidValue("--prompt is empty; give the text to answer")
     check_output_file(args.output, "-o/--output")  # before the work
     refuse_head_none(args, "viz", "shows the tree a draft head drafts")
     config = DecodeConfig.from_args(args)

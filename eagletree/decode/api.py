@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InvalidType, InvalidValue
 from .config import DecodeConfig
-from .decoder import Decoder
+from .decoder import Decoder, check_parts
 from .prompts import is_token_ids
 from .resources import COMPANION_FILES
 from .stats import GenerationStats
@@ -64,7 +65,7 @@ def generate(
         and not is_token_ids(prompt_or_messages)
     ):
         if stream:
-            raise ValueError("stream=True takes one prompt at a time")
+            raise InvalidValue("stream=True takes one prompt at a time")
         if inspect_step is not None:  # (it inspects one sequence's drafter at a time)
             return [decoder.generate(p, inspect_step=inspect_step) for p in prompt_or_messages]
         return decoder.generate_batch(prompt_or_messages, batch_size)
@@ -74,6 +75,7 @@ def generate(
 def _decoder(target, tokenizer, head, stream: bool, decoder_args: dict, config: DecodeConfig) -> Decoder:
     """`generate`'s Decoder: the last call's when this one is like it, else a new one (a stream's, or one given a
     profile or calibrator, is never kept)."""
+    check_parts(head, config)  # (before the kept Decoder's key reads them)
     if stream or any(value is not None for value in decoder_args.values()):
         return Decoder(target, tokenizer, head, config, **decoder_args)
     return _LAST.decoder_for(target, tokenizer, head, config)
@@ -133,5 +135,5 @@ def _files_read(head, config: DecodeConfig) -> tuple:
 def _config(config: DecodeConfig | None, options: dict) -> DecodeConfig:
     """`config`, or one built from keyword options (not both)."""
     if config is not None and options:
-        raise TypeError(f"pass a DecodeConfig or keyword options, not both (got config and {sorted(options)})")
+        raise InvalidType(f"pass a DecodeConfig or keyword options, not both (got config and {sorted(options)})")
     return config if config is not None else DecodeConfig.from_options(**options)

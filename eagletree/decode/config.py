@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 
+from ..errors import EagletreeError, InvalidType, InvalidValue
+
 MIN_TEMPERATURE = 1e-20  # a sampling temperature below this turns float32 logits / T into inf (then NaN)
 GPU_BUDGET, CPU_BUDGET = 60, 8
 
@@ -48,16 +50,16 @@ class TreeKind(str, Enum):
 TREE_KINDS = tuple(kind.value for kind in TreeKind)
 
 
-class OptionError(ValueError):
+class OptionError(EagletreeError, ValueError):
     """A decoding option outside its range; `option` is its Python name (the CLI names the flag instead)."""
 
     def __init__(self, option: str, problem: str):
         super().__init__(f"{option} {problem}")
         self.option, self.problem = option, problem
 
-    def for_cli(self) -> ValueError:
+    def for_cli(self) -> InvalidValue:
         """The same error naming the command-line flag (`--max-new-tokens`) instead of the keyword."""
-        return ValueError(f"{CLI_FLAGS.get(self.option, self.option)} {self.problem}")
+        return InvalidValue(f"{CLI_FLAGS.get(self.option, self.option)} {self.problem}")
 
 
 # keyword -> the flag that sets it
@@ -193,7 +195,7 @@ class DecodeConfig:
         for name in ("budget", "depth", "top_k_draft", "max_new_tokens"):
             check_option(name, getattr(self, name))
         if not isinstance(self.sampling, Sampling) or not isinstance(self.copy, CopyOptions):
-            raise TypeError(
+            raise InvalidType(
                 f"sampling must be a Sampling and copy a CopyOptions, got {type(self.sampling).__name__} "
                 f"and {type(self.copy).__name__}"
             )
@@ -255,7 +257,7 @@ class DecodeConfig:
             options["copy"] = replace(options.get("copy", CopyOptions()), **copy)
         unknown = sorted(set(options) - {f.name for f in fields(cls)})
         if unknown:
-            raise TypeError(
+            raise InvalidType(
                 f"unknown decoding option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; known: "
                 f"{', '.join(OPTION_NAMES)}"
             )
@@ -271,19 +273,19 @@ class DecodeConfig:
         store = {"auto": "auto", "none": None}.get(args.datastore, args.datastore)
         try:
             if args.copy == "on" and TreeKind.parse(args.tree).static:
-                raise ValueError(
+                raise InvalidValue(
                     f"--copy on needs a searched tree (--tree eagle2, optimal or auto); --tree {args.tree} "
                     "is a fixed shape"
                 )
             if store not in ("auto", None) and (copy is False or TreeKind.parse(args.tree).static):
-                raise ValueError(
+                raise InvalidValue(
                     f"--datastore {store} adds retrieved spans to the copied ones; it needs copying on "
                     f"(--copy auto or on with --tree eagle2, optimal or auto; with --head none, --copy on),"
                     f" not --copy {args.copy} --tree {args.tree}" + (" --head none" if args.head == "none" else "")
                 )
             if store not in ("auto", None) and not Path(store).is_file():
                 what = "a folder" if Path(store).is_dir() else "no such file"
-                raise ValueError(
+                raise InvalidValue(
                     f"--datastore {store!r}: {what}; expected auto, none, or the file `eagletree datastore` made "
                     "(datastore.npz, in a head's folder by default)"
                 )
@@ -324,7 +326,7 @@ def default_budget(device) -> int:
 
 def _stop_tuple(stop) -> tuple:
     if isinstance(stop, (str, int)) or not isinstance(stop, (list, tuple, set)):
-        raise TypeError(f"stop must be a list of token ids or token strings, got {stop!r}")
+        raise InvalidType(f"stop must be a list of token ids or token strings, got {stop!r}")
     return tuple(stop)
 
 

@@ -14,14 +14,17 @@ from copy import deepcopy
 
 import torch
 
+from ..draft import HeadError
+from ..draft.base import check_loaded
 from ..draft.batch_drafter import drafter_key, make_batch_drafter
+from ..errors import InvalidType, InvalidValue
 from ..search.copy import CopyCalibration
 from ..search.searchers import AutoSearcher, make_searcher
 from ..search.store import TokenStore
 from ..target.loading import TargetError
 from ..target.ragged import sliding_window, use_ragged
 from .config import DecodeConfig, TreeKind
-from .prompts import check_token_ids, encode_prompt, fit_context, fit_window, stop_token_ids
+from .prompts import check_token_ids, encode_prompt, fit_context, fit_window, prompt_list, stop_token_ids
 from .resources import (
     add_batch_times,
     head_calibrator,
@@ -44,7 +47,9 @@ class Decoder:
     Built once, it checks the head against the target, resolves the stop tokens, the tree kind's searcher,
     and what the config's tree and copying read (the device's latency profile for `auto`, the head's
     calibration, copy table and datastore); each `steps` or `generate` call then decodes one prompt.
-    head=None decodes without a head: plain decoding, or copied spans alone when copying is on.
+    head is a loaded DraftHead (`eagletree.loading.load_head` reads a folder) or None, which decodes without a head:
+    plain decoding, or copied spans alone when copying is on; config a DecodeConfig (`DecodeConfig.from_options`
+    builds one from keyword options) or None for the defaults; anything else is refused (InvalidType).
     profile: a LatencyProfile for `auto` (default: measured on this device once and cached); calibrator and
     copy_calibration: instead of the ones saved next to the head (a given copy_calibration keeps learning across
     prompts; the head's is reloaded for each prompt).
@@ -61,6 +66,7 @@ class Decoder:
         calibrator=None,
         copy_calibration: CopyCalibration | None = None,
     ):
+        check_parts(head, config)
         self.target, self.tokenizer, self.head = target, tokenizer, head
         self.device = next(target.parameters()).device
         self.config = config = (config or DecodeConfig()).for_device(self.device)
@@ -143,6 +149,7 @@ class Decoder:
 
     def generate_batch(self, prompts, batch_size: int = 8) -> list[GenerationResult]:
         """One GenerationResult per prompt (in order), decoded `batch_size` at a time in shared target passes."""
+        prompts = prompt_list(prompts)
         results: list = [None] * len(prompts)
         for i, result in self.results(prompts, batch_size):
             results[i] = result
@@ -151,18 +158,19 @@ class Decoder:
     def results(self, prompts, batch_size: int = 8):
         """Yield (index, GenerationResult) for each of `prompts` as it finishes, decoding up to `batch_size` of
         them together: every pass verifies all live sequences' trees, and a finished sequence's place goes to
-        the next prompt (continuous batching). Every prompt is checked before decoding starts (a bad one is a
-        TypeError or ValueError naming its index, and nothing is decoded); a sequence that cannot go on found
+        the next prompt (continuous batching). `prompts` is a list of them (`prompt_list`); every prompt is checked
+        before decoding starts (a bad one is an InvalidType or InvalidValue naming its index, and nothing is
+        decoded); a sequence that cannot go on found
         later (its answer reached a sliding-window target's window) ends with its `error` set and the tokens it
         had, and the others decode on as they would alone."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+            raise InvalidValue(f"batch_size must be an integer >= 1, got {batch_size!r}")
         checked = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompt_list(prompts)):
             try:
                 checked.append((i, self._prompt_ids(prompt), GenerationStats()))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompt {i}: {e}") from e
+            except (TypeError, ValueError) as e:  # (the tokenizer's own too: a UnicodeError takes other arguments)
+                raise (InvalidType if isinstance(e, TypeError) else InvalidValue)(f"prompt {i}: {e}") from e
         if self.config.max_new_tokens == 0:
             for i, _, stats in checked:
                 yield i, GenerationResult("", [], stats)
@@ -285,27 +293,37 @@ class Decoder:
         yield from step.book()
 
 
+def check_parts(head, config) -> None:
+    """InvalidType unless `head` is a loaded DraftHead (or None) and `config` a DecodeConfig (or None)."""
+    check_loaded(head)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise InvalidType(
+            f"config must be a DecodeConfig or None, got {type(config).__name__} {config!r:.60}; build one with "
+            "DecodeConfig(...) or DecodeConfig.from_options(**options), or pass the options to eagletree.generate"
+        )
+
+
 def check_head(head, target, config: DecodeConfig) -> None:
-    """ValueError (or HeadError) unless the head drafts for this target, on its device, in a float dtype."""
+    """HeadError unless the head drafts for this target, on its device, in a float dtype."""
     head.check_target(target.config)
     head_dtype, head_device = next(head.parameters()).dtype, next(head.parameters()).device
     if not head_dtype.is_floating_point:
-        raise ValueError(f"the head's dtype {head_dtype} is not a floating-point type")
+        raise HeadError(f"the head's dtype {head_dtype} is not a floating-point type")
     target_device = next(target.parameters()).device
     if head_device != target_device:
-        raise ValueError(
+        raise HeadError(
             f"the head is on {head_device} but the target on {target_device}; move the head there "
             f"(head.to({str(target_device)!r}))"
         )
     paths = config.tree_paths
     deepest = head.drafting.max_depth
     if paths is not None and deepest is not None and max(len(p) for p in paths) > deepest:
-        raise ValueError(
+        raise HeadError(
             f"tree_paths reach depth {max(len(p) for p in paths)}, but this {head.head_type!r} head drafts "
             f"{deepest} levels deep at most"
         )
     if paths is not None and max(max(p) for p in paths) >= head.drafted_vocab_size():
-        raise ValueError(
+        raise HeadError(
             f"tree_paths rank {max(max(p) for p in paths)} is past the head's draft vocabulary "
             f"of {head.drafted_vocab_size()} tokens"
         )

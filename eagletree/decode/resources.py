@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from ..draft import target_identity
+from ..errors import InvalidValue
 from ..packing import kernels_tag, machine_key
 from ..search import Calibrator, LatencyProfile
 from ..search.copy import CopyCalibration, copy_calibration_names
@@ -136,11 +137,11 @@ def head_calibrator(head):
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or "method" not in data:
-            raise ValueError(f"expected a JSON object with a method, got {json.dumps(data)[:60]}")
+            raise InvalidValue(f"expected a JSON object with a method, got {json.dumps(data)[:60]}")
         calibrator = Calibrator(**{k: data[k] for k in ("method", "xs", "ys", "scale", "bias") if k in data})
         calibrator.check()
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(
+        raise InvalidValue(
             f"{path} is not a valid calibration ({e}); remove it to decode with the head's raw "
             f"probabilities, or write it again with `python -m eagletree.train.evaluate`"
         ) from None
@@ -164,7 +165,7 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
     if store is None or (store == "auto" and not copy):
         return None
     if not copy:
-        raise ValueError(
+        raise InvalidValue(
             "store adds retrieved spans to the copied ones, so it needs copying on (copy=True, or the "
             "default copy=None with an eagle2, optimal or auto tree); copying is off here"
         )
@@ -176,7 +177,7 @@ def resolve_store(store, head, tokenizer, copy: bool, vocab_size: int | None = N
         if store is None:
             return None
     if not isinstance(store, (str, Path)):
-        raise ValueError(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
+        raise InvalidValue(f"store must be 'auto', None, a TokenStore or a datastore file's path, got {store!r}")
     try:
         return TokenStore.load(
             Path(store).resolve(), None if tokenizer is None else vocab_fingerprint(tokenizer), vocab_size

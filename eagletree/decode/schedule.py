@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..errors import InvalidValue
 from ..search.searchers import AutoSearcher
 
 
@@ -58,7 +59,7 @@ def late_sequences(lefts: list[int], rates: list[float]) -> list[bool]:
     a sequence with at most that many tokens left finishes by then even one token a pass, so it decodes plainly
     (its rows leave the passes cheaper), and the others draft, which brings their ends together."""
     if len(lefts) != len(rates) or min(rates, default=1.0) <= 0:
-        raise ValueError(f"need one positive rate per sequence, got lefts {lefts} and rates {rates}")
+        raise InvalidValue(f"need one positive rate per sequence, got lefts {lefts} and rates {rates}")
     end = max((left / rate for left, rate in zip(lefts, rates)), default=0.0)
     return [left > end for left in lefts]
 

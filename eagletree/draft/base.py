@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from os import PathLike
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import EagletreeError
+from ..errors import EagletreeError, InvalidType
 from ..files import building, publish
 from ..target import target_identity
 from .vocab import check_draft_vocab
@@ -166,6 +167,10 @@ class DraftHead(nn.Module):
         return FeatureSpec(self.config.hidden_size)
 
     @classmethod
+    def check_config(cls, config: HeadConfig) -> None:
+        """HeadError when a saved config cannot build a head of this kind (read before any weights)."""
+
+    @classmethod
     def feature_spec_for(cls, target_config) -> FeatureSpec:
         """The features a new head of this kind (`create`) reads for this target: what an offline cache must hold."""
         return FeatureSpec(target_config.hidden_size)
@@ -245,21 +250,7 @@ class DraftHead(nn.Module):
 
     def check_target(self, target_config) -> None:
         """Raise HeadError naming both values when the target is not the one this head was built for."""
-        mine, theirs = self.config.target, target_identity(target_config)
-        for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
-            if mine[key] != theirs[key]:
-                raise HeadError(
-                    f"head was trained for a target with {key} = {mine[key]!r}, "
-                    f"but this target has {key} = {theirs[key]!r}"
-                )
-        # The fingerprint predates transformers 5, where the RoPE base moved into rope_parameters; the head's
-        # layer config records it.
-        head_base, target_base = rope_base(self.config.layer_config), rope_base(target_config)
-        if head_base is not None and target_base is not None and head_base != target_base:
-            raise HeadError(
-                f"head was trained for a target with rope_theta = {head_base!r}, "
-                f"but this target has rope_theta = {target_base!r}"
-            )
+        check_head_target(self.config, target_config)
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -281,19 +272,12 @@ class DraftHead(nn.Module):
     def from_pretrained(cls, directory, target_config=None, dtype=None, device=None) -> DraftHead:
         """Load a saved head; with `target_config`, refuse a head built for another target."""
         directory = Path(directory)
-        if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-            raise HeadError(f"{str(directory)!r} is not a head folder: expected {CONFIG} and {WEIGHTS}")
-        try:
-            config = HeadConfig(**json.loads((directory / CONFIG).read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise HeadError(f"{directory / CONFIG} is not a valid head config: {e}") from e
+        config = read_head_config(directory, target_config)
         try:
             state = load_file(str(directory / WEIGHTS))
         except (SafetensorError, OSError, ValueError) as e:
             raise HeadError(f"{directory / WEIGHTS} is truncated or corrupted ({e}); nothing was loaded") from e
         head = head_class(config.head_type)(config)
-        if target_config is not None:
-            head.check_target(target_config)
         expected = head.state_dict()
         missing, unexpected = set(expected) - set(state), set(state) - set(expected)
         bad_shape = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
@@ -313,3 +297,53 @@ class DraftHead(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def read_head_config(directory, target_config=None) -> HeadConfig:
+    """The HeadConfig of a saved head folder, read without its weights; HeadError naming the folder or file when
+    it is not a head folder, or (with `target_config`) when the head was built for another target."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HeadError(f"{str(directory)!r} is not a head folder: no such folder (expected {CONFIG} and {WEIGHTS})")
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise HeadError(f"{str(directory)!r} is not a head folder: expected {CONFIG} and {WEIGHTS}")
+    try:
+        config = HeadConfig(**json.loads((directory / CONFIG).read_text()))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise HeadError(f"{directory / CONFIG} is not a valid head config: {e}") from e
+    try:
+        head_class(config.head_type).check_config(config)
+    except HeadError as e:
+        raise HeadError(f"{directory / CONFIG}: {e}") from e
+    if target_config is not None:
+        check_head_target(config, target_config)
+    return config
+
+
+def check_loaded(head) -> None:
+    """InvalidType unless `head` is a loaded DraftHead or None (a folder's path is loaded first)."""
+    if head is not None and not isinstance(head, DraftHead):
+        hint = (
+            "load a head folder with eagletree.loading.load_head(path, target.config)"
+            if isinstance(head, (str, PathLike))
+            else "pass a DraftHead, or None to decode without one"
+        )
+        raise InvalidType(f"head must be a loaded DraftHead or None, got {type(head).__name__} {head!r:.60}; {hint}")
+
+
+def check_head_target(config: HeadConfig, target_config) -> None:
+    """HeadError naming both values when the head of `config` was built for another target than `target_config`."""
+    mine, theirs = config.target, target_identity(target_config)
+    for key in ("model_type", "hidden_size", "vocab_size", "fingerprint"):
+        if mine[key] != theirs[key]:
+            raise HeadError(
+                f"head was trained for a target with {key} = {mine[key]!r}, but this target has {key} = {theirs[key]!r}"
+            )
+    # The fingerprint predates transformers 5, where the RoPE base moved into rope_parameters; the head's
+    # layer config records it.
+    head_base, target_base = rope_base(config.layer_config), rope_base(target_config)
+    if head_base is not None and target_base is not None and head_base != target_base:
+        raise HeadError(
+            f"head was trained for a target with rope_theta = {head_base!r}, "
+            f"but this target has rope_theta = {target_base!r}"
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidValue
 from ..packing import weight_key
 from ..target.ragged import RaggedCache, causal_block, plan, ragged_pass, use_ragged_layer
 from .drafter import TreeDrafter
@@ -109,7 +110,7 @@ class RaggedTreeDrafter:
             else:
                 pos = positions[i]
                 if pos.shape[0] != f.shape[0] or int(pos[0]) < row.position:
-                    raise ValueError(
+                    raise InvalidValue(
                         f"row {r}: positions must be {f.shape[0]} ascending from {row.position} on, got {pos.tolist()}"
                     )
             where.append(pos)

@@ -47,6 +47,11 @@ class EagleHead(DraftHead):
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
+    def check_config(cls, config: HeadConfig) -> None:
+        """HeadError when the saved layer config is not one transformers builds."""
+        config_from_dict(config.layer_config)
+
+    @classmethod
     def for_target(cls, target_config, draft_tokens: torch.Tensor | None = None, fc_bias: bool = False) -> EagleHead:
         """A freshly initialized head for a target (config of the HF model); optional draft vocabulary.
 

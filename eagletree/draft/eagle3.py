@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .base import DraftHead, Drafting, FeatureSpec, HeadConfig, target_identity
+from .base import DraftHead, Drafting, FeatureSpec, HeadConfig, HeadError, target_identity
 from .drafter import TreeDrafter
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache, rms_norm
 from .objectives import eagle3_loss
@@ -52,12 +52,17 @@ class Eagle3Head(DraftHead):
         self.register_buffer("d2t", torch.arange(vocab), persistent=True)
 
     @classmethod
+    def check_config(cls, config: HeadConfig) -> None:
+        """HeadError when the saved layer config is not one transformers builds."""
+        config_from_dict(config.layer_config)
+
+    @classmethod
     def for_target(cls, target_model, draft_tokens=None, fused_layers=None) -> Eagle3Head:
         """A new head whose norm and lm_head start from the target's (lm_head rows of the draft vocabulary)."""
         tc = target_model.config
         layers = list(fused_layers or default_fused_layers(tc.num_hidden_layers))
         if any(not 0 <= i < tc.num_hidden_layers - 1 for i in layers) or len(layers) != 3:
-            raise ValueError(
+            raise HeadError(
                 f"fused_layers must be 3 decoder layer indices in [0, {tc.num_hidden_layers - 2}], got {layers}"
             )
         config = HeadConfig(

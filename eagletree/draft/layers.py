@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..target import mask_for_config
+from .base import HeadError
 
 
 def one_layer_config(target_config):
@@ -34,10 +35,16 @@ def layer_config_dict(target_config) -> dict:
 
 def config_from_dict(layer_dict: dict):
     """The transformers config a saved `layer_config` dict describes, with SDPA attention."""
+    from huggingface_hub.errors import StrictDataclassError  # (transformers 5 validates its configs so)
     from transformers import AutoConfig  # (transformers loads slowly: only when a head is built)
 
     values = dict(layer_dict)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    kind = values.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(kind, **values)
+    except (StrictDataclassError, ValueError, TypeError) as e:
+        reason = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+        raise HeadError(f"layer_config is not a valid {kind!r} config: {reason}") from e
     config._attn_implementation = "sdpa"
     return config
 

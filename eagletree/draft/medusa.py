@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import DraftHead, Drafting, HeadConfig, target_identity
+from .base import DraftHead, Drafting, HeadConfig, HeadError, target_identity
 from .objectives import medusa_loss
 
 
@@ -123,7 +123,7 @@ class MedusaDrafter:
         if self.level_probs is None:
             raise RuntimeError("call extend() with the prompt's target features before drafting")
         if level > self.head.num_heads:
-            raise ValueError(
+            raise HeadError(
                 f"Medusa head has {self.head.num_heads} heads; cannot draft level {level} (use depth <= "
                 f"{self.head.num_heads})"
             )

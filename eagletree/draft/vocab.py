@@ -11,22 +11,26 @@ from collections.abc import Iterable
 
 import torch
 
+from ..errors import InvalidValue
+
 
 def check_draft_vocab(d2t: torch.Tensor, target_vocab: int) -> None:
     if d2t.dim() != 1 or d2t.numel() == 0:
-        raise ValueError(f"draft vocabulary must be a non-empty 1-D tensor of target ids, got shape {tuple(d2t.shape)}")
+        raise InvalidValue(
+            f"draft vocabulary must be a non-empty 1-D tensor of target ids, got shape {tuple(d2t.shape)}"
+        )
     if int(d2t.min()) < 0 or int(d2t.max()) >= target_vocab:
-        raise ValueError(
+        raise InvalidValue(
             f"draft vocabulary ids must lie in [0, {target_vocab}), got [{int(d2t.min())}, {int(d2t.max())}]"
         )
     if torch.unique(d2t).numel() != d2t.numel():
-        raise ValueError("draft vocabulary repeats a target id; each target token may appear once")
+        raise InvalidValue("draft vocabulary repeats a target id; each target token may appear once")
 
 
 def build_draft_vocab(token_streams: Iterable[Iterable[int]], size: int, target_vocab: int, always=()) -> torch.Tensor:
     """The `size` most frequent target ids in the streams (plus `always`, e.g. EOS), sorted ascending."""
     if not 0 < size <= target_vocab:
-        raise ValueError(f"draft vocabulary size must be in [1, {target_vocab}], got {size}")
+        raise InvalidValue(f"draft vocabulary size must be in [1, {target_vocab}], got {size}")
     counts = Counter()
     for stream in token_streams:
         counts.update(int(t) for t in stream)

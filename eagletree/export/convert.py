@@ -94,10 +94,16 @@ def import_head(folder, target_spec: str, out, overwrite: bool = False) -> Draft
 def import_for_config(folder, target_config) -> DraftHead:
     """`import_folder` given only the target's config: HeadError naming `eagletree import` for a layout that builds
     its head from the target model."""
+    return importable_layout(folder).load(Path(folder), target_config)
+
+
+def importable_layout(folder) -> Layout:
+    """The layout of an export folder that `import_for_config` imports, read from its config.json alone; HeadError
+    naming `eagletree import` for a layout that builds its head from the target model."""
     layout = recognize_folder(folder)
     if layout.imports_with_model:
         raise HeadError(
             f"{str(folder)!r} holds an export of {layout.kind} heads (format {layout.format!r}), which import builds "
             "from the target model: run `eagletree import --eagle DIR --target T --out HEAD` and use HEAD"
         )
-    return layout.load(Path(folder), target_config)
+    return layout

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import InvalidValue
 from ..verify import DraftTree
 
 METHODS = ("identity", "isotonic", "temperature")
@@ -42,26 +43,26 @@ class Calibrator:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"calibration method {self.method!r} is not one of {METHODS}")
+            raise InvalidValue(f"calibration method {self.method!r} is not one of {METHODS}")
 
     def check(self) -> None:
         """Raise ValueError unless the fitted numbers make a calibration (as `fit` writes them)."""
         if self.method == "isotonic":
             xs, ys = self.xs, self.ys
             if not (isinstance(xs, list) and isinstance(ys, list) and xs and len(xs) == len(ys)):
-                raise ValueError(f"isotonic needs equally many knots xs and ys (> 0), got {xs!r} and {ys!r}")
+                raise InvalidValue(f"isotonic needs equally many knots xs and ys (> 0), got {xs!r} and {ys!r}")
             if not all(_number(v) and 0.0 <= v <= 1.0 for v in xs + ys) or xs != sorted(xs):
-                raise ValueError("isotonic knots must be numbers in [0, 1], xs ascending")
+                raise InvalidValue("isotonic knots must be numbers in [0, 1], xs ascending")
         elif self.method == "temperature":
             if not all(_number(v) and math.isfinite(v) for v in (self.scale, self.bias)):
-                raise ValueError(f"temperature needs finite scale and bias, got {self.scale!r} and {self.bias!r}")
+                raise InvalidValue(f"temperature needs finite scale and bias, got {self.scale!r} and {self.bias!r}")
 
     @classmethod
     def fit(cls, probs, accepted, method: str = "isotonic") -> Calibrator:
         q = np.asarray(probs, dtype=np.float64)
         y = np.asarray(accepted, dtype=np.float64)
         if q.size == 0 or q.shape != y.shape:
-            raise ValueError(f"need equally many probabilities and outcomes (> 0), got {q.size} and {y.size}")
+            raise InvalidValue(f"need equally many probabilities and outcomes (> 0), got {q.size} and {y.size}")
         if method == "identity":
             return cls("identity")
         if method == "isotonic":
@@ -85,7 +86,7 @@ class Calibrator:
 
             res = minimize(loss, x0=[1.0, 0.0], method="Nelder-Mead")
             return cls("temperature", scale=float(res.x[0]), bias=float(res.x[1]))
-        raise ValueError(f"calibration method {method!r} is not one of {METHODS}")
+        raise InvalidValue(f"calibration method {method!r} is not one of {METHODS}")
 
     def __call__(self, q) -> torch.Tensor:
         """Estimated acceptance probability for draft probabilities q (any shape)."""
@@ -119,7 +120,7 @@ class Calibrator:
 def calibration_report(steps, calibrator: Calibrator) -> dict:
     """Predicted vs measured tokens/pass over logged steps [(tree, accepted node list)], raw and calibrated."""
     if not steps:
-        raise ValueError("no logged steps to report on")
+        raise InvalidValue("no logged steps to report on")
     measured = float(np.mean([len(acc) for _, acc in steps]))  # accepted nodes incl. root = tokens emitted
     raw = float(np.mean([tree.expected_tokens for tree, _ in steps]))
     calibrated = float(np.mean([calibrator.expected_tokens(tree) for tree, _ in steps]))

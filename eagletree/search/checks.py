@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidValue
+
 PROB_TOLERANCE = 1e-3
 
 
@@ -11,7 +13,7 @@ def check_search_args(budget, depth, top_k) -> None:
     """Raise ValueError unless budget, depth and top_k are integers >= 1."""
     for name, value in (("budget", budget), ("depth", depth), ("top_k", top_k)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise InvalidValue(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -> torch.Tensor:
@@ -25,10 +27,10 @@ def check_distribution(probs: torch.Tensor, where: str = "draft distribution") -
         [sums.isnan().any().double(), probs.min().double(), (sums - 1).abs().max().double()]
     ).tolist()
     if nan:
-        raise ValueError(f"{where} contains NaN")
+        raise InvalidValue(f"{where} contains NaN")
     if low < 0:
-        raise ValueError(f"{where} has a negative probability {low}")
+        raise InvalidValue(f"{where} has a negative probability {low}")
     if worst > PROB_TOLERANCE:
         bad = float(sums.flatten()[(sums.flatten() - 1).abs().argmax()])
-        raise ValueError(f"{where} sums to {bad:.6f}; expected 1 (tolerance {PROB_TOLERANCE})")
+        raise InvalidValue(f"{where} sums to {bad:.6f}; expected 1 (tolerance {PROB_TOLERANCE})")
     return probs

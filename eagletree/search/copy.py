@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidValue
+
 # Match-length bins: 1, 2, 3, 4-7 and 8+ tokens of context agreeing before the copied span. (A separate
 # 16+ bin, matches extended to 32 tokens, measured no better: docs/results.md.)
 MATCH_BINS = (1, 2, 3, 4, 8)
@@ -68,7 +70,7 @@ class NgramIndex:
 
     def __init__(self, tokens=(), max_ngram: int = 3, max_match: int = 16):
         if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+            raise InvalidValue(f"max_ngram must be >= 1, got {max_ngram}")
         self.max_ngram, self.max_match = max_ngram, max_match
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
@@ -137,7 +139,7 @@ class CopyCalibration:
 
     def __init__(self, max_len: int = 16, prior=None, strength: float = 8.0, draft_vocab_size: int | None = None):
         if not strength > 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"copy calibration strength must be > 0 (observations the prior is worth), got {strength!r}"
             )
         self.max_len, self.strength = max_len, float(strength)
@@ -148,15 +150,15 @@ class CopyCalibration:
             else torch.as_tensor(prior, dtype=torch.float64).clone()
         )
         if self.prior.shape != shape:
-            raise ValueError(
+            raise InvalidValue(
                 f"copy calibration prior must be {list(shape)} (match bins x positions), got {list(self.prior.shape)}"
             )
         if not ((self.prior > 0) & (self.prior < 1)).all():
-            raise ValueError("copy calibration prior values must lie in (0, 1)")
+            raise InvalidValue("copy calibration prior values must lie in (0, 1)")
         if draft_vocab_size is not None and (
             not isinstance(draft_vocab_size, int) or isinstance(draft_vocab_size, bool) or draft_vocab_size < 1
         ):
-            raise ValueError(
+            raise InvalidValue(
                 f"copy calibration draft_vocab_size must be a token count >= 1 or None (not recorded), "
                 f"got {draft_vocab_size!r}"
             )
@@ -227,16 +229,16 @@ class CopyCalibration:
             data = json.loads(Path(path).read_text())
             rate, bins = data["rate"], data["match_bins"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: not a copy calibration file (expected JSON with match_bins and rate): {e}"
             ) from None
         if not isinstance(bins, list) or bins != list(MATCH_BINS):
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: match bins {bins!r}, expected {list(MATCH_BINS)}; measure a new table with "
                 "`eagletree calibrate-copy`"
             )
         if not (isinstance(rate, list) and rate and all(isinstance(row, list) and row for row in rate)):
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: rate must be a table of match bins x span positions (at least one position), "
                 f"got {json.dumps(rate)[:80]}; measure a new table with `eagletree calibrate-copy`"
             )
@@ -245,7 +247,7 @@ class CopyCalibration:
                 max_len=len(rate[0]), prior=rate, strength=strength, draft_vocab_size=data.get("draft_vocab_size")
             )
         except (ValueError, TypeError, RuntimeError) as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise InvalidValue(f"{path}: {e}") from None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidValue
 from ..files import write_json_atomic
 
 
@@ -45,17 +46,17 @@ def read_profile_json(path):
     path = Path(path)
     what = "a LatencyProfile JSON (cached under $EAGLETREE_CACHE/profiles) or `eagletree profile`'s profile.json"
     if not path.is_file():
-        raise ValueError(
+        raise InvalidValue(
             f"latency profile {str(path)!r}: {'a folder' if path.is_dir() else 'no such file'}; expected {what}"
         )
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"latency profile {str(path)!r} is not text (a binary file?); expected {what}") from None
+        raise InvalidValue(f"latency profile {str(path)!r} is not text (a binary file?); expected {what}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"latency profile {str(path)!r} is not JSON ({e}); expected {what}") from None
+        raise InvalidValue(f"latency profile {str(path)!r} is not JSON ({e}); expected {what}") from None
     except OSError as e:
-        raise ValueError(f"cannot read latency profile {str(path)!r}: {e.strerror or e}") from None
+        raise InvalidValue(f"cannot read latency profile {str(path)!r}: {e.strerror or e}") from None
 
 
 @dataclass
@@ -76,9 +77,9 @@ class LatencyProfile:
 
     def __post_init__(self):
         if len(self.sizes) != len(self.verify_s) or not self.sizes:
-            raise ValueError(f"profile needs one time per size, got sizes {self.sizes} and times {self.verify_s}")
+            raise InvalidValue(f"profile needs one time per size, got sizes {self.sizes} and times {self.verify_s}")
         if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
-            raise ValueError(f"profile sizes must be distinct, ascending and >= 1, got {self.sizes}")
+            raise InvalidValue(f"profile sizes must be distinct, ascending and >= 1, got {self.sizes}")
 
     def verify(self, n) -> torch.Tensor:
         """t_verify(n), piecewise linear in n; beyond the last size the last slope continues."""
@@ -128,14 +129,14 @@ class LatencyProfile:
         known = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not {"sizes", "verify_s"} <= data.keys() or data.keys() - known:
             found = f"keys {', '.join(sorted(data)[:6])}" if isinstance(data, dict) else type(data).__name__
-            raise ValueError(
+            raise InvalidValue(
                 f"{str(path)!r} is not a latency profile: expected a JSON object of "
                 f"{', '.join(f.name for f in fields(cls))} (sizes and verify_s required), got {found}"
             )
         try:
             return cls(**data)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"latency profile {str(path)!r}: {e}") from None
+            raise InvalidValue(f"latency profile {str(path)!r}: {e}") from None
 
 
 def choose_budget(values: torch.Tensor, profile: LatencyProfile, depth: int, max_budget: int | None = None):
@@ -216,7 +217,7 @@ def _choose_one(values: torch.Tensor, profile: LatencyProfile, drafting: float, 
 def choose_depth_and_budget(expected: dict[tuple[int, int], float], profile: LatencyProfile):
     """From measured E[tokens/pass] per (depth, budget), the pair with the most tokens per second."""
     if not expected:
-        raise ValueError("no (depth, budget) measurements to choose from")
+        raise InvalidValue("no (depth, budget) measurements to choose from")
     rate = {k: e / float(profile.step_time(k[1], k[0])) for k, e in expected.items()}
     best = max(rate, key=rate.get)
     return best, rate[best]

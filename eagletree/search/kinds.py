@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidValue
 from ..verify import DraftTree
 from .batched import SearchSpec, SharedFloor, drive_batch, search_steps
 from .static import Shape, breadth_first, static_steps
@@ -147,6 +148,6 @@ class StaticSearcher(Searcher):
 
     def search_batch(self, expand_batch, jobs, rows=None):
         if any(j.copies is not None for j in jobs):
-            raise ValueError("a static shape takes no copied spans")
+            raise InvalidValue("a static shape takes no copied spans")
         trees = drive_batch([static_steps(j.root, self.shape, self.device, self.token_map) for j in jobs], expand_batch)
         return [t.prefix(int((t.depths <= j.depth).sum())) if t.depth > j.depth else t for t, j in zip(trees, jobs)]

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import InvalidValue
 from .checks import check_distribution
 
 
@@ -46,7 +47,7 @@ def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=Non
     else:  # one read back (one wait for the device); token ids < 2^53 are exact in float64
         q, tok = torch.stack([q.double(), tok.double()]).tolist()
     if softmax_rows and any(x != x for row in q for x in row):
-        raise ValueError(f"{where} contains NaN")
+        raise InvalidValue(f"{where} contains NaN")
     out, start = [], 0
     for n in counts:
         out.append(TopK(q[start : start + n], tok[start : start + n]))

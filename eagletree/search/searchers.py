@@ -20,6 +20,7 @@ kind by its name (and names them all, for the decoding loop, tests and benchmark
 
 from __future__ import annotations
 
+from ..errors import InvalidValue
 from .auto import AutoSearcher, calibrated_values, trees_can_pay
 from .cost import LatencyProfile
 from .kinds import Eagle2Searcher, Job, OptimalSearcher, Searcher, StaticSearcher, best_nodes
@@ -74,6 +75,6 @@ def make_searcher(
         return StaticSearcher(shape, device, token_map)
     if kind == "auto":
         if profile is None:
-            raise ValueError("tree='auto' needs the device's latency profile")
+            raise InvalidValue("tree='auto' needs the device's latency profile")
         return AutoSearcher(profile, calibrator, budget, top_k, device, token_map)
-    raise ValueError(f"tree must be one of ('eagle2', 'optimal', 'chain', 'sequoia', 'auto'), got {kind!r}")
+    raise InvalidValue(f"tree must be one of ('eagle2', 'optimal', 'chain', 'sequoia', 'auto'), got {kind!r}")

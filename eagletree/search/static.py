@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidValue
 from ..verify import DraftTree
 from .batched import Expand, drive
 from .checks import check_distribution, check_search_args
@@ -44,12 +45,12 @@ def choices_shape(choices: Sequence[Sequence[int]]) -> Shape:
     if not all(
         isinstance(c, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in c) for c in choices
     ):
-        raise ValueError(f"tree paths must be rank paths such as [(0,), (1,), (0, 0)], got {list(choices)[:4]}")
+        raise InvalidValue(f"tree paths must be rank paths such as [(0,), (1,), (0, 0)], got {list(choices)[:4]}")
     for path in sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c)):
         if not path or any(r < 0 for r in path):
-            raise ValueError(f"choice {path} must be a non-empty tuple of ranks >= 0")
+            raise InvalidValue(f"choice {path} must be a non-empty tuple of ranks >= 0")
         if path[:-1] not in index:
-            raise ValueError(f"choice {path} has no parent {path[:-1]} in the list")
+            raise InvalidValue(f"choice {path} has no parent {path[:-1]} in the list")
         index[path] = len(parents)
         parents.append(index[path[:-1]])
         ranks.append(path[-1])
@@ -66,12 +67,12 @@ def acceptance_rows(accept_by_rank, depth: int) -> list[list[float]]:
     )
     rows = [[float(x) for x in row] for row in accept_by_rank] if nested else [[float(x) for x in accept_by_rank]]
     if not rows or not rows[0] or len({len(r) for r in rows}) != 1:
-        raise ValueError(
+        raise InvalidValue(
             f"accept_by_rank must be one non-empty row of probabilities or rows of equal length, got {accept_by_rank}"
         )
     for row in rows:
         if any(not 0.0 <= x <= 1.0 or math.isnan(x) for x in row):
-            raise ValueError(f"accept_by_rank must hold probabilities in [0, 1], got {row}")
+            raise InvalidValue(f"accept_by_rank must hold probabilities in [0, 1], got {row}")
     return [rows[min(d, len(rows) - 1)] for d in range(depth)]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidValue
 from ..messages import to_messages
 
 DATASTORE = "datastore.npz"  # a head folder's store, read by default when copying
@@ -49,14 +50,14 @@ class TokenStore:
 
     def __init__(self, tokens, min_match: int = 5, max_ngram: int = 8, max_match: int = 16):
         if not 1 <= min_match <= max_ngram <= max_match:
-            raise ValueError(
+            raise InvalidValue(
                 f"token store needs 1 <= min_match <= max_ngram <= max_match, got {min_match}, {max_ngram}, {max_match}"
             )
         self.tokens = np.asarray(tokens, dtype=np.int64)
         if self.tokens.ndim != 1:
-            raise ValueError(f"token store tokens must be one sequence, got shape {self.tokens.shape}")
+            raise InvalidValue(f"token store tokens must be one sequence, got shape {self.tokens.shape}")
         if self.tokens.size and int(self.tokens.min()) < SEPARATOR:
-            raise ValueError(
+            raise InvalidValue(
                 f"token store tokens must be ids >= 0 or the separator {SEPARATOR}, got {int(self.tokens.min())}"
             )
         self.min_match, self.max_ngram, self.max_match = min_match, max_ngram, max_match
@@ -155,7 +156,7 @@ class TokenStore:
                             f"{path}:{n}: the last line is not a whole record (a run stopped mid-write?); skipped"
                         )
                         continue
-                    raise ValueError(f"{path}:{n}: not a chat record ({e})") from None
+                    raise InvalidValue(f"{path}:{n}: not a chat record ({e})") from None
                 if isinstance(key, (str, int)) and not isinstance(key, bool) and str(key):
                     key = ("id", str(key))  # (as the training data reads ids)
                 else:
@@ -164,7 +165,7 @@ class TokenStore:
                     answers.pop(key, None)  # the replacement takes the replaced answer's place at the end
                     answers[key] = turns[-1]
         if not answers:
-            raise ValueError(f"{', '.join(map(str, paths))}: no assistant turns to index")
+            raise InvalidValue(f"{', '.join(map(str, paths))}: no assistant turns to index")
         tokens = []
         for ids in tokenizer(list(answers.values()), add_special_tokens=False)["input_ids"]:
             tokens += ids + [SEPARATOR]
@@ -207,23 +208,23 @@ class TokenStore:
         )
         tokens = arrays["tokens"]
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != header.get("tokens"):
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: {tokens.shape} {tokens.dtype} tokens, the header says {header.get('tokens')}; make it again"
             )
         if tokenizer_id is not None and header.get("tokenizer") != tokenizer_id:
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: made with tokenizer {header.get('tokenizer')}, but the target's is {tokenizer_id}; "
                 "make it again with this target (`eagletree datastore`)"
             )
         if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
-            raise ValueError(
+            raise InvalidValue(
                 f"{path}: token id {int(tokens.max())} is past the target's vocabulary of {vocab_size}; "
                 "make it again with this target (`eagletree datastore`)"
             )
         try:
             store = cls(tokens, **{k: header[k] for k in ("min_match", "max_ngram", "max_match")})
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: bad lookup settings in the header ({e!r}); make it again") from None
+            raise InvalidValue(f"{path}: bad lookup settings in the header ({e!r}); make it again") from None
         return store, header
 
 

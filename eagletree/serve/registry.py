@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import InvalidValue
+
 _ENGINES: dict[str, Engine] = {}  # in registration order (`plan --engine` lists them so)
 
 
@@ -33,7 +35,7 @@ class Engine:
 
         taking = [f for f in self.formats if f in formats_taking(head_type)]
         if not taking:
-            raise ValueError(
+            raise InvalidValue(
                 f"{self.name} loads {', '.join(self.formats)} exports, none of which takes {head_type!r} heads"
             )
         return taking[0]
@@ -53,5 +55,5 @@ def engine_names() -> tuple[str, ...]:
 def engine(name: str) -> Engine:
     """The engine called `name`; ValueError naming the engines for another name."""
     if name not in _ENGINES:
-        raise ValueError(f"engine must be one of {engine_names()}, got {name!r}")
+        raise InvalidValue(f"engine must be one of {engine_names()}, got {name!r}")
     return _ENGINES[name]

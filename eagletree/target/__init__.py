@@ -26,6 +26,7 @@ from .loading import (
     gguf_to_folder,
     load_target,
     resolve_target,
+    target_config,
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "mask_for_model",
     "new_cache",
     "resolve_target",
+    "target_config",
     "target_identity",
     "tree_forward",
     "truncate_cache",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidValue
 from .attention import GQA_SDPA, RAGGED
 from .loading import TargetError
 
@@ -97,14 +98,14 @@ def tree_forward(model, input_ids, cache, allowed, position_ids, layers=None, lo
         position_ids = position_ids[None].expand(input_ids.shape[0], -1)
     kv = cache_length(cache) + input_ids.shape[1]
     if allowed.shape[-2:] != (input_ids.shape[1], kv):
-        raise ValueError(
+        raise InvalidValue(
             f"mask has shape {tuple(allowed.shape)}, expected [..., {input_ids.shape[1]}, {kv}] "
             f"({input_ids.shape[1]} new tokens on top of {kv - input_ids.shape[1]} cached)"
         )
     layers = list(layers or [])
     n_layers = model.config.num_hidden_layers
     if any(not 0 <= i < n_layers - 1 for i in layers):
-        raise ValueError(
+        raise InvalidValue(
             f"layers {layers} must be decoder layer indices in [0, {n_layers - 2}] "
             f"(the last layer's output is `hidden`, after the final norm)"
         )

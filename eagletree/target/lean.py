@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidValue
 from ..packing import PackedLinear, is_packed, pack_weight, packed_linear, packing_problem, weight_key
 from .ragged import Layout, RaggedCache, causal_block, ragged_attention, ragged_forward, use_ragged
 
@@ -135,7 +136,7 @@ def _linears(fuse: str, pack: bool, choice):
     under `choice`); "packed", one packed copy of the fused weights where the Linears are packed (their own
     kernel choice), else their own forwards; "off", the Linears' own forwards (no copy)."""
     if fuse not in FUSE_MODES:
-        raise ValueError(f"fuse must be one of {FUSE_MODES}, got {fuse!r}")
+        raise InvalidValue(f"fuse must be one of {FUSE_MODES}, got {fuse!r}")
     if fuse == "copy":
         return lambda linears: LeanLinear(linears, pack, choice)
     if fuse == "packed":

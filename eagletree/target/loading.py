@@ -77,6 +77,12 @@ def check_target_spec(spec: str | os.PathLike) -> None:
 
 
 def _file_digest(path: Path) -> str:
+    stat = path.stat()  # (a process reads a target's config, then loads it: the file is hashed once)
+    return _digest(path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: Path, size: int, mtime_ns: int, inode: int) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -199,18 +205,27 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def target_config(spec):
+    """The config of the target `spec` names (read without its weights: a GGUF file is de-quantized into the cache
+    first, as loading it would), checked to be a decoder-only causal LM."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_target(spec))
+    check_causal_lm(config)
+    return config
+
+
 def load_target(spec, dtype=None, device=None):
     """Load (model, tokenizer) from an alias such as `smollm2-135m`, a local HF folder, or a .gguf file.
 
     dtype defaults to bf16 on CUDA and fp32 on CPU; the model is returned in eval mode. On CPU a model with
     grouped key/value heads on SDPA reads them in place in tree passes (`attention.use_gqa_sdpa`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = checked_device(device)  # before a de-quantization that would be wasted
     folder = resolve_target(spec)
-    config = AutoConfig.from_pretrained(folder)
-    check_causal_lm(config)
+    target_config(folder)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

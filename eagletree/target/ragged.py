@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidValue
 from .attention import GQA_SDPA, RAGGED, sdpa_gqa_attention
 from .forward import cache_kwarg, forward_takes
 
@@ -64,10 +65,10 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
     last) each new token sees, every entry before them visible. [n_i, n_i]: causal-like among the new tokens;
     [n_i, length + n_i]: all entries spelled out."""
     if len(rows) != len(blocks) or not rows:
-        raise ValueError(f"a ragged pass needs one block per row, got {len(rows)} rows and {len(blocks)} blocks")
+        raise InvalidValue(f"a ragged pass needs one block per row, got {len(rows)} rows and {len(blocks)} blocks")
     counts = [int(b.shape[0]) for b in blocks]
     if min(counts) < 1:
-        raise ValueError(f"every row of a ragged pass adds at least one token, got counts {counts}")
+        raise InvalidValue(f"every row of a ragged pass adds at least one token, got counts {counts}")
     starts = [lengths[r] for r in rows]
     _check_blocks(rows, starts, counts, blocks)
     if len(rows) == 1:
@@ -98,7 +99,7 @@ def plan(lengths: list[int], rows: list[int], blocks: list[torch.Tensor], device
 def _check_blocks(rows, starts, counts, blocks) -> None:
     for row, start, n, block in zip(rows, starts, counts, blocks):
         if not n <= block.shape[1] <= start + n:
-            raise ValueError(
+            raise InvalidValue(
                 f"row {row}: a block of {n} new tokens is [{n}, m] with {n} <= m <= {start + n}, got "
                 f"{list(block.shape)}"
             )
@@ -164,7 +165,7 @@ class RaggedCache:
         """Keep only rows `keep` (in that order): row keep[i] becomes row i. Only the rows that change places are
         copied, in place."""
         if len(set(keep)) != len(keep) or any(not 0 <= r < self.batch for r in keep):
-            raise ValueError(f"keep_rows needs distinct rows of the {self.batch}, got {keep}")
+            raise InvalidValue(f"keep_rows needs distinct rows of the {self.batch}, got {keep}")
         self.lengths = [self.lengths[r] for r in keep]
         moved = [(i, r) for i, r in enumerate(keep) if i != r]
         if not moved:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..draft import HeadError, load_head
+from ..errors import InvalidValue
 from ..files import appending, building, publish, write_text_atomic
 from .config import TrainConfig, TrainingError, lr_lambda
 
@@ -146,7 +147,7 @@ def resume_point(folder: Path, target_config, set_aside: bool = True, trust: boo
             state = load_trainer_state(ckpt / "trainer.pt", trust)
             saved = json.loads((ckpt / "config.json").read_text())
             if not isinstance(state, dict) or not {"optimizer", "scheduler", "step", "counters", "rng"} <= set(state):
-                raise ValueError("trainer.pt lacks the trainer state")
+                raise InvalidValue("trainer.pt lacks the trainer state")
         except UntrustedCheckpoint:
             raise  # not damage: set nothing aside, resume nothing older
         except (HeadError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:

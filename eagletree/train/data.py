@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import InvalidValue
 from ..messages import DataError, to_messages
 
 HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
@@ -341,7 +342,7 @@ def is_heldout(conv_id: str, fraction: float = HELDOUT_FRACTION) -> bool:
 def split(data: Dataset, fraction: float = HELDOUT_FRACTION) -> tuple[list[Conversation], list[Conversation]]:
     """(train, heldout); training must only ever see the first."""
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"held-out fraction must be in (0, 1), got {fraction}")
+        raise InvalidValue(f"held-out fraction must be in (0, 1), got {fraction}")
     train, heldout = [], []
     for conv in data.conversations:
         (heldout if is_heldout(conv.id, fraction) else train).append(conv)

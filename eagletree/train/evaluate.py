@@ -17,7 +17,7 @@ from .. import target as targets
 from ..decode import Decoder, GenerationStats, decode_steps, encode_prompt, whole_answers
 from ..decode.config import DecodeConfig
 from ..draft import TreeDrafter, load_head
-from ..errors import EagletreeError
+from ..errors import EagletreeError, InvalidValue
 from ..files import check_output_folder, write_json_atomic
 from ..packing import pack_target
 from ..prompts import by_category, mtbench_subset
@@ -115,7 +115,7 @@ def tokens_per_pass(
     options = {"tree": "eagle2", "budget": 60, **options}  # the yardstick: EAGLE-2's tree of 60 nodes
     if batch_size != 1:
         if steps is not None:
-            raise ValueError("steps are recorded one prompt at a time: batch_size must be 1 to record them")
+            raise InvalidValue("steps are recorded one prompt at a time: batch_size must be 1 to record them")
         results = decoded_batch(head, target, tokenizer, prompts, max_new_tokens, batch_size, **options)
         if answers is not None:
             answers += [
@@ -203,7 +203,7 @@ def calibrate(steps, method: str = "isotonic") -> tuple:
     """Fit a calibrator on the first half of logged steps; report predicted vs measured on the second half."""
     half = len(steps) // 2
     if half == 0:
-        raise ValueError("need at least two logged steps to calibrate")
+        raise InvalidValue("need at least two logged steps to calibrate")
     probs, hits = [], []
     for tree, accepted in steps[:half]:
         q, y = acceptance_pairs(tree, accepted)

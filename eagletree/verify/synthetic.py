@@ -11,6 +11,7 @@ import hashlib
 
 import torch
 
+from ..errors import InvalidValue
 from .tree import DraftTree
 
 MODES = ("deterministic", "sampled", "replacement")
@@ -51,7 +52,7 @@ def synthetic_tree(
     replacement, with `generator` on the pair's device) or "replacement" (drawn with replacement).
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise InvalidValue(f"mode must be one of {MODES}, got {mode!r}")
     tokens, parents, contexts, frontier = [context[-1]], [-1], [context], [0]
     for width in widths:
         nxt = []
