@@ -11,7 +11,8 @@ or the Python API (`eagletree.Decoder`, the same target loaded once), in a new t
 - silent wrong: the command succeeded but did something else than asked (extra prompts, old answers kept);
 - hang: no answer within the case's time limit, or more memory than the limit (6 GiB; the process is killed);
 - traceback: a Python traceback reached the user, or the API raised something outside eagletree's error family;
-- late: refused, but only after the target model loaded (its "loaded ..." line was printed first).
+- late: refused, but only after the target model loaded (its "loaded ..." line was printed first);
+- wrong message: refused what should work (prompts from standard input), or with a message that misleads.
 
 The last lines count each outcome. Cases only read the public API and the command line, so the same script
 measures earlier versions (run it from their checkout).
@@ -31,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = ROOT / "eagletree" / "heads" / "smollm2-135m"
-OUTCOMES = ("fine", "data loss", "silent wrong", "hang", "traceback", "late")
+OUTCOMES = ("fine", "data loss", "silent wrong", "hang", "traceback", "late", "wrong message")
 
 
 @dataclass
@@ -131,7 +132,7 @@ def case_rerun_with_other_settings(tmp: Path, timeout: float) -> str:
     if first.rc != 0:
         return "traceback" if first.traceback else "silent wrong"
     again = cli(
-        GEN[:2] + ["8", "--temperature", "0.9"] + GEN[4:] + ["--prompts", "p.txt", "--out", "a.jsonl"], tmp, timeout
+        GEN[:2] + ["8", "--temperature", "0.9"] + GEN[3:] + ["--prompts", "p.txt", "--out", "a.jsonl"], tmp, timeout
     )
     if again.rc == 0:
         answers = records(tmp / "a.jsonl")
@@ -216,7 +217,7 @@ def case_prompts_from_stdin(tmp: Path, timeout: float) -> str:
     for source in ("-", "/dev/stdin"):
         run = cli(GEN + ["--prompts", source, "--out", "a.jsonl"], tmp, timeout, stdin=b"hello\nwhy\n")
         if run.rc != 0:
-            return "hang" if run.rc is None else ("traceback" if run.traceback else "silent wrong")
+            return "hang" if run.rc is None else ("traceback" if run.traceback else "wrong message")
         if len(records(tmp / "a.jsonl")) != 2:
             return "silent wrong"
         (tmp / "a.jsonl").unlink()
