@@ -107,9 +107,9 @@ def check_record_path(path, option: str = "--out", inputs: tuple = (), error: ty
     path, shown = Path(path), f"{option} {str(path)!r}"
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (the latter: a part of the path is a file)
         return _check_new_path(path, shown, error)
-    except OSError as e:  # a part of the path is a file (ENOTDIR), a loop of links, a folder not searchable
+    except OSError as e:  # a loop of links, a folder not searchable
         raise error(f"{shown} cannot be looked up ({e.strerror}); expected a file path") from None
     kind = _kind(st.st_mode)
     if kind != "a folder" and not stat.S_ISCHR(st.st_mode):

@@ -152,7 +152,7 @@ def test_output_paths_are_checked_before_the_model_loads(tiny_cli, tmp_path, cap
         ("/dev/null", "'/dev/null' is a character device, not a regular file; expected a file path"),
         ("/dev/full", "'/dev/full' is a character device, not a regular file"),
         ("/dev/stdout", "'/dev/stdout' is this command's standard output; leave --out out to print the records"),
-        (tmp_path / "file" / "a.jsonl", "cannot be looked up (Not a directory)"),
+        (tmp_path / "file" / "a.jsonl", f"{str(tmp_path / 'file')!r} is a file, so nothing can be written under it"),
     ):
         assert message in _refused([*tiny_cli, "--out", str(out)], capsys), out
     with _unwritable(frozen):
