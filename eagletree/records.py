@@ -289,7 +289,7 @@ class RecordStore:
         self.settings = None if settings is None else json.loads(json.dumps(settings))  # (as the file holds them)
         check_record_path(self.path, option, inputs, fmt.error)
         self.fd, self.created = _open_locked(self.path, self.shown, fmt.error)
-        self.appended = 0
+        self.appended, self.found_empty = 0, False
         try:
             raw = _read_all(self.fd)
             self.found_empty = not raw
@@ -315,7 +315,7 @@ class RecordStore:
         keys = {self.fmt.key_of(line, f"{where} {n}") for n, line in lines if n > 1}
         if last is not None:  # a whole record that only lacks its newline
             keys.add(self.fmt.key_of(last, f"{where} {raw.count(NEWLINE, 0, end) + 1}"))
-            return keys, lambda: os.write(self.fd, b"\n")
+            return keys, lambda: self._write(NEWLINE)
         if tail.strip():
             return keys, lambda: self._cut(end, tail)
         return keys, (lambda: os.ftruncate(self.fd, end)) if tail else (lambda: None)
