@@ -93,12 +93,17 @@ def _npz_header(z, path, what: str, remedy: str, error: type[Exception]) -> dict
 
 
 def read_appended_jsonl(path: Path, not_utf8) -> tuple[list[tuple[int, str]], str | None, int, bytes]:
-    """The lines of an append-only JSONL file as an interrupted writer may leave it: ((line number, text) of each
-    non-blank whole line; the text after the last newline when it is a complete JSON object, else None; the byte
-    offset where the whole lines end; the bytes that follow). Anything else after the last newline is what
-    a kill in the middle of a write leaves, possibly a cut UTF-8 character. `not_utf8(error)` is the exception
-    to raise when the whole lines are not UTF-8."""
-    raw = path.read_bytes()
+    """The lines of an append-only JSONL file as an interrupted writer may leave it: `split_appended_jsonl` of its
+    bytes."""
+    return split_appended_jsonl(path.read_bytes(), not_utf8)
+
+
+def split_appended_jsonl(raw: bytes, not_utf8) -> tuple[list[tuple[int, str]], str | None, int, bytes]:
+    """The lines of an append-only JSONL file's bytes `raw`: ((line number, text) of each non-blank whole line; the
+    text after the last newline when it is a complete JSON object, else None; the byte offset where the whole lines
+    end; the bytes that follow). Anything else after the last newline is what a kill in the middle of a write leaves,
+    possibly a cut UTF-8 character. Lines end at newlines only (U+2028 and the like are text inside a JSON string).
+    `not_utf8(error)` is the exception to raise when the whole lines are not UTF-8."""
     end = raw.rfind(b"\n") + 1
     try:
         lines = raw[:end].decode("utf-8").split("\n")

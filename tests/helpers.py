@@ -162,3 +162,14 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     assert counts[~support].sum() == 0, "a token the target never emits was emitted"
     expected = probs[support] / probs[support].sum() * counts.sum()
     return float(chisquare(counts[support].numpy(), expected.numpy()).pvalue)
+
+
+def records_of(path) -> list[dict]:
+    """The records of a record file (`eagletree generate --prompts --out`, `eagletree distill`), its header left out."""
+    import json
+    from pathlib import Path
+
+    from eagletree.records import is_header
+
+    lines = [line for line in Path(path).read_text().split("\n") if line]  # (not splitlines: U+2028 is text)
+    return [r for r in map(json.loads, lines) if not is_header(r)]

@@ -12,7 +12,7 @@ from eagletree.cli import main as cli_main
 from eagletree.decode import generate
 from eagletree.draft import EagleHead
 
-from helpers import tiny_model, tiny_tokenizer
+from helpers import records_of, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture
@@ -423,7 +423,7 @@ FAST = ["--max-new-tokens", "8", "--tree", "eagle2", "--budget", "6", "--pack", 
 
 
 def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return records_of(path)
 
 
 def test_generate_prompts_writes_one_line_per_prompt_with_the_single_prompt_answers(tiny_cli, tmp_path, capsys):
@@ -500,14 +500,16 @@ def test_generate_prompts_errors_name_the_flag_or_file(tiny_cli, tmp_path, capsy
     (tmp_path / "blank.txt").write_text("\n  \n")
     (tmp_path / "bad.jsonl").write_text('"hello"\n{"prompt": \n')
     (tmp_path / "p.txt").write_text("hello\nsky blue\n")
+    (tmp_path / "bye.txt").write_text("bye\n")
     other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps({"index": 0, "prompt": "bye", "text": "x"}) + "\n")
+    assert cli_main(["generate", *args, *FAST, "--prompts", str(tmp_path / "bye.txt"), "--out", str(other)]) == 0
+    capsys.readouterr()
     p = ["--prompts", str(tmp_path / "p.txt")]
     for argv, message in (
         (["--prompts", str(tmp_path / "missing.txt")], r"--prompts '.*missing.txt': no such file"),
         (["--prompts", str(tmp_path / "blank.txt")], r"--prompts '.*blank.txt' holds no prompts"),
         (["--prompts", str(tmp_path / "bad.jsonl")], r"bad.jsonl line 2 is not JSON"),
-        ([*p, "--out", str(other)], r"other.jsonl line 1: prompt 0 there is not prompt 0 of these prompts"),
+        ([*p, "--out", str(other)], r"other.jsonl line 2: prompt 0 there is not prompt 0 of these prompts"),
         ([*p, "--out", str(tmp_path)], r"--out '.*' is a folder; expected a file path"),
         ([*p, "--compare-plain"], "--compare-plain times one prompt"),
         (["--prompt", "hi", "--out", str(tmp_path / "o.jsonl")], "--out goes with --prompts FILE"),
@@ -529,9 +531,9 @@ def test_generate_prompts_errors_name_the_flag_or_file(tiny_cli, tmp_path, capsy
     long = "hello " * model.config.max_position_embeddings
     (tmp_path / "long.txt").write_text(f"hello\nsky blue\n{long}\n")
     out = tmp_path / "long.jsonl"
-    out.write_text(json.dumps({"index": 0, "prompt": "hello", "text": "x"}) + "\n")
+    assert cli_main(["generate", *args, *FAST, *p, "--out", str(out)]) == 0  # prompts 0 and 1 of long.txt too
     assert cli_main(["generate", *args, *FAST, "--prompts", str(tmp_path / "long.txt"), "--out", str(out)]) == 2
     assert re.search(
         r"--prompts .*long.txt: prompt 2: prompt \(\d+ tokens\) \+ max_new_tokens", capsys.readouterr().err
     )
-    assert len(_records(out)) == 1  # every prompt is checked before decoding: nothing was written
+    assert len(_records(out)) == 2  # every prompt is checked before decoding: nothing was written

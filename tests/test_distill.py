@@ -9,7 +9,7 @@ from eagletree.train.data import Conversation, is_heldout, load_dataset
 from eagletree.train.distill import DistillError, answered_ids, distill, first_turns, user_turns
 from eagletree.train.loop import TrainConfig, TrainingError, train
 
-from helpers import tiny_conversations, tiny_model, tiny_tokenizer
+from helpers import records_of, tiny_conversations, tiny_model, tiny_tokenizer
 
 
 def greedy_alone(model, tok, messages, max_new_tokens):
@@ -93,7 +93,7 @@ def test_later_turns_are_answered_greedily_and_refuse_a_file_of_first_turns(tmp_
         turns="later",
         max_prompt_tokens=10_000,
     )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = records_of(out)
     assert counts["answered"] == 2 and [r["id"] for r in records] == ["c_0@turn2", "c_0@turn4"]
     for r in records:
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 5)
@@ -106,7 +106,7 @@ def test_later_turns_are_answered_greedily_and_refuse_a_file_of_first_turns(tmp_
     convs = load_dataset(str(out)).conversations
     trained = render(tok, convs[1].messages)
     assert tok.decode(trained.input_ids[trained.loss_mask]) == f"{records[1]['messages'][-1]['content']} <|end|>"
-    with pytest.raises(DistillError, match="this run asks for"):
+    with pytest.raises(DistillError, match='other settings: turns "later" there, absent here'):
         distill(model, tok, multi_turn_conversations(), out, max_new_tokens=5, progress=False)
 
 
@@ -114,7 +114,7 @@ def test_batched_answers_equal_the_unbatched_greedy_answers(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     out = tmp_path / "d.jsonl"
     counts = distill(model, tok, mixed_length_conversations(), out, max_new_tokens=10, batch_size=3, progress=False)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = records_of(out)
     assert counts["answered"] == len(records) == 8 and counts["eos"] + counts["length"] == 8
     for r in records:
         prompt, answer = r["messages"][:-1], r["messages"][-1]
@@ -144,7 +144,7 @@ def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path,
     monkeypatch.setattr(mod, "_answer_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         distill(model, tok, convs, out, **options)
-    assert len(out.read_text().splitlines()) == 4
+    assert len(records_of(out)) == 4
     monkeypatch.setattr(mod, "_answer_batch", real)
     counts = distill(model, tok, convs, out, **options)
     assert counts["already"] == 4 and counts["answered"] == 6
@@ -154,17 +154,17 @@ def test_an_interrupted_run_resumes_to_the_same_file_as_a_straight_run(tmp_path,
 
     assert by_id(out) == by_id(tmp_path / "straight.jsonl")  # same records, sampled answers included
     # A kill in the middle of a write: the cut record is removed and answered again, nothing else.
-    lines = out.read_text().split("\n")
-    out.write_text("\n".join(lines[:9]) + "\n" + lines[9][:25])  # the last of the 10 records cut
+    lines = out.read_text().split("\n")  # the header line, then the records
+    out.write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])  # the last of the 10 records cut
     with pytest.warns(UserWarning, match="removed a cut-off last line"):
         counts = distill(model, tok, convs, out, **options)
     assert counts["already"] == 9 and counts["answered"] == 1
-    assert sorted(json.loads(line)["id"] for line in out.read_text().split("\n") if line) == sorted(c.id for c in convs)
+    assert sorted(r["id"] for r in records_of(out)) == sorted(c.id for c in convs)
     assert distill(model, tok, convs, out, **options)["answered"] == 0  # nothing left to do
     with pytest.raises(
         DistillError,
-        match=r"line 1 was made with .*'temperature': 1.0.* this run asks for "
-        r".*'temperature': 0.0",
+        match=r"made with other settings: seed 3 there, absent here; temperature 1.0 there, 0.0 here; rerun with the "
+        r"settings it was made with to continue it, or pass another --out",
     ):
         distill(model, tok, convs, out, max_new_tokens=6, progress=False)
 
@@ -181,7 +181,7 @@ def test_answers_stop_at_the_models_own_stop_tokens(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     convs = tiny_conversations(6)
     distill(model, tok, convs, tmp_path / "free.jsonl", max_new_tokens=8, progress=False)
-    free = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
+    free = records_of(tmp_path / "free.jsonl")
     # A token the model writes in the middle of some answer becomes a stop token of its generation_config
     # (as Llama-3's <|eot_id|> or Gemma's <end_of_turn> are): answers must end right before it.
     longest = max((r["messages"][-1]["content"].split() for r in free), key=len)
@@ -189,7 +189,7 @@ def test_answers_stop_at_the_models_own_stop_tokens(tmp_path):
     word = longest[len(longest) // 2]
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(word)]
     counts = distill(model, tok, convs, tmp_path / "stopped.jsonl", max_new_tokens=8, progress=False)
-    stopped = [json.loads(line) for line in (tmp_path / "stopped.jsonl").read_text().splitlines()]
+    stopped = records_of(tmp_path / "stopped.jsonl")
     assert counts["eos"] >= 1
     for a, b in zip(free, stopped):
         full, cut = a["messages"][-1]["content"].split(), b["messages"][-1]["content"].split()
@@ -252,7 +252,7 @@ def test_limits_long_prompts_and_bad_values(tmp_path):
             distill(model, tok, convs, tmp_path / "b.jsonl", progress=False, **kw)
     bad = tmp_path / "c.jsonl"
     bad.write_text('{"something": "else"}\n')
-    with pytest.raises(DistillError, match="line 1 is not a distillation record"):
+    with pytest.raises(DistillError, match="c.jsonl' is not a record file of `eagletree distill`: its first line is"):
         answered_ids(bad)
 
 
@@ -268,7 +268,7 @@ def test_skip_answered_leaves_out_prompts_another_file_answers(tmp_path):
     counts = distill(model, tok, convs, short, max_new_tokens=4, skip_answered=(long,), progress=False)
     assert (counts["answered"], counts["skipped_answered_elsewhere"]) == (3, 3)
     assert answered_ids(short) == {"t3", "t4", "t5"} and long.read_bytes() == before
-    for r in map(json.loads, short.read_text().splitlines()):  # the same answers as a run without the other file
+    for r in records_of(short):  # the same answers as a run without the other file
         assert r["messages"][-1]["content"] == greedy_alone(model, tok, r["messages"][:-1], 4), r["id"]
     # A complete last record without its newline counts; a path may be given alone.
     three = tmp_path / "three.jsonl"
@@ -312,9 +312,7 @@ def test_the_eagletree_decoder_writes_the_records_hf_writes(tmp_path, monkeypatc
     options = dict(max_new_tokens=8, batch_size=3, progress=False)
     distill(model, tok, convs, tmp_path / "free.jsonl", **options)
     # a word the model writes mid-answer becomes a stop token, so some answers end with "eos", others at the length
-    longest = max(
-        (json.loads(line)["messages"][-1]["content"].split() for line in open(tmp_path / "free.jsonl")), key=len
-    )
+    longest = max((r["messages"][-1]["content"].split() for r in records_of(tmp_path / "free.jsonl")), key=len)
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(longest[len(longest) // 2])]
     hf = distill(model, tok, convs, tmp_path / "hf.jsonl", **options)
     assert hf["eos"] >= 1 and hf["length"] >= 1
@@ -327,7 +325,7 @@ def test_the_eagletree_decoder_writes_the_records_hf_writes(tmp_path, monkeypatc
         assert sorted(out.read_text().splitlines()) == sorted((tmp_path / "hf.jsonl").read_text().splitlines())
     # The same records: a file begun with one decoder is continued with the other.
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text("".join((tmp_path / "hf.jsonl").read_text().splitlines(keepends=True)[:3]))
+    mixed.write_text("".join((tmp_path / "hf.jsonl").read_text().splitlines(keepends=True)[:4]))  # header, 3 records
     counts = distill(model, tok, convs, mixed, decoder="eagletree", head=head, **options)
     assert (counts["already"], counts["answered"]) == (3, 5)
     assert sorted(mixed.read_text().splitlines()) == sorted((tmp_path / "hf.jsonl").read_text().splitlines())

@@ -19,7 +19,7 @@ from eagletree.decode import hf_generation_config
 from eagletree.train.data import Conversation
 from eagletree.train.distill import DistillError, answered_ids, distill
 
-from helpers import tiny_conversations, tiny_model, tiny_tokenizer
+from helpers import records_of, tiny_conversations, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,8 +69,7 @@ def model_with_a_stop_word(tmp_path):
     """The tiny model, a word it writes mid-answer made a stop token: answers end at "eos" or at the length."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     distill(model, tok, conversations(), tmp_path / "free.jsonl", max_new_tokens=8, progress=False)
-    lines = (tmp_path / "free.jsonl").read_text().splitlines()
-    longest = max((json.loads(line)["messages"][-1]["content"].split() for line in lines), key=len)
+    longest = max((r["messages"][-1]["content"].split() for r in records_of(tmp_path / "free.jsonl")), key=len)
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(longest[len(longest) // 2])]
     return model, tok
 
@@ -108,19 +107,19 @@ def test_an_interrupted_vllm_run_resumes_without_duplicates_or_torn_lines(tmp_pa
     distill(model, tok, convs, tmp_path / "straight.jsonl", engine=FakeEngine(model), **options)
     with pytest.raises(KeyboardInterrupt):
         distill(model, tok, convs, out, engine=FakeEngine(model, interrupt_at=3), **options)
-    assert len(out.read_text().splitlines()) == 6  # the two chunks answered before the interruption, whole
+    assert len(records_of(out)) == 6  # the two chunks answered before the interruption, whole
     counts = distill(model, tok, convs, out, engine=FakeEngine(model), **options)
     assert (counts["already"], counts["answered"]) == (6, 4)
     assert sorted_lines(out) == sorted_lines(tmp_path / "straight.jsonl")
     # A kill in the middle of a write: the cut record is removed and answered again, nothing else.
-    lines = out.read_text().splitlines()
-    out.write_text("\n".join(lines[:9]) + "\n" + lines[9][:25])
+    lines = out.read_text().splitlines()  # the header line, then the records
+    out.write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])
     engine = FakeEngine(model)
     with pytest.warns(UserWarning, match="removed a cut-off last line"):
         counts = distill(model, tok, convs, out, engine=engine, **options)
     assert (counts["already"], counts["answered"], engine.calls) == (9, 1, [1])
     assert sorted_lines(out) == sorted_lines(tmp_path / "straight.jsonl")
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in records_of(out)]
     assert len(ids) == len(set(ids)) == 10
     engine = FakeEngine(model)
     assert distill(model, tok, convs, out, engine=engine, **options)["answered"] == 0
@@ -140,7 +139,7 @@ def test_sampled_vllm_answers_draw_per_prompt_and_name_the_engine(tmp_path):
     assert json.loads(settings)["engine"] == "vllm" and json.loads(settings)["seed"] == 3
     # HF's sampled answers are other draws: a file of them is not continued by vLLM, nor the other way round.
     distill(model, tok, convs[:2], tmp_path / "hf.jsonl", max_new_tokens=6, temperature=1.0, seed=3, progress=False)
-    with pytest.raises(DistillError, match=r"line 1 was made with .* this run asks for .*'engine': 'vllm'"):
+    with pytest.raises(DistillError, match='made with other settings: engine absent there, "vllm" here'):
         distill(model, tok, convs, tmp_path / "hf.jsonl", engine=FakeEngine(model), **options)
     greedy = tmp_path / "greedy.jsonl"
     distill(model, tok, convs, greedy, max_new_tokens=6, decoder="vllm", engine=FakeEngine(model), progress=False)
@@ -305,7 +304,7 @@ def test_vllm_distill_writes_the_records_hf_writes(tmp_path, vllm_venv, hf_recor
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [line] = run.stdout.splitlines()  # distill's counts alone: vLLM logs to stderr
     counts = json.loads(line)
-    assert counts["answered"] == len(hf_records.read_text().splitlines()) and counts["engine_start_seconds"] > 0
+    assert counts["answered"] == len(records_of(hf_records)) and counts["engine_start_seconds"] > 0
     assert sorted_lines(out) == sorted_lines(hf_records)  # token for token, greedy fp32; settings included
 
 
@@ -315,21 +314,21 @@ def test_an_interrupted_vllm_distill_resumes_to_the_hf_records(tmp_path, vllm_ve
     with open(tmp_path / "interrupted.log", "w") as log:
         run = distill_in_vllm_venv(vllm_venv, out, "--batch-size", "8", log=log)
         deadline = time.monotonic() + 900
-        while not (out.exists() and out.read_text().count("\n") >= 8) and run.poll() is None:
+        while not (out.exists() and out.read_text().count("\n") >= 9) and run.poll() is None:  # header, 8 records
             assert time.monotonic() < deadline, "no chunk was written in 900 s"
             time.sleep(0.5)
         run.send_signal(signal.SIGINT)  # Ctrl-C after the first chunk's records
         run.wait(timeout=300)
     assert run.returncode == 130, (tmp_path / "interrupted.log").read_text()[-3000:]
-    lines = out.read_text().splitlines(keepends=True)
+    lines = out.read_text().splitlines(keepends=True)[1:]  # the records after the header line
     assert all(line.endswith("\n") for line in lines) and len(lines) % 8 == 0
-    assert 8 <= len(lines) < len(hf_records.read_text().splitlines())
+    assert 8 <= len(lines) < len(records_of(hf_records))
     with open(out, "a") as f:  # and a record cut off by a kill in the middle of its write
         f.write(hf_records.read_text().splitlines()[-1][:40])
     resumed = distill_in_vllm_venv(vllm_venv, out, "--batch-size", "8")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "removed a cut-off last line" in resumed.stderr
     assert json.loads(resumed.stdout)["already"] == len(lines)
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in records_of(out)]
     assert len(ids) == len(set(ids))
     assert sorted_lines(out) == sorted_lines(hf_records)

@@ -26,7 +26,7 @@ from eagletree.draft import EagleHead
 from eagletree.target import TargetError
 from eagletree.train.distill import DistillError, distill
 
-from helpers import tiny_config, tiny_conversations, tiny_model, tiny_tokenizer
+from helpers import records_of, tiny_config, tiny_conversations, tiny_model, tiny_tokenizer
 
 WINDOW = 16
 
@@ -142,7 +142,7 @@ LONG = "what is two plus four six the sky blue why because"  # 10 words: a 13-to
 
 
 def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return records_of(path)
 
 
 def test_generate_prompts_writes_a_sequence_error_in_its_record_and_exits_1(windowed_cli, tmp_path, capsys):
@@ -227,16 +227,16 @@ def test_an_interrupted_batched_eagletree_distill_resumes_to_the_straight_runs_r
     monkeypatch.setattr(Decoder, "results", interrupted)
     with pytest.raises(KeyboardInterrupt):
         distill(model, tok, convs, out, **options)
-    assert len(out.read_text().splitlines()) == 3
+    assert len(records_of(out)) == 3
     monkeypatch.setattr(Decoder, "results", real)
-    done = {json.loads(line)["id"] for line in out.read_text().splitlines()}
-    torn = next(line for line in straight.read_text().splitlines() if json.loads(line)["id"] not in done)
+    done = {r["id"] for r in records_of(out)}
+    torn = next(line for line in straight.read_text().splitlines()[1:] if json.loads(line)["id"] not in done)
     with open(out, "a") as f:  # a kill in the middle of a write: the record of a missing id, cut
         f.write(torn[: len(torn) // 2])
     with pytest.warns(UserWarning, match="removed a cut-off last line"):
         counts = distill(model, tok, convs, out, **options)
     assert (counts["already"], counts["answered"]) == (3, 5)
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in records_of(out)]
     assert sorted(ids) == sorted(c.id for c in convs)  # every prompt once
     assert sorted(out.read_text().splitlines()) == sorted(straight.read_text().splitlines())  # the same answers
     assert distill(model, tok, convs, out, **options)["answered"] == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,14 +133,10 @@ def load_prompts(spec: str) -> list[list[dict]]:
 def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
     """The prompts of a file, each as chat messages: a .jsonl file holds one per line, a .json file a list of
     them (each a string, {"prompt": "..."} or {"messages": [...]}, ending with the user's turn); any other file
-    is text, one prompt per line. Blank lines are skipped; errors name `flag` or the file and line."""
+    is text, one prompt per line (lines end at a newline only). "-" or /dev/stdin: standard input, read once, as
+    text. Blank lines are skipped; errors name `flag` or the file and line."""
     name, path = os.fspath(path), Path(path)
-    if not path.is_file():
-        raise InvalidValue(f"{flag} {name!r}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidValue(f"{flag} {name!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = _read_prompt_text(name, flag)
     if path.suffix == ".json":
         try:
             items = json.loads(text)
@@ -149,7 +147,8 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
         prompts = [_prompt_item(item, f"{name} item {i}") for i, item in enumerate(items)]
     else:
         prompts = []
-        for i, line in enumerate(text.splitlines(), start=1):
+        # Newlines only: U+2028, a form feed or \x1d (which str.splitlines splits at) are text within a prompt.
+        for i, line in enumerate((line.removesuffix("\r") for line in text.split("\n")), start=1):
             if not line.strip():
                 continue
             if path.suffix != ".jsonl":
@@ -163,6 +162,42 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
     if not prompts:
         raise InvalidValue(f"{flag} {name!r} holds no prompts")
     return prompts
+
+
+def _read_prompt_text(name: str, flag: str) -> str:
+    """The text of the prompts file `name` ("-" and /dev/stdin: standard input, read whole); an error naming `flag`
+    for a missing file, one that is not a regular file (a device is never read), or text that is not UTF-8."""
+    if name in ("-", "/dev/stdin"):
+        data = _read_stdin(flag)
+    else:
+        try:
+            mode = os.stat(name).st_mode
+        except OSError:
+            raise InvalidValue(f"{flag} {name!r}: no such file") from None
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise InvalidValue(f"{flag} {name!r} is {what}; expected a file of prompts, or - for standard input")
+        data = Path(name).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidValue(f"{flag} {name!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _read_stdin(flag: str) -> bytes:
+    """Standard input, read whole: a pipe, a file or a terminal (until Ctrl-D), never another device (/dev/zero would
+    not end)."""
+    if sys.stdin is None:
+        raise InvalidValue(f"{flag} -: standard input is closed; pass a file of prompts")
+    try:
+        mode, tty = os.fstat(sys.stdin.fileno()).st_mode, sys.stdin.isatty()
+    except (OSError, ValueError):  # (stdin replaced by an object without a file number: read it as it is)
+        mode, tty = None, False
+    if mode is not None and (stat.S_ISBLK(mode) or stat.S_ISCHR(mode) and not tty):
+        raise InvalidValue(
+            f"{flag} -: standard input is a device, not a pipe, file or terminal; pass a file of prompts"
+        )
+    return sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
 
 
 def _prompt_item(item, where: str) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..errors import InvalidValue
 from .common import add_decoding_args, at_least
 
 
@@ -100,10 +101,10 @@ def cmd_generate(args) -> int:
 
     for flag, value in (("--batch-size", args.batch_size), ("--out", args.out)):
         if value is not None:
-            raise ValueError(f"{flag} goes with --prompts FILE (many prompts); --prompt answers one")
+            raise InvalidValue(f"{flag} goes with --prompts FILE (many prompts); --prompt answers one")
     check_utf8(args.prompt, "--prompt")
     if not args.prompt.strip():
-        raise ValueError("--prompt is empty; give the text to answer")
+        raise InvalidValue("--prompt is empty; give the text to answer")
     config = DecodeConfig.from_args(args)
     model, tok, head, decoder = load_from_args(args, config)
     messages = [{"role": "user", "content": args.prompt}]
@@ -159,29 +160,30 @@ def _generate_prompts(args) -> int:
     """`generate --prompts FILE`: every prompt of the file, --batch-size at a time, appended to --out as each
     finishes (resumable) or printed; then one summary line. Exit status 1 when an answer of this run ended with
     an error (written with it, and named in the summary), else 0."""
-    from pathlib import Path
+    from contextlib import nullcontext
 
     from ..bench.inputs import read_prompt_file
     from ..decode.config import DecodeConfig
-    from ..files import check_output_file
+    from ..records import check_record_path
     from .models import load_from_args
-    from .prompt_batch import answered, decode_prompts, run_summary
+    from .prompt_batch import answer_settings, decode_prompts, open_answers, run_summary
 
     if args.compare_plain:
-        raise ValueError("--compare-plain times one prompt against plain decoding; it does not go with --prompts")
+        raise InvalidValue("--compare-plain times one prompt against plain decoding; it does not go with --prompts")
+    config = DecodeConfig.from_args(args)  # (bad flags are refused before anything is read or loaded)
+    if args.out is not None:  # (before stdin is read: a wrong --out costs nothing)
+        check_record_path(args.out, "--out", (("--prompts", args.prompts),))
     prompts = read_prompt_file(args.prompts, "--prompts")
-    out = None if args.out is None else Path(args.out)
-    config, done = DecodeConfig.from_args(args), None  # (bad flags are refused before anything is read or loaded)
-    if out is not None:
-        check_output_file(out, "--out")
-        done = answered(out, prompts)  # a wrong --out file is refused before loading (and a cut-off line removed)
-    if done is not None and len(done) == len(prompts):
-        totals = {"prompts": len(prompts), "already": len(done), "answered": 0, "new_tokens": 0, "seconds": 0.0}
-        print(run_summary(totals))  # nothing left to decode: nothing is loaded
-        return 0
-    *_, decoder = load_from_args(args, config)
-    totals = decode_prompts(decoder, prompts, args.batch_size or 8, out, args.json, args.prompts, done)
-    print(run_summary(totals), file=sys.stderr if args.json and out is None else sys.stdout)
+    # A wrong --out file is refused before loading; the file stays locked until the run ends.
+    store = None if args.out is None else open_answers(args.out, prompts, answer_settings(args, config), args.prompts)
+    with store or nullcontext():
+        if store is not None and len(store.keys) == len(prompts):
+            totals = {"prompts": len(prompts), "already": len(prompts), "answered": 0, "new_tokens": 0, "seconds": 0.0}
+            print(run_summary(totals))  # nothing left to decode: nothing is loaded
+            return 0
+        *_, decoder = load_from_args(args, config)
+        totals = decode_prompts(decoder, prompts, args.batch_size or 8, store, args.json, args.prompts)
+    print(run_summary(totals), file=sys.stderr if args.json and store is None else sys.stdout)
     return 1 if totals["errors"] else 0  # (1: every answer was written, but some ended early with an error)
 
 

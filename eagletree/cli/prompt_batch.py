@@ -1,11 +1,15 @@
 """`eagletree generate --prompts FILE`: many prompts decoded together (`Decoder.results`, continuous batching), each
 answer written as one JSON line as soon as it is finished.
 
-The output file is append-only and resumable: a rerun skips the indices already in it, and a last line cut off
-by a kill in the middle of a write is removed (with a warning) before anything is appended. A sequence that
-ended with an error (`GenerationResult.error`) is written with it and counts as answered: a rerun would meet the
-same error, so it skips that line too (remove the line to decode it again). Each line is written
-with one unbuffered write and flushed to disk, so an interruption loses at most the answers still being decoded.
+The output file (--out) is a record file (`eagletree.records`): a header line with generate's settings, then one
+answer record per line, appended and resumable: a rerun with the same settings skips the indices already there, and
+a last line cut off by a kill in the middle of a write is removed (with a warning) before anything is appended. A
+file that is not such a file (no header, another command's, other settings, answers to other prompts) is refused
+untouched before the model loads; an answers file from before headers too (its answers carry no settings, so they
+cannot be told apart from other settings'): write to another --out. A sequence that ended with an error
+(`GenerationResult.error`) is written with it and counts as answered: a rerun would meet the same error, so it skips
+that line too (remove the line to decode it again). Each line is written with one write and synced to disk, so an
+interruption loses at most the answers still being decoded.
 """
 
 from __future__ import annotations
@@ -14,17 +18,14 @@ import json
 import os
 import sys
 import time
-import warnings
-from pathlib import Path
 
 from tqdm import tqdm
 
-from ..errors import EagletreeError
-from ..files import disk_full_error, is_disk_full
-from ..reading import read_appended_jsonl
+from ..errors import InvalidValue
+from ..records import RecordFileError, RecordFormat, RecordStore
 
 
-class AnswersFileError(EagletreeError, ValueError):
+class AnswersFileError(RecordFileError):
     """An --out file that is not this run's answers; the message names the file and line."""
 
 
@@ -64,56 +65,56 @@ def _index(line: str, where: str, prompts: list, fix: str) -> int:
     return index
 
 
-def answered(out: Path, prompts: list, fix: str = "pass another --out, or the --prompts file it answers") -> set[int]:
-    """The prompt indices `out` answers already (every line must answer the prompt of its index).
-
-    A last line without its newline is kept (newline added) when it is a whole record, else cut off: what a kill
-    in the middle of a write leaves (possibly a cut UTF-8 character).
-    """
-    if not out.exists():
-        return set()
-    lines, last, end, tail = read_appended_jsonl(
-        out, lambda e: AnswersFileError(f"--out {str(out)!r} is not UTF-8 ({e}); {fix}")
+def answers_format(prompts: list, fix: str = "pass another --out, or the --prompts file it answers") -> RecordFormat:
+    """What an answers file of `prompts` holds: records keyed by the index of the prompt each answers."""
+    return RecordFormat(
+        command="generate --prompts",
+        key_of=lambda line, where: _index(line, where, prompts, fix),
+        error=AnswersFileError,
+        legacy="pass another --out: its answers carry no settings, so they are not continued (the file is kept)",
     )
-    done = {_index(line, f"{out} line {n}", prompts, fix) for n, line in lines}
-    if last is not None:
-        done.add(_index(last, f"{out} last line", prompts, fix))
-        with open(out, "ab") as f:
-            f.write(b"\n")
-    elif tail.strip():
-        with open(out, "r+b") as f:
-            f.truncate(end)
-        warnings.warn(f"{out}: removed a cut-off last line ({len(tail)} bytes) left by an interruption", stacklevel=2)
-    elif tail:
-        with open(out, "r+b") as f:  # (blank bytes after the last newline: nothing to keep)
-            f.truncate(end)
-    return done
 
 
-def append_line(fd: int, line: str) -> None:
-    """Append one whole line to the file open (O_APPEND) as `fd`, in one write, and flush it to disk."""
-    data = line.encode("utf-8")
-    written = os.write(fd, data)
-    while written < len(data):  # (a regular file takes it whole; a short write is finished, never repeated)
-        written += os.write(fd, data[written:])
-    os.fsync(fd)
+def answer_settings(args, config) -> dict:
+    """What decides generate's records: the target and head (a path made absolute), the target's precision, the
+    tree, the lengths, the sampling and its seed, copying and the stop strings."""
+
+    def name(value):
+        return os.path.abspath(value) if value not in (None, "none") and os.path.exists(value) else value
+
+    sampling = config.sampling
+    return {
+        "target": name(args.target),
+        "head": name(args.head),
+        "dtype": args.dtype,
+        "tree": config.tree.value,
+        "budget": config.budget,
+        "depth": config.depth,
+        "top_k_draft": config.top_k_draft,
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": sampling.seed,
+        "copy": args.copy,
+        "datastore": name(args.datastore),
+        "stop": None if config.stop is None else list(config.stop),
+    }
 
 
-def decode_prompts(
-    decoder, prompts: list, batch_size: int, out: Path | None, as_json: bool, source: str, done: set | None = None
-) -> dict:
-    """Decode `prompts` (chat messages each, from the file `source`) `batch_size` at a time, but those in `done`
-    (default: what `out` answers already); each finished one is appended to `out` as a JSON line, or printed (its
-    text, or with `as_json` its line). A sequence that ended with an error is written like the others, its record
-    holding the error, which is also printed to stderr. Returns the run's totals ("errors": those prompts'
-    indices)."""
-    if done is None:
-        done = answered(out, prompts) if out is not None else set()
+def open_answers(out, prompts: list, settings: dict, source: str) -> RecordStore:
+    """The answers file `out` of `prompts` made with `settings` (from the --prompts file `source`), open and locked:
+    `keys` holds the indices it answers already (see `eagletree.records`)."""
+    return RecordStore(out, answers_format(prompts), settings, "--out", (("--prompts", source),))
+
+
+def decode_prompts(decoder, prompts: list, batch_size: int, store: RecordStore | None, as_json: bool, source: str):
+    """Decode `prompts` (chat messages each, from the file `source`) `batch_size` at a time, but those `store`
+    answers already; each finished one is appended to `store` as a JSON line, or without one printed (its text, or
+    with `as_json` its line). A sequence that ended with an error is written like the others, its record holding
+    the error, which is also printed to stderr. Returns the run's totals ("errors": those prompts' indices)."""
+    done = store.keys if store is not None else set()
     todo = [i for i in range(len(prompts)) if i not in done]
-    fd = None
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     totals = {"prompts": len(prompts), "already": len(done), "answered": 0, "new_tokens": 0, "errors": []}
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt", file=sys.stderr)
     t0 = time.perf_counter()
@@ -121,15 +122,8 @@ def decode_prompts(
         for pos, result in _results(decoder, [prompts[i] for i in todo], batch_size, todo, source):
             index = todo[pos]
             line = json.dumps(answer_record(index, prompts[index], result), ensure_ascii=False) + "\n"
-            if fd is not None:
-                try:
-                    append_line(fd, line)
-                except OSError as e:
-                    if is_disk_full(e):
-                        raise disk_full_error(
-                            out, len(line.encode()), "the whole answers written before are kept"
-                        ) from e
-                    raise
+            if store is not None:
+                store.append(line)  # (one write, synced: an interruption loses at most the answers being decoded)
             else:
                 tqdm.write(line.rstrip("\n") if as_json else f"[{index}] {result.text}", file=sys.stdout)
             if result.error is not None:
@@ -141,8 +135,6 @@ def decode_prompts(
             bar.set_postfix(tok_s=f"{totals['new_tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}")
     finally:
         bar.close()
-        if fd is not None:
-            os.close(fd)
     totals["seconds"] = time.perf_counter() - t0
     return totals
 
@@ -157,7 +149,7 @@ def _results(decoder, prompts: list, batch_size: int, indices: list[int], source
         if not (head.startswith("prompt ") and head[7:].isdigit() and int(head[7:]) < len(indices)):
             raise
         # (Decoder.results numbers the prompts it was given: here the ones --out does not answer yet)
-        raise ValueError(f"--prompts {source}: prompt {indices[int(head[7:])]}: {e.__cause__ or e}") from None
+        raise InvalidValue(f"--prompts {source}: prompt {indices[int(head[7:])]}: {e.__cause__ or e}") from None
     if first is not None:
         yield first
         yield from results

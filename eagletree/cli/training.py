@@ -249,10 +249,12 @@ def _load_for_engine(args, head_path):
 
 def cmd_distill(args) -> int:
     """The target's own answers to the training prompts, as JSONL for `dataset=PATH` (resumable)."""
-    from ..files import check_output_file
+    from ..records import check_record_file
     from ..train.distill import DistillOptions, check_match, distill, distill_prompts, ids_in
+    from ..train.distill.records import distill_format
 
-    check_output_file(args.out)
+    datasets = tuple(("--dataset", part) for part in str(args.dataset).split(","))
+    check_record_file(args.out, distill_format(None), "--out", datasets)  # (its settings: once the target is loaded)
     for other in args.skip_answered:
         ids_in(other)  # a wrong path or file fails here, before the target is loaded
     if args.match is not None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import InvalidValue
 from ..messages import to_messages
+from ..records import is_header
 
 DATASTORE = "datastore.npz"  # a head folder's store, read by default when copying
 FORMAT, VERSION = "eagletree-datastore", 1
@@ -142,6 +143,8 @@ class TokenStore:
                     continue
                 try:
                     record = json.loads(raw.decode("utf-8"))
+                    if is_header(record):  # a record file's header (distill's): no answer
+                        continue
                     # ShareGPT (conversations: from/value) or OpenAI (messages: role/content), as training reads them
                     messages = to_messages(record, f"{path}:{n}") or []
                     turns = [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import InvalidValue
 from ..messages import DataError, to_messages
+from ..records import is_header
 
 HELDOUT_FRACTION = 0.04  # ~700 of ShareGPT's 17.6k conversations
 TURNS = ("first", "later", "all")  # which user turns `distill` answers (`distill.user_turns`)
@@ -191,7 +192,10 @@ def _read_jsonl(text: str, path: Path, n_bytes: int) -> Dataset:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
+            if is_header(record):  # a record file's header (`eagletree distill`'s output; files joined with cat)
+                continue
+            records.append(record)
             numbers.append(n)
         except json.JSONDecodeError as e:
             if n == len(lines) and not text.endswith("\n"):

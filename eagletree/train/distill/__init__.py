@@ -9,8 +9,9 @@ record per answer; train on the file with `dataset=PATH`.
 Only the training side of the held-out split is read, so evaluation prompts stay unseen. Three parts:
 - `selection`: which prompts are answered (`distill_prompts`: a dataset's training split, or HumanEval problems),
   in which batches;
-- `records`: the append-only, resumable output file (a rerun skips the ids already answered, and a line
-  cut off by an interruption is removed before anything is appended);
+- `records`: the append-only, resumable output file, a record file (`eagletree.records`: a header line with the
+  settings, locked while written; a rerun skips the ids already answered, and a line cut off by an interruption
+  is removed before anything is appended);
 - one answerer per engine, each only turning prompts into answers: HF `generate` on left-padded batches
   (`answer_hf`, decoder "hf"); greedy, eagletree's own batched speculative decoding with a head
   (`answer_decoder`, decoder "eagletree"): lossless, so the same records either way; vLLM's offline `LLM`

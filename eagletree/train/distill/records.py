@@ -1,8 +1,11 @@
-"""The distillation file: append-only JSONL, one record per answer, resumable.
+"""The distillation file: a record file (`eagletree.records`) of distill, one record per answer, resumable.
 
-Every write appends whole lines, flushed and synced, so an interruption loses only answers not yet written. A run
-first reads what is there: the ids already answered (made with the same settings, else an error), a whole last
-record that lacks its newline kept, a line cut off by a kill in the middle of a write removed.
+Its header holds the settings the answers are made with (`record_settings`), and each record holds them too, so a
+record moved to another file still says how it was made. Every write appends whole lines, synced, so an
+interruption loses only answers not yet written. A run first opens the file as `eagletree.records` says: locked,
+refused untouched when it is not distill's or was made with other settings, the ids already answered read, its
+last line mended. A file from before record files had a header is refused: continue in another file with this one
+as --skip-answered (`ids_in` reads both kinds).
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -18,8 +20,8 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from ...draft import target_identity
-from ...files import appending
 from ...reading import read_appended_jsonl
+from ...records import RecordFormat, RecordStore, is_header
 from .options import DistillError, DistillOptions
 from .selection import Prompt, Selection
 
@@ -61,49 +63,56 @@ def _record(line: str, where: str, settings: dict | None, fix: str) -> str:
     return conv_id
 
 
-def _scan(path: Path, settings: dict | None, fix: str) -> tuple[set[str], int, bool, int]:
-    """(ids, end of the last whole line, whether the bytes after it are a complete record, their length).
-
-    A complete record after the last newline counts (its id is in `ids`); anything else there is what a
-    kill in the middle of a write leaves, possibly a cut UTF-8 character, and is not read.
-    """
-    lines, last, end, tail = read_appended_jsonl(
-        path, lambda e: DistillError(f"{path} is not UTF-8 ({e}); expected a JSONL file written by distill")
+def distill_format(settings: dict | None) -> RecordFormat:
+    """What a distillation file holds (`eagletree.records`): records keyed by their prompt's id, each made with
+    `settings` (None: any)."""
+    return RecordFormat(
+        command="distill",
+        key_of=lambda line, where: _record(line, where, settings, "pass another --out (one file, one way of answers)"),
+        error=DistillError,
+        legacy="pass another --out with this file as --skip-answered (skip_answered=), so that its prompts are not "
+        "answered again, and train on both files",
     )
-    ids = {_record(line, f"{path}: line {n}", settings, fix) for n, line in lines}
-    if last is not None:  # a complete record that only lacks its newline (another run's settings are an error)
-        ids.add(_record(last, f"{path}: last line", settings, fix))
-    return ids, end, last is not None, len(tail)
 
 
-def answered_ids(path: Path, settings: dict | None = None) -> set[str]:
-    """Ids already in the output (every line must be a record made with `settings`, when given).
-
-    A last line without its newline is kept (newline added) when it is a whole record, else cut off:
-    that is what a kill in the middle of a write leaves.
-    """
+def answered_ids(path: str | os.PathLike, settings: dict | None = None) -> set[str]:
+    """Ids already in the distillation file `path` (none when there is none), which must be a record file of distill
+    made with `settings` (when given); its last line is mended as `eagletree.records` says."""
+    path = Path(path)
     if not path.exists():
         return set()
-    done, end, whole, tail = _scan(path, settings, "pass another --out or remove the file")
-    if whole:
-        with open(path, "ab") as f:
-            f.write(b"\n")
-    elif tail:
-        with open(path, "r+b") as f:  # an interrupted write: keep the complete lines only
-            f.truncate(end)
-        warnings.warn(f"{path}: removed a cut-off last line ({tail} bytes) left by an interruption", stacklevel=2)
-    return done
+    with RecordStore(path, distill_format(settings), settings) as store:
+        return set(store.keys)
 
 
 def ids_in(path: str | os.PathLike) -> set[str]:
-    """Ids of the records in another distillation file, read only (what `answered_ids` reads, without its repair).
-
-    For `skip_answered`: prompts another file (e.g. one made with a different max_new_tokens) already answers.
-    """
-    path = Path(path)
+    """Ids of the records in another distillation file, read only (a file from before record files had a header
+    too), for `skip_answered`: prompts another file (e.g. one made with a different max_new_tokens) already answers.
+    A last line that is not a whole record (an interrupted write) is not read."""
+    path, fix = Path(path), "pass another --skip-answered file"
     if not path.is_file():
         raise DistillError(f"skip_answered: {path} is not a file; expected a JSONL file written by distill")
-    return _scan(path, None, "pass another --skip-answered file")[0]
+    lines, last, _, _ = read_appended_jsonl(
+        path, lambda e: DistillError(f"{path} is not UTF-8 ({e}); expected a JSONL file written by distill")
+    )
+    ids = set()
+    for n, line in lines + ([] if last is None else [(len(lines) + 1, last)]):
+        if n == 1 and line.startswith("{") and is_header(_json(line)):
+            if _json(line).get("command") != "distill":
+                raise DistillError(
+                    f"skip_answered: {path} holds records of `eagletree {_json(line).get('command')}`, not of "
+                    f"distill; {fix}"
+                )
+            continue
+        ids.add(_record(line, f"{path}: line {n}", None, fix))
+    return ids
+
+
+def _json(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def answered_elsewhere(skip_answered: tuple, path: Path) -> set[str]:
@@ -128,16 +137,26 @@ def record_line(prompt: Prompt, answer: Answer, settings: dict) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
-class RecordStore:
-    """One distillation output file: what it already answers (read, and repaired, on opening) and the counts of a
-    run that appends to it."""
+class DistillStore:
+    """One distillation output file, open and locked (`eagletree.records.RecordStore`): what it already answers and
+    the counts of a run that appends to it."""
 
     def __init__(self, path: str | os.PathLike, settings: dict, skip_answered: tuple = ()):
         self.path, self.settings = Path(path), settings
         self.elsewhere = answered_elsewhere(skip_answered, self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.done = answered_ids(self.path, settings)
+        self.file = RecordStore(self.path, distill_format(settings), settings)
+        self.done = set(self.file.keys)
         self.left_out = self.done | self.elsewhere  # the prompts this run does not answer
+
+    def close(self) -> None:
+        """Unlock and close the file."""
+        self.file.close()
+
+    def __enter__(self) -> DistillStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def new_counts(self, selection: Selection) -> dict:
         """A run's counts before anything is answered: the prompts already here or answered elsewhere, and those
@@ -163,9 +182,7 @@ class RecordStore:
         bar = tqdm(total=total, desc="distill", unit="answer", disable=not progress)
         writer = RecordWriter(self, counts, bar)
         try:
-            with appending(self.path) as f:
-                writer.file = f
-                yield writer
+            yield writer
         finally:
             bar.close()
         counts["seconds"] = round(time.perf_counter() - writer.t0, 1)
@@ -174,8 +191,8 @@ class RecordStore:
 class RecordWriter:
     """Appends groups of answers to a `RecordStore`'s file, each group's whole lines in one synced write."""
 
-    def __init__(self, store: RecordStore, counts: dict, bar):
-        self.store, self.counts, self.bar, self.file = store, counts, bar, None
+    def __init__(self, store: DistillStore, counts: dict, bar):
+        self.store, self.counts, self.bar = store, counts, bar
         self.t0 = time.perf_counter()
 
     def write(self, answered: list[tuple[Prompt, Answer | None]]) -> None:
@@ -190,9 +207,7 @@ class RecordWriter:
             self.counts["new_tokens"] += answer.new_tokens
             self.counts[answer.finish] += 1
         if lines:
-            self.file.write("".join(lines))
-            self.file.flush()  # whole records only, synced: an interruption afterwards loses none of them
-            os.fsync(self.file.fileno())
+            self.store.file.append("".join(lines))  # whole records only, synced: an interruption loses none of them
             self.counts["answered"] += len(lines)
         self.bar.update(len(answered))
         if lines:

@@ -9,7 +9,7 @@ from .answer_hf import HfAnswerer
 from .answer_vllm import VllmAnswerer
 from .answers import Answerer
 from .options import DistillError, DistillOptions
-from .records import RecordStore, record_settings
+from .records import DistillStore, record_settings
 from .selection import select
 
 
@@ -30,8 +30,9 @@ def distill(
 
     Each record: {"id", "messages": prompt + [{"role": "assistant", "content": answer}], "finish": "eos" |
     "length", "new_tokens", "settings"}; a later turn's prompt holds the dataset's earlier answers with
-    "weight": 0 (context: training learns the target's own answer only). A file holds answers made one way
-    (target, precision, temperature, max_new_tokens, seed): resuming with other settings is an error. `limit`
+    "weight": 0 (context: training learns the target's own answer only). `out` is a record file (`eagletree.records`:
+    a header line first, locked while written) of answers made one way (target, precision, temperature,
+    max_new_tokens, seed): resuming with other settings is an error, a file not distill's is refused untouched. `limit`
     takes the first N prompts `turns` picks (0 = all; with "first", the first N conversations'); those answered
     in any file of `skip_answered` (paths) are left out and counted, so a limit of N answers at most N. Prompts
     outside min_prompt_tokens..max_prompt_tokens are skipped (counted). `match`, a regular expression: only the
@@ -49,15 +50,15 @@ def distill(
         raise DistillError(f"pass the settings in options or as keywords, not both; got options and {sorted(settings)}")
     _check_tokenizer(tok)
     answerer = make_answerer(model, tok, options, head, engine)
-    store = RecordStore(out, record_settings(model, options), options.skip_answered)
-    selection = select(conversations, tok, options)  # every prompt picked, answered or not: a resumed run's batches
-    todo = selection.todo(store.left_out)
-    counts = store.new_counts(selection)
-    prompts = [p for batch in todo for p in batch.prompts]
-    counts.update(answerer.prepare(prompts))
-    with store.writing(counts, len(prompts), options.progress) as writer:
-        for answered in answerer.answer(todo):
-            writer.write(answered)
+    with DistillStore(out, record_settings(model, options), options.skip_answered) as store:  # locked till the end
+        selection = select(conversations, tok, options)  # every prompt picked, answered or not: a resumed run's batches
+        todo = selection.todo(store.left_out)
+        counts = store.new_counts(selection)
+        prompts = [p for batch in todo for p in batch.prompts]
+        counts.update(answerer.prepare(prompts))
+        with store.writing(counts, len(prompts), options.progress) as writer:
+            for answered in answerer.answer(todo):
+                writer.write(answered)
     return counts
 
 
