@@ -554,7 +554,7 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
         == 0
     )
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = records_of(out)
     assert len(records) == counts["answered"] == 3 - counts["skipped_long_prompt"] > 0
     assert loads == [("smollm2-135m", loads[0][1])] and loads[0][1] in (None, torch.float32)  # the default target
     for r in records:
@@ -585,7 +585,7 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["skipped_answered_elsewhere"] == len(records)
     assert counts["answered"] == 4 - len(records) - counts["skipped_long_prompt"]
-    assert not {json.loads(line)["id"] for line in short.read_text().splitlines()} & {r["id"] for r in records}
+    assert not {r["id"] for r in records_of(short)} & {r["id"] for r in records}
     # --match: only prompts the regular expression finds something in (here the first about Python)
     code = tmp_path / "code.jsonl"
     assert (
@@ -611,7 +611,7 @@ def test_distill_command_answers_training_prompts_with_the_real_target(tmp_path,
         == 0
     )
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    [record] = [json.loads(line) for line in code.read_text().splitlines()]
+    [record] = records_of(code)
     assert counts["answered"] == 1 and counts["skipped_no_match"] > 1000
     assert "python" in record["messages"][-2]["content"].lower()
     assert main(["distill", "--out", str(tmp_path / "new.jsonl"), "--match", "(unclosed"]) == 2  # before loading
