@@ -31,6 +31,7 @@ from tqdm import tqdm
 from eagletree.bench import load_prompts
 from eagletree.decode import decode_steps, encode_prompt
 from eagletree.loading import SHIPPED_HEADS, load_models
+from eagletree.records import is_header
 from eagletree.search.copy import NgramIndex
 
 TARGET = "smollm2-135m"
@@ -45,7 +46,10 @@ def store_tokens(path: Path, tok) -> list[int]:
             if not line.strip():
                 continue
             try:
-                messages = json.loads(line)["messages"]
+                record = json.loads(line)
+                if is_header(record):  # (a record file's first line: what wrote it)
+                    continue
+                messages = record["messages"]
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{path}:{n}: not a chat record with messages: {e}") from None
             for m in messages:

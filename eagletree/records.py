@@ -23,7 +23,8 @@ A `RecordStore` only ever touches a file it recognizes as its own. Opening one, 
 Files written before record files had a header (records without one) are refused like any other file without a
 header, with how to go on: another --out (distill: `--skip-answered OLD`, so its answers are not made again;
 training reads both files). A file this store created, or found empty, and added no record to is left as it was
-found (removed, or emptied) when the store closes: a run that fails before its first answer leaves nothing behind.
+found (removed, or emptied) when a failed run closes it: a run that fails before its first answer leaves nothing
+behind.
 """
 
 from __future__ import annotations
@@ -178,7 +179,12 @@ def _lock(fd: int, shown: str, error: type[Exception]) -> None:
     process that holds it: never wait for it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):
+            raise error(
+                f"{shown} cannot be locked against a second writer ({e.strerror}: its file system takes no locks); "
+                "pass an --out on a local disk"
+            ) from None
         pid = _lock_holder(fd)
         who = f"process {pid}" if pid is not None else "another process"
         raise error(
@@ -210,6 +216,8 @@ def _open_locked(path: Path, shown: str, error: type[Exception]) -> tuple[int, b
                 return fd, created
         except BaseException:
             os.close(fd)
+            if created:  # (refused before anything was written: leave no file behind)
+                path.unlink(missing_ok=True)
             raise
         os.close(fd)  # the writer before removed or replaced the file while this one opened it: open it again
     raise error(f"{shown} was replaced three times while it was being opened; run again")
@@ -220,6 +228,13 @@ def _still_named(path: Path, fd: int) -> bool:
         return os.path.samestat(os.stat(path), os.fstat(fd))
     except OSError:
         return False
+
+
+def _first_line(fd: int, limit: int = 1 << 20) -> bytes:
+    """The file's first line with its newline (at most `limit` bytes of it), read without reading the rest."""
+    data = os.pread(fd, limit, 0)
+    cut = data.find(NEWLINE)
+    return data if cut < 0 else data[: cut + 1]
 
 
 def _read_all(fd: int) -> bytes:
@@ -291,6 +306,9 @@ class RecordStore:
         self.fd, self.created = _open_locked(self.path, self.shown, fmt.error)
         self.appended, self.found_empty = 0, False
         try:
+            first = _first_line(self.fd)
+            if first:  # (a foreign file is refused from its first line, before the rest of it is read)
+                _check_header(first.rstrip(NEWLINE), first.endswith(NEWLINE), fmt, self.settings, self.shown)
             raw = _read_all(self.fd)
             self.found_empty = not raw
             if raw:
@@ -301,7 +319,7 @@ class RecordStore:
                 if self.settings is not None:
                     self._write((json.dumps(header(fmt.command, self.settings), ensure_ascii=False) + "\n").encode())
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _read(self, raw: bytes) -> tuple[set, Callable[[], None]]:
@@ -343,12 +361,13 @@ class RecordStore:
         self._write(lines.encode("utf-8"))
         self.appended += lines.count("\n")
 
-    def close(self) -> None:
-        """Unlock and close the file; one this store made, or found empty, and added no record to is left as found."""
+    def close(self, failed: bool = False) -> None:
+        """Unlock and close the file. After a run that `failed`, a file this store made, or found empty, and added no
+        record to is left as found (a finished run keeps its file, if only its header: the file of an empty run)."""
         if self.fd is None:
             return
         try:
-            if self.appended == 0 and self.found_empty and self.settings is not None:
+            if failed and self.appended == 0 and self.found_empty and self.settings is not None:
                 if self.created and _still_named(self.path, self.fd):
                     self.path.unlink()
                 else:
@@ -360,8 +379,8 @@ class RecordStore:
     def __enter__(self) -> RecordStore:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None)
 
 
 def settings_diff(there, here: dict) -> str:

@@ -252,13 +252,15 @@ def test_prompt_specs_and_jsonl(tmp_path):
     for messages, message in (
         (
             [{"role": "user"}],
-            'line 1: message 0: expected {"role": system|user|assistant, "content": str}, got {"role": "user"}',
+            'line 1: message 0: expected {"role": system|developer|user|assistant|tool|ipython, "content": str or a '
+            'list of parts}, got {"role": "user"}',
         ),
         ([{"role": "user", "content": 3}], 'got {"role": "user", "content": 3}'),
         ([{"role": "bot", "content": "hi"}], 'got {"role": "bot"'),
         (
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-            "line 1: message 1: the messages must end with the user's turn to answer, not the assistant's",
+            "line 1: message 1: the messages must end with the user's turn (or a tool's result) to answer, not the "
+            "assistant's",
         ),
     ):
         path.write_text(json.dumps({"messages": messages}) + "\n")

@@ -469,8 +469,8 @@ def test_generate_prompts_resumes_an_interrupted_run_without_duplicates(tiny_cli
     assert cli_main([*argv, "--out", str(straight)]) == 0
     real = Decoder.results
 
-    def interrupted(self, prompts, batch_size=8):
-        for n, item in enumerate(real(self, prompts, batch_size)):
+    def interrupted(self, prompts, batch_size=8, keys=None):
+        for n, item in enumerate(real(self, prompts, batch_size, keys)):
             if n == 2:
                 raise KeyboardInterrupt  # Ctrl-C after two answers were written
             yield item

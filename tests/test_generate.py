@@ -4,6 +4,7 @@ import torch
 import eagletree
 from eagletree.decode import Decoder, GenerationStats, decode_steps, generate
 from eagletree.decode.config import CopyOptions, DecodeConfig
+from eagletree.decode.prompts import check_messages
 from eagletree.draft import EagleHead
 from eagletree.search.searchers import make_searcher
 
@@ -169,7 +170,7 @@ def test_chat_messages_are_checked_as_the_cli_checks_them_naming_prompt_and_mess
     )
     user = {"role": "user", "content": "hi"}
     for bad, error, message in (
-        ([{"role": "wizard", "content": "hi"}], ValueError, r'message 0: expected \{"role": system\|user\|assistant, '),
+        ([{"role": "wizard", "content": "hi"}], ValueError, r'message 0: expected \{"role": system\|developer\|user'),
         (
             [user, {"role": "assistant", "content": "yo"}],
             ValueError,
@@ -190,6 +191,14 @@ def test_chat_messages_are_checked_as_the_cli_checks_them_naming_prompt_and_mess
             decoder.generate_batch([[3, 4], bad]) if batched else decoder.generate(bad)
         with pytest.raises(error, match=message):
             generate(model, tok, None, [[3, 4], bad] if batched else bad, max_new_tokens=2, tree="eagle2")
+    # what chat templates take besides plain turns: a developer message, content parts, an assistant's tool call
+    # with no text, and a conversation ending with the tool's result (to answer)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "add"}}]}
+    tool_use = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    assert check_messages(tool_use + [call, {"role": "tool", "content": "4"}])[-1]["role"] == "tool"
 
 
 def test_a_head_or_config_that_is_not_loaded_is_refused_saying_how_to_load_it():

@@ -188,6 +188,12 @@ def test_prompts_from_standard_input(tiny_cli, tmp_path, capsys, monkeypatch):
         assert "[2 of 2 prompts answered" in capsys.readouterr().out
     assert [r["prompt"] for r in records_of(outs[0])] == ["hello how are you", "tell me a joke"]
     assert records_of(outs[0]) == records_of(outs[1])
+    # JSON lines piped in would each become one prompt holding the JSON: refused, saying how to pass them
+    monkeypatch.setattr(
+        sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"messages": [{"role": "user", "content": "hi"}]}\n'))
+    )
+    assert cli_main([*tiny_cli[:-1], "-", "--out", str(tmp_path / "json.jsonl")]) == 2
+    assert "standard input looks like JSON lines" in capsys.readouterr().err
 
 
 def test_prompt_lines_end_at_newlines_only(tiny_cli, tmp_path, capsys):
@@ -253,3 +259,54 @@ def test_a_run_that_fails_before_its_first_record_leaves_no_file(tiny_cli, tmp_p
     out = tmp_path / "sub" / "new.jsonl"
     assert cli_main([*tiny_cli, "--out", str(out), "--head", str(tmp_path / "nohead")]) == 2
     assert "error: " in capsys.readouterr().err and not out.exists()
+
+
+def test_a_finished_run_keeps_its_file_and_a_foreign_one_is_refused_from_its_first_line(tmp_path, monkeypatch):
+    """A run that answered nothing but ended well keeps its file (a later `dataset=...` names it); a foreign file is
+    refused before the rest of it is read (a huge file, or one that is not text, never reaches memory)."""
+    from eagletree import records
+
+    fmt = RecordFormat("generate --prompts", key_of=lambda line, where: json.loads(line)["index"])
+    with RecordStore(tmp_path / "empty.jsonl", fmt, {"any": 1}):
+        pass
+    assert [json.loads(line)["format"] for line in (tmp_path / "empty.jsonl").read_text().splitlines()] == [
+        "eagletree-records"
+    ]
+    with pytest.raises(KeyError), RecordStore(tmp_path / "failed.jsonl", fmt, {"any": 1}):
+        raise KeyError("a run that failed before its first record")
+    assert not (tmp_path / "failed.jsonl").exists()
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b'{"id": 1}\n' + b"x" * 4096)
+    monkeypatch.setattr(records, "_read_all", lambda fd: pytest.fail("the whole foreign file was read"))
+    with pytest.raises(RecordFileError, match="its first line is a JSON record, not a header"):
+        RecordStore(big, fmt, {"any": 1})
+    assert big.read_bytes() == b'{"id": 1}\n' + b"x" * 4096
+
+
+def test_generate_records_the_precision_its_target_runs_in(tiny_cli, tmp_path, capsys):
+    """A run resumed on a machine whose default precision differs (bf16 on CUDA) must not add answers of another
+    precision: the header names the device and dtype the defaults resolve to."""
+    out = tmp_path / "a.jsonl"
+    assert cli_main([*tiny_cli, "--out", str(out)]) == 0
+    settings = json.loads(out.read_text().splitlines()[0])["settings"]
+    assert (settings["device"], settings["dtype"]) == (
+        ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+    )
+    capsys.readouterr()
+    assert cli_main([*tiny_cli, "--out", str(out), "--dtype", "bfloat16"]) == 2
+    assert 'dtype "float32" there, "bfloat16" here' in capsys.readouterr().err
+
+
+def test_a_resumed_sampled_run_draws_what_the_whole_run_would(tiny_cli, tmp_path):
+    """A prompt's seed is its index in the --prompts file, not its place among the prompts left to answer: decoding
+    one at a time, the answers a resumed run adds are the ones an uninterrupted run gives (they were drawn with other
+    seeds before). (In a batch a sequence's trees, and so its draws, depend on the others it shares passes with.)"""
+    sampled = ["--temperature", "1.0", "--seed", "5", "--batch-size", "1"]
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    assert cli_main([*tiny_cli, *sampled, "--out", str(whole)]) == 0
+    lines = whole.read_text().splitlines()
+    first = next(line for line in lines[1:] if json.loads(line)["index"] == 0)
+    resumed.write_text(lines[0] + "\n" + first + "\n")  # as if stopped after answering prompt 0
+    assert cli_main([*tiny_cli, *sampled, "--out", str(resumed)]) == 0
+    by_index = lambda path: {r["index"]: r["text"] for r in records_of(path)}  # noqa: E731
+    assert by_index(resumed) == by_index(whole)

@@ -152,6 +152,8 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
             if not line.strip():
                 continue
             if path.suffix != ".jsonl":
+                if name in ("-", "/dev/stdin") and not prompts:
+                    _refuse_json_lines(line, flag)
                 prompts.append([{"role": "user", "content": line}])
                 continue
             try:
@@ -162,6 +164,20 @@ def read_prompt_file(path, flag: str = "--prompts") -> list[list[dict]]:
     if not prompts:
         raise InvalidValue(f"{flag} {name!r} holds no prompts")
     return prompts
+
+
+def _refuse_json_lines(first: str, flag: str) -> None:
+    """Standard input is read as text, a prompt per line: JSON lines of prompts piped in would each become one
+    prompt holding the JSON (its first line a JSON object tells them)."""
+    try:
+        item = json.loads(first)
+    except json.JSONDecodeError:
+        return
+    if isinstance(item, dict):
+        raise InvalidValue(
+            f"{flag} -: standard input looks like JSON lines (its first line is a JSON object), but it is read as "
+            "text, one prompt per line; write the JSON lines to a .jsonl file and pass that"
+        )
 
 
 def _read_prompt_text(name: str, flag: str) -> str:

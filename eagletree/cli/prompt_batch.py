@@ -75,6 +75,16 @@ def answers_format(prompts: list, fix: str = "pass another --out, or the --promp
     )
 
 
+def _precision(args) -> dict:
+    """The device and dtype the run's target gets, as loading resolves the defaults (bf16 on CUDA, fp32 on a CPU): a
+    run resumed on another machine must not mix answers of two precisions in one file."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(args, "dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")
+    return {"device": device.split(":")[0], "dtype": dtype}
+
+
 def answer_settings(args, config) -> dict:
     """What decides generate's records: the target and head (a path made absolute), the target's precision, the
     tree, the lengths, the sampling and its seed, copying and the stop strings."""
@@ -86,7 +96,7 @@ def answer_settings(args, config) -> dict:
     return {
         "target": name(args.target),
         "head": name(args.head),
-        "dtype": args.dtype,
+        **_precision(args),
         "tree": config.tree.value,
         "budget": config.budget,
         "depth": config.depth,
@@ -119,8 +129,7 @@ def decode_prompts(decoder, prompts: list, batch_size: int, store: RecordStore |
     bar = tqdm(total=len(prompts), initial=len(done), desc="generate", unit="prompt", file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        for pos, result in _results(decoder, [prompts[i] for i in todo], batch_size, todo, source):
-            index = todo[pos]
+        for index, result in _results(decoder, [prompts[i] for i in todo], batch_size, todo, source):
             line = json.dumps(answer_record(index, prompts[index], result), ensure_ascii=False) + "\n"
             if store is not None:
                 store.append(line)  # (one write, synced: an interruption loses at most the answers being decoded)
@@ -141,7 +150,7 @@ def decode_prompts(decoder, prompts: list, batch_size: int, store: RecordStore |
 
 def _results(decoder, prompts: list, batch_size: int, indices: list[int], source: str):
     """`decoder.results`, with a refused prompt named by its index in the --prompts file."""
-    results = decoder.results(prompts, batch_size)
+    results = decoder.results(prompts, batch_size, keys=indices)  # (a prompt's seed: its index in the file)
     try:
         first = next(results, None)  # every prompt is checked before decoding starts
     except (TypeError, ValueError) as e:

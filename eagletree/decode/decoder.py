@@ -155,20 +155,25 @@ class Decoder:
             results[i] = result
         return results
 
-    def results(self, prompts, batch_size: int = 8):
+    def results(self, prompts, batch_size: int = 8, keys=None):
         """Yield (index, GenerationResult) for each of `prompts` as it finishes, decoding up to `batch_size` of
         them together: every pass verifies all live sequences' trees, and a finished sequence's place goes to
         the next prompt (continuous batching). `prompts` is a list of them (`prompt_list`); every prompt is checked
         before decoding starts (a bad one is an InvalidType or InvalidValue naming its index, and nothing is
         decoded); a sequence that cannot go on found
         later (its answer reached a sliding-window target's window) ends with its `error` set and the tokens it
-        had, and the others decode on as they would alone."""
+        had, and the others decode on as they would alone. `keys`: each prompt's key (default: its position), yielded
+        in place of its index and seeding its sampling, so that a run resumed without its answered prompts draws
+        what the whole run would have."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise InvalidValue(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        checked = []
-        for i, prompt in enumerate(prompt_list(prompts)):
+        checked, prompts = [], prompt_list(prompts)
+        keys = list(range(len(prompts))) if keys is None else list(keys)
+        if len(keys) != len(prompts) or len(set(keys)) != len(keys):
+            raise InvalidValue(f"keys must be {len(prompts)} distinct keys, one per prompt, got {len(keys)}")
+        for i, prompt in enumerate(prompts):
             try:
-                checked.append((i, self._prompt_ids(prompt), GenerationStats()))
+                checked.append((keys[i], self._prompt_ids(prompt), GenerationStats()))
             except (TypeError, ValueError) as e:  # (the tokenizer's own too: a UnicodeError takes other arguments)
                 raise (InvalidType if isinstance(e, TypeError) else InvalidValue)(f"prompt {i}: {e}") from e
         if self.config.max_new_tokens == 0:

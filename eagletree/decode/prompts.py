@@ -70,27 +70,49 @@ def check_utf8(text: str, what: str) -> str:
     return text
 
 
-CHAT_ROLES = ("system", "user", "assistant")
-MESSAGE = '{"role": system|user|assistant, "content": str}'
+# The roles chat templates know: the turns of a conversation, and tool use (a tool's result is answered too).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+ANSWERED_ROLES = ("user", "tool", "ipython")  # a conversation ending with one of these asks for the assistant's turn
+MESSAGE = '{"role": system|developer|user|assistant|tool|ipython, "content": str or a list of parts}'
+
+
+def _content_ok(message: dict) -> bool:
+    """Text, a list of content parts (dicts: the template reads them), or none for an assistant's tool calls."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return True
+    if isinstance(content, list):
+        return all(isinstance(part, dict) for part in content)
+    return content is None and message.get("role") == "assistant" and bool(message.get("tool_calls"))
+
+
+def _texts(content) -> list[str]:
+    """The text strings of a message's content."""
+    if isinstance(content, str):
+        return [content]
+    parts = content if isinstance(content, list) else []
+    return [v for part in parts for v in part.values() if isinstance(v, str)]
 
 
 def check_messages(messages) -> list[dict]:
-    """Chat messages to answer, as a list: each {"role": system|user|assistant, "content": str} (other keys go to
-    the chat template) in UTF-8, the last one the user's turn; InvalidValue or InvalidType naming the message."""
+    """Chat messages to answer, as a list: each {"role", "content"} of a role chat templates know (other keys go to
+    the chat template) in UTF-8, the last one a turn to answer (the user's, or a tool's result); InvalidValue or
+    InvalidType naming the message."""
     messages = list(messages)
     for j, message in enumerate(messages):
-        ok = isinstance(message, dict) and message.get("role") in CHAT_ROLES and isinstance(message.get("content"), str)
+        ok = isinstance(message, dict) and message.get("role") in CHAT_ROLES and _content_ok(message)
         if not ok:
             shown = json.dumps(message, ensure_ascii=False, default=repr)[:80]
             error = InvalidType if not isinstance(message, dict) else InvalidValue
             raise error(f"message {j}: expected {MESSAGE}, got {shown}")
-        check_utf8(message["content"], f"message {j}'s content")
+        for text in _texts(message["content"]):
+            check_utf8(text, f"message {j}'s content")
     if not messages:
         raise InvalidValue(f"the messages are empty; expected a list of {MESSAGE} ending with the user's turn")
-    if messages[-1]["role"] != "user":
+    if messages[-1]["role"] not in ANSWERED_ROLES:
         raise InvalidValue(
-            f"message {len(messages) - 1}: the messages must end with the user's turn to answer, "
-            f"not the {messages[-1]['role']}'s"
+            f"message {len(messages) - 1}: the messages must end with the user's turn (or a tool's result) to "
+            f"answer, not the {messages[-1]['role']}'s"
         )
     return messages
 

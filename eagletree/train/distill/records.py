@@ -148,15 +148,15 @@ class DistillStore:
         self.done = set(self.file.keys)
         self.left_out = self.done | self.elsewhere  # the prompts this run does not answer
 
-    def close(self) -> None:
-        """Unlock and close the file."""
-        self.file.close()
+    def close(self, failed: bool = False) -> None:
+        """Unlock and close the file (`RecordStore.close`)."""
+        self.file.close(failed)
 
     def __enter__(self) -> DistillStore:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None)
 
     def new_counts(self, selection: Selection) -> dict:
         """A run's counts before anything is answered: the prompts already here or answered elsewhere, and those
