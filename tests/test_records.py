@@ -240,6 +240,15 @@ def test_a_distill_file_from_before_headers_is_continued_through_skip_answered(t
     counts = distill(model, tok, convs, tmp_path / "rest.jsonl", max_new_tokens=4, skip_answered=old, progress=False)
     assert (counts["answered"], counts["skipped_answered_elsewhere"]) == (2, 2)
     assert answered_ids(tmp_path / "rest.jsonl") == {"t2", "t3"}
+    # two record files joined with `cat` (as training reads them) skip the prompts both answer
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text(new.read_text() + (tmp_path / "rest.jsonl").read_text())
+    assert (
+        distill(model, tok, convs, tmp_path / "none.jsonl", max_new_tokens=4, skip_answered=joined, progress=False)[
+            "skipped_answered_elsewhere"
+        ]
+        == 4
+    )
 
 
 def test_readers_of_distill_files_skip_the_header(tmp_path):

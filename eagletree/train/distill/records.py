@@ -97,7 +97,7 @@ def ids_in(path: str | os.PathLike) -> set[str]:
     )
     ids = set()
     for n, line in lines + ([] if last is None else [(len(lines) + 1, last)]):
-        if n == 1 and line.startswith("{") and is_header(_json(line)):
+        if line.startswith("{") and is_header(_json(line)):  # (anywhere: files joined with `cat` are read too)
             if _json(line).get("command") != "distill":
                 raise DistillError(
                     f"skip_answered: {path} holds records of `eagletree {_json(line).get('command')}`, not of "
