@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .base import DraftHead, Drafting, HeadConfig, HeadError, target_identity
-from .drafter import TreeDrafter
+from .base import HeadConfig, HeadError, target_identity
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
+from .level import LevelDraftingHead
 from .objectives import eagle_loss
 
 # The decoder layer's weights that read its input and that write its updates (rescaled by init_from_target).
@@ -21,7 +21,7 @@ READS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
 WRITES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
-class EagleHead(DraftHead):
+class EagleHead(LevelDraftingHead):
     """EAGLE-1/2 feature-level draft head."""
 
     head_type = "eagle"
@@ -163,18 +163,6 @@ class EagleHead(DraftHead):
         hidden = torch.zeros(1, 2, self.config.hidden_size, device=device)
         out = module(hidden, torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device), embed)
         return out.float().sum() * 0.0
-
-    @property
-    def drafting(self) -> Drafting:
-        return Drafting(batched=True)
-
-    def make_drafter(self, target_model) -> TreeDrafter:
-        return TreeDrafter(self, target_model)
-
-    def make_batch_drafter(self, target_model):
-        from .batch_drafter import RaggedTreeDrafter
-
-        return RaggedTreeDrafter(self, target_model)
 
 
 def _rms(x: torch.Tensor) -> float:

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..target import cache_kwarg
-from .base import DraftHead, Drafting, FeatureSpec, HeadConfig, HeadError, target_identity
-from .drafter import TreeDrafter
+from .base import FeatureSpec, HeadConfig, HeadError, target_identity
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache, rms_norm
+from .level import LevelDraftingHead
 from .objectives import eagle3_loss
 
 
@@ -24,7 +24,7 @@ def default_fused_layers(num_layers: int) -> list[int]:
     return [max(min(1, num_layers - 2), 0), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)]
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(LevelDraftingHead):
     """EAGLE-3-style draft head with a draft vocabulary and fused target features."""
 
     head_type = "eagle3"
@@ -151,15 +151,3 @@ class Eagle3Head(DraftHead):
     @classmethod
     def feature_spec_for(cls, target_config) -> FeatureSpec:
         return FeatureSpec(target_config.hidden_size, tuple(default_fused_layers(target_config.num_hidden_layers)))
-
-    @property
-    def drafting(self) -> Drafting:
-        return Drafting(batched=True)
-
-    def make_drafter(self, target_model) -> TreeDrafter:
-        return TreeDrafter(self, target_model)
-
-    def make_batch_drafter(self, target_model):
-        from .batch_drafter import RaggedTreeDrafter
-
-        return RaggedTreeDrafter(self, target_model)
