@@ -21,7 +21,7 @@ import torch
 from eagletree.decode import Decoder, GenerationStats, end_progress, hf_generation_config, late_sequences, schedule
 from eagletree.decode.config import CopyOptions, DecodeConfig, Sampling
 from eagletree.decode.sequence import SequenceState
-from eagletree.draft import Eagle3Head, EagleHead, MedusaHead, make_drafter
+from eagletree.draft import DFlashHead, Eagle3Head, EagleHead, MedusaHead, make_drafter
 from eagletree.draft.batch_drafter import PerRowDrafter, RaggedTreeDrafter, make_batch_drafter
 from eagletree.search import LatencyProfile
 from eagletree.search.cost import choose_batch, choose_budget
@@ -240,6 +240,8 @@ def drafting_head(kind: str, model):
     torch.manual_seed(0)
     if kind == "medusa":
         return MedusaHead.for_target(model.config, num_heads=3).eval()
+    if kind == "dflash":
+        return DFlashHead.for_target(model, block_size=4).eval()
     if kind == "eagle3":
         head = Eagle3Head.for_target(model).eval()
     else:  # "eagle-vocab": a draft vocabulary of the first 50 tokens (a sliced lm_head, draft ids mapped back)
@@ -460,10 +462,11 @@ def test_a_decoder_keeps_its_drafter_across_runs_until_the_head_changes(lm):
     assert [decoder.generate(p).token_ids for p in lm.prompts[:2]] == alone  # (lossless with any drafts)
 
 
-@pytest.mark.parametrize("kind", ["eagle-vocab", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle-vocab", "eagle3", "medusa", "dflash"])
 def test_other_heads_batches_are_lossless(kind):
     """A head with a draft vocabulary and the EAGLE-3 head draft through the ragged batch drafter (EAGLE-3 on the
-    fused layers' features), Medusa through one reference drafter per row."""
+    fused layers' features), Medusa through one reference drafter per row, a block head through one block call
+    per step for the batch."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = drafting_head(kind, model)
     g = torch.Generator().manual_seed(2)

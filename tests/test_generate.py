@@ -245,11 +245,11 @@ def test_medusa_generation_is_lossless():
     assert result.stats.tokens_per_pass > 1.0  # identity-initialized heads guess repeated tokens sometimes
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "dflash"])
 def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kind):
     """Each head type's drafter is a Drafter (extend, begin_tree, __call__, token_map), so inspecting a step,
     which resets the drafted tree with begin_tree, works for all of them and changes no token."""
-    from eagletree.draft import Drafter, Eagle3Head, MedusaHead, make_drafter
+    from eagletree.draft import DFlashHead, Drafter, Eagle3Head, MedusaHead, make_drafter
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
@@ -257,6 +257,7 @@ def test_every_head_type_drafts_through_the_drafter_protocol_with_inspection(kin
         "eagle": lambda: EagleHead.for_target(model.config),
         "eagle3": lambda: Eagle3Head.for_target(model),
         "medusa": lambda: MedusaHead.for_target(model.config, num_heads=3),
+        "dflash": lambda: DFlashHead.for_target(model, block_size=4),
     }[kind]().eval()
     assert isinstance(make_drafter(head, model), Drafter)
     ids, seen = torch.tensor([4, 9, 16, 25, 36]), []

@@ -177,7 +177,7 @@ def test_offline_features_hold_what_the_head_reads_and_train_like_online(tmp_pat
             train(other, model_and_tokenizer=(model, tok), progress=False)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "dflash"])
 def test_profile_times_a_head_of_the_kind_it_is_given(tmp_path, kind):
     """`eagletree profile --head DIR` profiles a random head of DIR's kind, its drafting per step as the head
     declares it (catch-up, then its calls per level)."""

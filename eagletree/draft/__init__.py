@@ -15,6 +15,7 @@ from .base import (
     register_head,
     target_identity,
 )
+from .dflash import DFlashHead
 from .drafter import Drafter, TreeDrafter
 from .eagle import EagleHead
 from .eagle3 import Eagle3Head
@@ -23,6 +24,7 @@ from .vocab import build_draft_vocab, check_draft_vocab, t2d_mask, target_to_dra
 
 __all__ = [
     "DraftHead",
+    "DFlashHead",
     "Drafter",
     "Drafting",
     "FeatureSpec",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 # The kinds of head a saved config.json can name (its head_type); a new kind is one class added here.
-for _kind in (EagleHead, Eagle3Head, MedusaHead):
+for _kind in (EagleHead, Eagle3Head, MedusaHead, DFlashHead):
     register_head(_kind)
 
 

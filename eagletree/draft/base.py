@@ -128,10 +128,12 @@ class DraftHead(nn.Module):
     """
 
     head_type = ""
-    # Training: the TrainConfig keys its model and objective never read (a run that sets one is refused), whether a
+    # Training: the TrainConfig keys its model and objective never read (a run that sets one is refused; with the
+    # keys other kinds own), the keys only it reads, whether a
     # fresh head can start from the target's last layer (init_from_target), whether it can draft over the target's
     # whole vocabulary (widen_vocab: it scores tokens with the target's lm_head).
     ignored_train_keys: tuple[str, ...] = ()
+    own_train_keys: tuple[str, ...] = ()  # TrainConfig keys only this kind reads (every other kind ignores them)
     starts_from_target = False
     widens_vocab = True
     folder: Path | None = None  # the folder the head was loaded from, where its companion files live; None: built here
@@ -171,8 +173,9 @@ class DraftHead(nn.Module):
         """HeadError when a saved config cannot build a head of this kind (read before any weights)."""
 
     @classmethod
-    def feature_spec_for(cls, target_config) -> FeatureSpec:
-        """The features a new head of this kind (`create`) reads for this target: what an offline cache must hold."""
+    def feature_spec_for(cls, target_config, cfg=None) -> FeatureSpec:
+        """The features a new head of this kind (`create`, with the run's TrainConfig `cfg` where given) reads for
+        this target: what an offline cache must hold."""
         return FeatureSpec(target_config.hidden_size)
 
     @property

@@ -124,6 +124,10 @@ class RaggedTreeDrafter:
             row.root_feature, row.root_probs = last[i], probs[i]
             row.begin_tree()
 
+    def root_probs(self, row: int) -> torch.Tensor:
+        """The distribution of the token after row's root (level 1)."""
+        return self.rows[row].root_probs
+
     def begin_tree(self, row: int) -> None:
         """Forget row's drafted tree (not its committed prefix)."""
         self.cache.lengths[row] = self.rows[row].committed
@@ -229,7 +233,7 @@ class RowView:
 
     def extend(self, features, next_tokens):
         self.batch.extend([self.row], [features], [next_tokens])
-        return self.batch.rows[self.row].root_probs
+        return self.batch.root_probs(self.row)
 
     def begin_tree(self) -> None:
         self.batch.begin_tree(self.row)

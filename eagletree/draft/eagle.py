@@ -25,7 +25,6 @@ class EagleHead(LevelDraftingHead):
     """EAGLE-1/2 feature-level draft head."""
 
     head_type = "eagle"
-    ignored_train_keys = ("medusa_heads",)
     starts_from_target = True
 
     def __init__(self, config: HeadConfig):

@@ -28,7 +28,7 @@ class Eagle3Head(LevelDraftingHead):
     """EAGLE-3-style draft head with a draft vocabulary and fused target features."""
 
     head_type = "eagle3"
-    ignored_train_keys = ("l1_weight", "ce_weight", "fc_bias", "medusa_heads")
+    ignored_train_keys = ("l1_weight", "ce_weight", "fc_bias")
     widens_vocab = False  # its own lm_head has rows for its draft vocabulary only
 
     def __init__(self, config: HeadConfig):
@@ -149,5 +149,5 @@ class Eagle3Head(LevelDraftingHead):
         return FeatureSpec(self.config.hidden_size, tuple(self.fused_layers))
 
     @classmethod
-    def feature_spec_for(cls, target_config) -> FeatureSpec:
+    def feature_spec_for(cls, target_config, cfg=None) -> FeatureSpec:
         return FeatureSpec(target_config.hidden_size, tuple(default_fused_layers(target_config.num_hidden_layers)))

@@ -28,6 +28,7 @@ class MedusaHead(DraftHead):
 
     head_type = "medusa"
     ignored_train_keys = ("noise", "ttt_steps", "ttt_decay", "l1_weight", "ce_weight", "fc_bias")
+    own_train_keys = ("medusa_heads",)
 
     def __init__(self, config: HeadConfig):
         super().__init__()

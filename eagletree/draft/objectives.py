@@ -1,4 +1,5 @@
-"""The training objectives, one sequence at a time: EAGLE-1/2 (with the training-time test), Medusa, EAGLE-3.
+"""The training objectives, one sequence at a time: EAGLE-1/2 (with the training-time test), Medusa, EAGLE-3,
+block (DFlash).
 
 Each returns (loss, parts) or None when the sequence has nothing to learn from; a head's `training_loss`
 names its own. `head` is the head or the wrapper to call it through (DDP); attributes are read from the
@@ -150,3 +151,48 @@ def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: LossSettings, 
         return None
     loss = total / weights
     return loss, {"l1": torch.zeros(()), "ce": loss.detach(), "acc": acc[0].detach(), "tokens": int(mask[1:].sum())}
+
+
+def block_anchors(mask: torch.Tensor, count: int, generator=None) -> torch.Tensor:
+    """Up to `count` anchor positions [n] of one sequence, drawn without replacement (ascending): a block's root
+    sits at an anchor a in [1, T-2] whose next token is an assistant token (what the block drafts first)."""
+    candidates = torch.nonzero(mask[2:]).flatten() + 1  # a in [1, T-2] with mask[a + 1]
+    if candidates.numel() > count:
+        picked = torch.randperm(candidates.numel(), generator=generator)[:count]
+        candidates = candidates[picked.to(candidates.device)].sort().values
+    return candidates
+
+
+def dflash_loss(head, target_lm, embed, features, ids, mask, cfg, generator=None):
+    """Block drafting: blocks rooted at `cfg.block_anchors` random anchors of one sequence, all in one call; the
+    block's position j (1..k-1) is held to the target's distribution of the token j past the root, weighted by
+    exp(-(j-1)/gamma) (`block_gamma`), where that token is an assistant token.
+
+    features [T, H + n_layers * H]: the target's final hidden state and the layers the head reads.
+    """
+    from .dflash import block_weights
+
+    core = getattr(head, "module", head)
+    h_size, k = core.config.hidden_size, core.block_size
+    final, layers = features[:, :h_size], features[:, h_size:]
+    anchors = block_anchors(mask, cfg.block_anchors, generator)
+    if anchors.numel() == 0:
+        return None
+    if cfg.noise:
+        noise = torch.rand(layers.shape, generator=generator, dtype=torch.float32).to(layers) - 0.5
+        layers = layers + noise * cfg.noise
+    t = ids.shape[0]
+    where = anchors[:, None] + torch.arange(1, k, device=ids.device)  # [n, k-1]: the drafted tokens' positions
+    labelled = (where < t) & mask[where.clamp(max=t - 1)]
+    weight, bias = target_lm
+    with torch.no_grad():  # the target's distribution of the token at p, from its final state at p - 1
+        p_target = torch.softmax(F.linear(final[where[labelled] - 1], weight, bias).float(), -1)
+    out = head(layers, ids, anchors, embed)[:, 1:][labelled]  # [N, H]
+    logp = torch.log_softmax(F.linear(out, weight, bias).float(), -1)
+    w = block_weights(k, cfg.block_gamma).to(logp.device).expand(anchors.numel(), -1)[labelled]
+    ce = -(p_target * logp).sum(-1)
+    loss = (w * ce).sum() / w.sum()
+    first = (where == anchors[:, None] + 1)[labelled]  # the entries of position 1 (the root's child)
+    hits = logp.argmax(-1) == p_target.argmax(-1)
+    acc = hits[first].float().mean() if first.any() else torch.zeros(())
+    return loss, {"l1": torch.zeros(()), "ce": loss.detach(), "acc": acc.detach(), "tokens": int(mask[1:].sum())}

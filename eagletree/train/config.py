@@ -22,12 +22,20 @@ class TrainingError(EagletreeError, RuntimeError):
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m"
-    head_type: str = "eagle"  # "eagle" (EAGLE-1/2), "eagle3" or "medusa"
+    head_type: str = "eagle"  # "eagle" (EAGLE-1/2), "eagle3", "medusa" or "dflash" (a block drafter)
     # training-time test: drafting steps unrolled per position (step k reads step k-1's predicted features);
     # 0 = the head type's default: 3 for eagle3, 1 (the original one-step objective) for eagle
     ttt_steps: int = 0
     ttt_decay: float = 0.8  # weight of step k is ttt_decay ** (k - 1)
     medusa_heads: int = 4
+    # block (dflash) heads: the block's size k (the root and k-1 drafted tokens), its draft layers, the blocks
+    # trained per sequence, the decay of the loss over a block's positions (0: the anchors' choice for k), and the
+    # target token embedded at masked positions (-1: the target's pad token, else its BOS)
+    block_size: int = 8
+    draft_layers: int = 2  # (one layer cannot mix the root with the context before its attention reads it)
+    block_anchors: int = 16
+    block_gamma: float = 0.0
+    mask_token_id: int = -1
     fc_bias: bool = False  # EAGLE-1/2 fc bias; vLLM's EAGLE loader has none
     dataset: str = "sharegpt"
     eval_dataset: str = ""  # held-out conversations and prompts for evaluation; "" = dataset's own held-out split
@@ -136,7 +144,10 @@ def _check_ranges(values: dict) -> None:
     if values.get("head_type", "eagle") not in kinds:
         listed = ", ".join(repr(k) for k in kinds[:-1]) + f" or {kinds[-1]!r}"
         raise TrainingError(f"head_type must be {listed}, got {values['head_type']!r}")
-    positive = ("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads")
+    positive = (
+        *("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads"),
+        *("draft_layers", "block_anchors"),
+    )
     for key in positive:
         if key in values and isinstance(values[key], int) and values[key] < 1:
             raise TrainingError(f"config key {key!r} must be >= 1, got {values[key]}")
@@ -155,6 +166,9 @@ def _check_ranges(values: dict) -> None:
         "eval_conversations": (1, True),
         "stop_after": (0, True),
         "seed": (0, True),
+        "block_size": (2, True),
+        "block_gamma": (0.0, True),
+        "mask_token_id": (-1, True),
     }
     for key, (low, inclusive) in ranges.items():
         if key in values and (values[key] < low if inclusive else values[key] <= low):
@@ -214,22 +228,34 @@ def _check_choices(values: dict, defaults: TrainConfig) -> None:
             f"{values['draft_vocab']}: set draft_vocab=0"
         )
     head_type = kind.head_type
+    others = [k for name in head_types() for k in head_class(name).own_train_keys if k not in kind.own_train_keys]
+    not_read = tuple(dict.fromkeys((*kind.ignored_train_keys, *others)))
     ignored = [
         k
-        for k in kind.ignored_train_keys
+        for k in not_read
         if k in values and values[k] != getattr(defaults, k) and not (k == "noise" and values[k] == 0)
     ]  # no noise: what such a head does anyway
     if ignored:
         raise TrainingError(
             f"{', '.join(f'{k}={values[k]!r}' for k in ignored)}: "
             f"{'has' if len(ignored) == 1 else 'have'} no effect on {head_type!r} heads "
-            f"(it ignores {', '.join(kind.ignored_train_keys)}); remove "
+            f"({_why_ignored(kind, ignored)}); remove "
             f"{'it' if len(ignored) == 1 else 'them'} from the config"
         )
     if values.get("report_to", "wandb") not in ("wandb", "none"):
         raise TrainingError(f"report_to must be 'wandb' or 'none', got {values['report_to']!r}")
     if values.get("long", "truncate") not in ("truncate", "drop"):
         raise TrainingError(f"long must be 'truncate' or 'drop', got {values['long']!r}")
+
+
+def _why_ignored(kind, keys: list[str]) -> str:
+    """Why a head of `kind` ignores `keys`: the keys it never reads, and whose keys the others are."""
+    reasons = [f"it ignores {', '.join(kind.ignored_train_keys)}"] if set(keys) & set(kind.ignored_train_keys) else []
+    for key in keys:
+        owners = [repr(name) for name in head_types() if key in head_class(name).own_train_keys]
+        if owners and key not in kind.ignored_train_keys:
+            reasons.append(f"{key} is a key of {' and '.join(owners)} heads")
+    return "; ".join(reasons)
 
 
 def lr_lambda(cfg: TrainConfig):

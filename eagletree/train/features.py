@@ -36,7 +36,7 @@ class FeatureError(EagletreeError, ValueError):
 
 def feature_spec(cfg, target_config) -> FeatureSpec:
     """The features a new head of the config's kind reads for this target: what the cache holds."""
-    return head_class(cfg.head_type).feature_spec_for(target_config)
+    return head_class(cfg.head_type).feature_spec_for(target_config, cfg)
 
 
 def _identity(cfg, target_config) -> dict:
