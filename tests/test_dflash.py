@@ -250,3 +250,25 @@ def test_sampling_with_a_block_head_keeps_the_targets_distribution():
         )
     assert chi_square_p(pairs, p1[:, None] * p2) > 0.01
     assert chi_square_p(pairs.sum(1), p1) > 0.01
+
+
+def test_auto_charges_a_block_heads_one_call_a_step_as_timed():
+    """A block head's levels make no call, so auto charges its step the catch-up's measured seconds (a running
+    mean), not a level's cost; a level-drafting head's catch-up stays counted as one more level."""
+    from eagletree.draft import Drafting
+    from eagletree.search.cost import LatencyProfile
+    from eagletree.search.searchers import make_searcher
+
+    model = tiny_model("llama")
+    block = make_searcher("auto", profile=LatencyProfile([1, 64], [0.01, 0.012]))
+    block.set_drafting(small_head(model).drafting)
+    block.start()
+    assert block.times_step_calls and block.catch_up_s is None
+    block.observe_catch_up(0.004)
+    block.observe_catch_up(0.009)
+    assert block.catch_up_s == pytest.approx(0.004 + 0.2 * 0.005)
+    level = make_searcher("auto", profile=LatencyProfile([1, 64], [0.01, 0.012], draft_s_per_step=0.002))
+    level.set_drafting(Drafting())
+    level.start()
+    level.observe_catch_up(1.0)
+    assert not level.times_step_calls and level.catch_up_s == 0.002  # (the profile's, never timed here)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagletree import export, serve
-from eagletree.draft import Eagle3Head, EagleHead, HeadError, MedusaHead
+from eagletree.draft import DFlashHead, Eagle3Head, EagleHead, HeadError, MedusaHead
 from eagletree.export.convert import check_format, export_head, import_folder, recognize_folder
 from eagletree.export.layout import Layout
 
@@ -36,6 +36,8 @@ def make_head(head_type: str, model):
         return Eagle3Head.for_target(model, torch.arange(3, 97, 3)).eval()
     if head_type == "medusa":
         return MedusaHead.for_target(model.config, num_heads=2).eval()
+    if head_type == "dflash":
+        return DFlashHead.for_target(model, torch.arange(5, 97, 2), block_size=4).eval()
     return EagleHead.for_target(model.config, torch.arange(5, 97, 2)).eval()
 
 
@@ -44,14 +46,18 @@ IDS = [f"{name}-{'+'.join(layout.heads)}" for name, layout in LAYOUTS]
 
 
 def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_the_heads_type(target):
-    assert set(export.format_names()) == {"eagle", "eagle3", "vllm", "sglang", "speculators"}
+    assert set(export.format_names()) == {"eagle", "eagle3", "vllm", "sglang", "speculators", "dflash"}
     taken = {}
     for name, layout in LAYOUTS:
         assert isinstance(layout, Layout) and layout.format == name and layout.heads and layout.kind
         for head_type in layout.heads:
             taken.setdefault(head_type, []).append(name)
             assert export.layout_for(name, make_head(head_type, target)) is layout
-    assert taken == {"eagle": ["eagle", "vllm", "sglang"], "eagle3": ["eagle3", "vllm", "speculators"]}
+    assert taken == {
+        "eagle": ["eagle", "vllm", "sglang"],
+        "eagle3": ["eagle3", "vllm", "speculators"],
+        "dflash": ["dflash"],
+    }
     # "vllm" is two layouts, one per kind of head
     vllm = export.format_layouts("vllm")
     assert [layout.heads for layout in vllm] == [("eagle",), ("eagle3",)]
@@ -77,7 +83,7 @@ def test_an_export_is_recognized_as_its_own_format_and_imports_back(tmp_path, ta
 
 
 @pytest.mark.parametrize("name", export.format_names())
-@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa", "dflash"])
 def test_a_format_refuses_a_head_it_does_not_take_in_one_line(tmp_path, target, name, head_type):
     head = make_head(head_type, target)
     if name in export.formats_taking(head_type):
@@ -88,7 +94,7 @@ def test_a_format_refuses_a_head_it_does_not_take_in_one_line(tmp_path, target, 
     message = str(refused.value)
     assert "\n" not in message and f"{name!r}" in message, message
     takers = export.formats_taking(head_type)
-    kind = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "'medusa'"}[head_type]
+    kind = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "'medusa'", "dflash": "'dflash'"}[head_type]
     assert kind in message and ", ".join(repr(f) for f in takers or export.format_names()) in message, message
     assert not (tmp_path / "out").exists()
 

@@ -65,6 +65,8 @@ class Pass:
         self.searched_any = bool(jobs)
         self.trees = [DraftTree.trusted([seq.root], [-1], [1.0], [0]) for seq in live]
         if jobs:
+            if self.drafting:
+                searcher.observe_catch_up(self.batch.draft_s)  # (what the catch-up just cost)
             rows = [live[i].row for i in searched]
             found = searcher.search_batch(self.batch.expand_for(rows), jobs, rows=len(live))
             for i, tree in zip(searched, found):

@@ -94,7 +94,8 @@ class BlockLayer(nn.Module):
 
 class DFlashHead(DraftHead):
     """config.extra: block_size (k: the root and k-1 drafted positions), num_layers, target_layers (the target
-    layers whose outputs form the context), mask_token_id (the target token embedded at the masked positions)."""
+    layers whose outputs form the context), mask_token_id (the target token embedded at the masked positions),
+    num_target_layers (the target's decoder layers, which exports name)."""
 
     head_type = "dflash"
     own_train_keys = ("block_size", "draft_layers", "block_anchors", "block_gamma", "mask_token_id")
@@ -124,7 +125,8 @@ class DFlashHead(DraftHead):
     def check_config(cls, config: HeadConfig) -> None:
         """HeadError naming the value when the saved config cannot build a block head."""
         extra = config.extra
-        missing = [k for k in ("block_size", "num_layers", "target_layers", "mask_token_id") if k not in extra]
+        keys = ("block_size", "num_layers", "target_layers", "mask_token_id", "num_target_layers")
+        missing = [k for k in keys if k not in extra]
         if missing:
             raise HeadError(f"a dflash head's config.extra lacks {missing}")
         if not isinstance(extra["block_size"], int) or extra["block_size"] < 2:
@@ -157,6 +159,7 @@ class DFlashHead(DraftHead):
                 "num_layers": int(num_layers),
                 "target_layers": list(context_spec(tc, num_layers).layers),
                 "mask_token_id": int(mask_token_id),
+                "num_target_layers": int(tc.num_hidden_layers),
             },
         )
         head = cls(config)

@@ -91,6 +91,9 @@ class AutoSearcher(Searcher):
         self.pause = self._pause_for(1)  # the current step's
         self.search_budget = self.budget
         self.draft_s, self.search_s, self.levels = 0.0, 0.0, 0  # so far: drafter and search seconds, levels
+        self.catch_up_s = (
+            self.initial_profile.draft_s_per_step or None
+        )  # a drafted step's own head calls, running mean (`observe_catch_up`); None: untimed
         self.load = None  # measured verify time / the profile's, running (log-space) mean; None: no pass yet
         self.predicted = self.accepted = 0.0  # drafted tokens the verified trees' values predicted, and accepted
         self._pending = None  # the last tree's predicted drafted tokens, until its pass is observed
@@ -237,9 +240,11 @@ class AutoSearcher(Searcher):
             return self._chosen(fulls, values, counts)
         self._charge_drafting(spent, searched)
         # (`measured` again: it now holds the drafting cost just timed)
-        counts, expected, rate = choose_batch(
-            scaled, self.measured, spent[1] + self.step_calls, fixed=fixed, others=others
-        )
+        if self.times_step_calls and self.catch_up_s is not None:  # its one call a step, as timed
+            calls, fixed = spent[1], fixed + self.catch_up_s
+        else:  # its step's calls, each at a level's cost
+            calls = spent[1] + self.step_calls
+        counts, expected, rate = choose_batch(scaled, self.measured, calls, fixed=fixed, others=others)
         if batch == 1 or self.plain_scale is None:  # (else the step's measured gain moves it: observe_step)
             self._update_gain(rate * t_plain / batch)
         self.search_budget = min(self.budget, max(8, 2 * max(counts)))
@@ -270,6 +275,11 @@ class AutoSearcher(Searcher):
         ]
         fulls = drive_batch(searches, timed, self.top_k, self.token_map)
         return fulls, spent, self.clock() - start
+
+    def observe_catch_up(self, seconds: float) -> None:
+        if self.times_step_calls:
+            known = self.catch_up_s
+            self.catch_up_s = seconds if known is None else known + self.LOAD_SMOOTHING * (seconds - known)
 
     def _charge_drafting(self, spent: list, searched: float) -> None:
         """Add a drafted step's drafter and search seconds to the profile's per-level drafting cost.

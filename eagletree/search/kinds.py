@@ -20,6 +20,9 @@ class Searcher:
 
     static = False  # a fixed shape: copied spans cannot be grafted into it
     step_calls = 1  # head calls a drafted step makes besides its levels' (`set_drafting`)
+    # the step's own calls are timed (`observe_catch_up`) where no level makes a call (a block drafter's levels
+    # are free, so a level's cost says nothing of its one call a step)
+    times_step_calls = False
 
     def __init__(self, budget: int, top_k: int, device="cpu", token_map=None):
         self.budget, self.top_k, self.device, self.token_map = budget, top_k, device, token_map
@@ -28,6 +31,10 @@ class Searcher:
         """The head's `Drafting`: the calls a drafted step makes besides one per level (its catch-up on the
         accepted tokens, a block drafter's call), which a searcher weighing drafting charges at a level's cost."""
         self.step_calls = drafting.catch_up + drafting.block_calls
+        self.times_step_calls = drafting.level_calls == 0
+
+    def observe_catch_up(self, seconds: float) -> None:
+        """The seconds of a drafted step's own head calls (before its levels), for the searchers that weigh them."""
 
     def start(self) -> None:
         """A new generation begins: forget what the last one taught (the searchers that learn as they go)."""
