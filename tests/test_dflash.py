@@ -272,3 +272,32 @@ def test_auto_charges_a_block_heads_one_call_a_step_as_timed():
     level.start()
     level.observe_catch_up(1.0)
     assert not level.times_step_calls and level.catch_up_s == 0.002  # (the profile's, never timed here)
+
+
+def test_the_dflash_export_is_a_qwen3_drafter_checkpoint_and_imports_back(tmp_path):
+    """The export's config is a Qwen3 config transformers reads, and its weights are named and shaped as Qwen3
+    decoder layers' (the published drafter's layers are Qwen3 layers with another attention forward), plus fc,
+    hidden_norm and norm; importing it gives the same head back, its draft vocabulary from token_map.pt."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from eagletree.export.convert import export_head, import_folder
+
+    model = tiny_model("llama")
+    head = DFlashHead.for_target(model, torch.arange(5, 97, 2), block_size=4, num_layers=2).eval()
+    out = export_head(head, tmp_path / "x", "dflash", dtype=torch.float32, target=model)
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "qwen3" and config.num_hidden_layers == 2
+    assert config.dflash_config == {"block_size": 4, "target_layer_ids": [0, 0, 0], "mask_token_id": 0}
+    state = load_file(str(out / "model.safetensors"))
+    h = model.config.hidden_size
+    want = {"fc.weight": (h, 3 * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(2):
+        layer = Qwen3DecoderLayer(config, i)
+        want |= {f"layers.{i}.{k}": tuple(v.shape) for k, v in layer.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in state.items()} == want
+    back = import_folder(out, model.config)
+    assert torch.equal(back.d2t, head.d2t) and back.block_size == 4
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
