@@ -261,6 +261,23 @@ def case_export_a_head_whose_config_says_another_width(tmp: Path, timeout: float
     return max(outcomes, key=OUTCOMES.index)
 
 
+def case_a_block_head_with_a_broken_config(tmp: Path, timeout: float) -> str:
+    """A block head's config with a one-token block, and one missing its context layers: named before the target
+    loads, by generate and by export."""
+    import shutil
+
+    shutil.copytree(HEAD, tmp / "one", ignore=shutil.ignore_patterns("*.npz"))
+    config = json.loads((tmp / "one" / "config.json").read_text())
+    extra = {"block_size": 1, "num_layers": 2, "target_layers": [1, 14, 27], "mask_token_id": 2}
+    (tmp / "one" / "config.json").write_text(json.dumps(config | {"head_type": "dflash", "extra": extra}))
+    shutil.copytree(tmp / "one", tmp / "nolayers")
+    del extra["target_layers"]
+    (tmp / "nolayers" / "config.json").write_text(json.dumps(config | {"head_type": "dflash", "extra": extra}))
+    outcomes = [cli(GEN + ["--prompt", "hello", "--head", h], tmp, timeout).refused() for h in ("one", "nolayers")]
+    outcomes.append(cli(["export", "--head", "one", "--format", "dflash", "--out", "x"], tmp, timeout).refused())
+    return max(outcomes, key=OUTCOMES.index)
+
+
 CLI_CASES = [v for k, v in dict(globals()).items() if k.startswith("case_")]
 
 
