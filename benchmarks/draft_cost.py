@@ -26,7 +26,7 @@ from eagletree.decode import Decoder
 from eagletree.decode import step as decoding_step
 from eagletree.decode.config import DecodeConfig
 from eagletree.draft import batch_drafter
-from eagletree.draft.batch_drafter import RaggedTreeDrafter
+from eagletree.draft.batch_drafter import make_batch_drafter
 from eagletree.draft.drafter import TreeDrafter
 from eagletree.loading import head_to_load, load_models
 from eagletree.packing import kernels_used
@@ -78,11 +78,13 @@ def parse_args(argv=None):
     return args, head_dir
 
 
-def instrument(head):
-    """Time the head's layer, the lm_head slice, the batch drafter's level calls and catch-up calls, the
-    searches and the verify passes (in place); returns the running clock (seconds) and call counts."""
+def instrument(head, drafter_class):
+    """Time the head's layer, the lm_head slice, the batch drafter's (`drafter_class`) level calls and catch-up
+    calls, the searches and the verify passes (in place); returns the running clock (seconds), call counts and the
+    rows seen (a row's first catch-up is its prompt's prefill: clear it before each batch)."""
     clock = {"head": 0.0, "lm": 0.0, "call": 0.0, "extend": 0.0, "search": 0.0, "verify": 0.0}
     counts = {"call": 0, "extend": 0, "passes": 0}
+    seen: set[int] = set()
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -95,7 +97,7 @@ def instrument(head):
         return wrapper
 
     real_forward, real_probs = head.forward, TreeDrafter.draft_probs
-    real_expand, real_extend = RaggedTreeDrafter.expand, RaggedTreeDrafter.extend
+    real_expand, real_extend = drafter_class.expand, drafter_class.extend
     head.forward = timed("head", real_forward)
     if hasattr(batch_drafter, "lean_forward"):  # the layer's fast path (absent before it existed: a before/after)
         batch_drafter.lean_forward = timed("head", batch_drafter.lean_forward)
@@ -109,7 +111,8 @@ def instrument(head):
 
     def extend(self, rows, features, next_tokens, positions=None):
         saved = dict(clock)
-        if any(self.rows[r].committed == 0 for r in rows):  # a prompt's first call: its prefill, paid once
+        if not seen.issuperset(rows):  # a prompt's first call: its prefill, paid once
+            seen.update(rows)
             out = real_extend(self, rows, features, next_tokens, positions)
         else:
             counts["extend"] += 1
@@ -117,7 +120,7 @@ def instrument(head):
         clock["head"], clock["lm"] = saved["head"], saved["lm"]  # the catch-up is reported on its own
         return out
 
-    RaggedTreeDrafter.expand, RaggedTreeDrafter.extend = expand, extend
+    drafter_class.expand, drafter_class.extend = expand, extend
     real_verify = decoding_step.verify_rows
 
     def verify(*a, **k):
@@ -125,10 +128,10 @@ def instrument(head):
         return timed("verify", real_verify)(*a, **k)
 
     decoding_step.verify_rows = verify
-    return clock, counts, timed
+    return clock, counts, timed, seen
 
 
-def measure(model, tok, head, args, clock, counts, timed):
+def measure(model, tok, head, args, clock, counts, timed, seen):
     """Per batch of prompts: the drafting cost per level and per step (a row), and how many batches drafted no
     level."""
     decoder = Decoder(
@@ -151,6 +154,7 @@ def measure(model, tok, head, args, clock, counts, timed):
         for k in clock:
             clock[k] = 0.0
         counts.update(call=0, extend=0, passes=0)
+        seen.clear()
         decoder.generate_batch(prompts[first : first + args.batch_size], args.batch_size)
         levels, passes = counts["call"], counts["passes"]
         if not levels or not passes:
@@ -186,8 +190,8 @@ def main(argv=None):
     )
     if args.lean == "off":
         batch_drafter.lean_layer = lambda *a, **k: None
-    clock, counts, timed = instrument(head)
-    rows, skipped = measure(model, tok, head, args, clock, counts, timed)
+    clock, counts, timed, seen = instrument(head, type(make_batch_drafter(head, model)))
+    rows, skipped = measure(model, tok, head, args, clock, counts, timed, seen)
     if not rows:
         raise SystemExit(
             "no prompt drafted a level (each was answered at once, or the tree drafted nothing): "
