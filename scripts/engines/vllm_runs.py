@@ -16,10 +16,13 @@ MODES = ("plain", "eagle")  # vLLM's runs: the target alone, and with the export
 
 
 def export_kind(config: dict) -> str:
-    """What an export's config.json is to vLLM: "speculators" (a speculators_config: `LLM(model=EXPORT)`), "eagle3"
-    (an EAGLE-3 head for method "eagle3") or "eagle" (an EAGLE-1/2 head for method "eagle")."""
+    """What an export's config.json is to vLLM: "speculators" (a speculators_config: `LLM(model=EXPORT)`), "dflash"
+    (a DFlashDraftModel checkpoint for method "dflash"), "eagle3" (an EAGLE-3 head for method "eagle3") or "eagle"
+    (an EAGLE-1/2 head for method "eagle")."""
     if config.get("speculators_config") is not None:
         return "speculators"
+    if isinstance(config.get("dflash_config"), dict):
+        return "dflash"
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or "draft_vocab_size" in config:
         return "eagle3"
     return "eagle"
@@ -30,13 +33,13 @@ def vllm_start(kind: str, export: str, target_folder: str, k: int, config: dict)
 
     A speculators export starts alone: vLLM serves the verifier its config names (ValueError unless that is the
     target's folder) and drafts its proposal's speculative_tokens, overridden here only where those are not k."""
-    if kind in ("eagle", "eagle3"):
+    if kind in ("eagle", "eagle3", "dflash"):
         return {
             "model": target_folder,
             "speculative_config": {"method": kind, "model": export, "num_speculative_tokens": k},
         }
     if kind != "speculators":
-        raise ValueError(f"export kind {kind!r} is not one of ('eagle', 'eagle3', 'speculators')")
+        raise ValueError(f"export kind {kind!r} is not one of ('eagle', 'eagle3', 'dflash', 'speculators')")
     spec = config["speculators_config"]
     verifier = str(spec["verifier"]["name_or_path"])
     if Path(verifier).expanduser().resolve() != Path(target_folder).resolve():
