@@ -1,5 +1,8 @@
-"""Format "dflash": block heads as the published DFlash drafter's checkpoint (`DFlashDraftModel`), which
-SGLang's DFLASH and llama.cpp's converter (`convert_hf_to_gguf.py`, `--spec-type draft-dflash`) read.
+"""Format "dflash": block heads as the published DFlash drafter's checkpoint (`DFlashDraftModel`), which vLLM
+starts with method "dflash" (read in vLLM 0.32: model_executor/models/qwen3_dflash.py, config/speculative.py,
+v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, which adds 1 to `target_layer_ids`, as its other loaders count
+inputs of layers); SGLang's DFLASH and llama.cpp's converter (`convert_hf_to_gguf.py`, `--spec-type
+draft-dflash`) read the same published layout.
 
 config.json: a Qwen3 config of the draft layers (`model_type` "qwen3", `num_hidden_layers` the draft's,
 `architectures: ["DFlashDraftModel"]`, no biases, the target's RoPE, `vocab_size` the target's), `block_size`,
