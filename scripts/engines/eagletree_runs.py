@@ -37,7 +37,7 @@ def prepare(args, work: Path) -> dict:
         print(f"exported {head_dir} as {fmt} (fp32) to {export}")
     config = read_export_config(export)
     kind = export_kind(config)
-    if args.format is not None and args.format != ("speculators" if kind == "speculators" else "vllm"):
+    if args.format is not None and args.format != (kind if kind in ("speculators", "dflash") else "vllm"):
         raise ValueError(f"--export {str(export)!r} holds a {kind!r} export, not --format {args.format!r}")
     head = import_export(export, target).to(torch.float32).eval()
     if head.can_widen_vocab():  # (not EAGLE-3: its own lm_head over its draft vocabulary, in vLLM too)
