@@ -65,7 +65,9 @@ from engines.vllm_check import check  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default=None, help="an EAGLE-1/2, EAGLE-3 or block head folder (default: the shipped one)")
+    parser.add_argument(
+        "--head", default=None, help="an EAGLE-1/2, EAGLE-3 or block head folder (default: the shipped one)"
+    )
     parser.add_argument(
         "--export", type=Path, default=None, help="an existing vllm, speculators or dflash export (instead of --head)"
     )
