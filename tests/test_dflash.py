@@ -9,8 +9,8 @@ import torch
 from eagletree.decode import Decoder, decode_steps, generate
 from eagletree.decode.config import DecodeConfig
 from eagletree.draft import DFlashHead, HeadError, load_head
-from eagletree.draft.dflash import block_weights, default_context_layers
-from eagletree.draft.objectives import block_anchors
+from eagletree.draft.dflash import default_context_layers
+from eagletree.draft.objectives import block_anchors, block_weights
 from eagletree.train.config import TrainConfig, TrainingError
 from eagletree.train.loop import train
 

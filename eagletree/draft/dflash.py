@@ -16,8 +16,6 @@ the engines that serve DFlash.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -277,10 +275,3 @@ def default_mask_token(target_config) -> int:
         if isinstance(value, int) and 0 <= value < target_config.vocab_size:
             return value
     return target_config.vocab_size - 1
-
-
-def block_weights(k: int, gamma: float) -> torch.Tensor:
-    """[k-1] loss weights of the drafted positions 1..k-1: exp(-(j-1)/gamma) (the anchors' decay; gamma 0: the
-    anchors' choice for this block size, 7 at k=16, 5 at 10, 4 at 8)."""
-    gamma = gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(k, max(k / 2.0, 1.0))
-    return torch.tensor([math.exp(-(j - 1) / gamma) for j in range(1, k)])

@@ -8,6 +8,7 @@ head itself (`getattr(head, "module", head)`).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -153,6 +154,13 @@ def eagle3_loss(head, target_lm, embed, features, ids, mask, cfg: LossSettings, 
     return loss, {"l1": torch.zeros(()), "ce": loss.detach(), "acc": acc[0].detach(), "tokens": int(mask[1:].sum())}
 
 
+def block_weights(k: int, gamma: float) -> torch.Tensor:
+    """[k-1] loss weights of the drafted positions 1..k-1: exp(-(j-1)/gamma) (the anchors' decay; gamma 0: the
+    anchors' choice for this block size, 7 at k=16, 5 at 10, 4 at 8)."""
+    gamma = gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(k, max(k / 2.0, 1.0))
+    return torch.tensor([math.exp(-(j - 1) / gamma) for j in range(1, k)])
+
+
 def block_anchors(mask: torch.Tensor, count: int, generator=None) -> torch.Tensor:
     """Up to `count` anchor positions [n] of one sequence, drawn without replacement (ascending): a block's root
     sits at an anchor a in [1, T-2] whose next token is an assistant token (what the block drafts first)."""
@@ -170,8 +178,6 @@ def dflash_loss(head, target_lm, embed, features, ids, mask, cfg, generator=None
 
     features [T, H + n_layers * H]: the target's final hidden state and the layers the head reads.
     """
-    from .dflash import block_weights
-
     core = getattr(head, "module", head)
     h_size, k = core.config.hidden_size, core.block_size
     final, layers = features[:, :h_size], features[:, h_size:]
