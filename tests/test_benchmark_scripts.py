@@ -29,8 +29,9 @@ def test_draft_cost_times_every_part_of_a_drafting_level(monkeypatch):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(97, (n,), generator=g).tolist() for n in (5, 9)]
     monkeypatch.setattr(draft_cost, "load_prompts", lambda spec: prompts)
-    # (the script wraps RaggedTreeDrafter's and a decoding pass's functions for the process; undone after the test)
-    for owner, name in ((draft_cost.RaggedTreeDrafter, "expand"), (draft_cost.RaggedTreeDrafter, "extend")):
+    # (the script wraps the batch drafter's and a decoding pass's functions for the process; undone after the test)
+    drafter_class = type(draft_cost.make_batch_drafter(head, model))
+    for owner, name in ((drafter_class, "expand"), (drafter_class, "extend")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(draft_cost.decoding_step, "verify_rows", draft_cost.decoding_step.verify_rows)
     monkeypatch.setattr(draft_cost.TreeDrafter, "draft_probs", draft_cost.TreeDrafter.draft_probs)
@@ -38,8 +39,8 @@ def test_draft_cost_times_every_part_of_a_drafting_level(monkeypatch):
     args = argparse.Namespace(
         max_new_tokens=12, tree="eagle2", budget=8, depth=4, copy="on", batch_size=2, prompts="two", lean="on"
     )
-    clock, counts, timed = draft_cost.instrument(head)
-    rows, skipped = draft_cost.measure(model, tok, head, args, clock, counts, timed)
+    clock, counts, timed, seen = draft_cost.instrument(head, drafter_class)
+    rows, skipped = draft_cost.measure(model, tok, head, args, clock, counts, timed, seen)
     assert rows and skipped == 0
     for row in rows:
         assert row["levels_per_pass"] > 0 and row["level"] > 0 and row["extend"] > 0 and row["verify_one"] > 0

@@ -20,6 +20,7 @@ ALLOWED = {
     ("eagletree/decode/__init__.py", "AttributeError"),
     ("eagletree/draft/drafter.py", "RuntimeError"),
     ("eagletree/draft/batch_drafter.py", "RuntimeError"),
+    ("eagletree/draft/block_drafter.py", "RuntimeError"),
     ("eagletree/draft/medusa.py", "RuntimeError"),
     ("eagletree/target/ragged.py", "RuntimeError"),
     ("eagletree/train/evaluate.py", "SystemExit"),
