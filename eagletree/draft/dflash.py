@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import DraftHead, Drafting, FeatureSpec, HeadConfig, HeadError, target_identity
-from .layers import config_from_dict, layer_config_dict, rms_norm
+from .layers import config_from_dict, copy_final_norm, init_linears, layer_config_dict, rms_norm
 from .objectives import dflash_loss
 
 
@@ -163,14 +163,8 @@ class DFlashHead(DraftHead):
         head = cls(config)
         if draft_tokens is not None:
             head.set_draft_vocab(draft_tokens)
-        std = getattr(tc, "initializer_range", 0.02)
-        for sub in head.modules():
-            if isinstance(sub, nn.Linear):
-                nn.init.normal_(sub.weight, std=std)
-        final_norm = getattr(target_model.get_decoder(), "norm", None)
-        if getattr(final_norm, "weight", None) is not None:
-            with torch.no_grad():
-                head.norm.weight.copy_(final_norm.weight)
+        init_linears([head], getattr(tc, "initializer_range", 0.02))
+        copy_final_norm(target_model, head.norm)
         return head
 
     @classmethod

@@ -14,7 +14,16 @@ from torch import nn
 
 from ..target import cache_kwarg
 from .base import FeatureSpec, HeadConfig, HeadError, target_identity
-from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache, rms_norm
+from .layers import (
+    attention_inputs,
+    build_layer,
+    config_from_dict,
+    copy_final_norm,
+    init_linears,
+    layer_config_dict,
+    new_layer_cache,
+    rms_norm,
+)
 from .level import LevelDraftingHead
 from .objectives import eagle3_loss
 
@@ -77,19 +86,11 @@ class Eagle3Head(LevelDraftingHead):
         head = cls(config)
         if draft_tokens is not None:
             head.set_draft_vocab(draft_tokens)
-        std = getattr(tc, "initializer_range", 0.02)
-        for module in (head.fc, head.layer.self_attn, head.layer.mlp):
-            for sub in module.modules():
-                if isinstance(sub, nn.Linear):
-                    nn.init.normal_(sub.weight, std=std)
-                    if sub.bias is not None:
-                        nn.init.zeros_(sub.bias)
+        init_linears((head.fc, head.layer.self_attn, head.layer.mlp), getattr(tc, "initializer_range", 0.02))
         with torch.no_grad():
             lm = target_model.get_output_embeddings().weight
             head.lm_head.weight.copy_(lm[head.d2t.to(lm.device)].to(head.lm_head.weight.dtype))
-            final_norm = getattr(target_model.get_decoder(), "norm", None)
-            if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-                head.norm.weight.copy_(final_norm.weight)
+        copy_final_norm(target_model, head.norm)
         return head
 
     @classmethod

@@ -87,6 +87,24 @@ def attention_inputs(layer_config, rotary, ref, position_ids, allowed, cache):
     return position_ids, mask, rotary(ref, position_ids)
 
 
+def init_linears(modules, std: float) -> None:
+    """Normal(0, std) weights and zero biases for every Linear inside `modules` (a fresh head's start)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                nn.init.normal_(sub.weight, std=std)
+                if sub.bias is not None:
+                    nn.init.zeros_(sub.bias)
+
+
+@torch.no_grad()
+def copy_final_norm(target_model, norm) -> None:
+    """Start a head's final norm as the target's (where the target's decoder has a norm with weights)."""
+    final_norm = getattr(target_model.get_decoder(), "norm", None)
+    if getattr(final_norm, "weight", None) is not None:
+        norm.weight.copy_(final_norm.weight)
+
+
 def new_layer_cache(layer_config):
     """An empty KV cache for a head's one layer."""
     from transformers import DynamicCache
