@@ -148,6 +148,44 @@ def tiny_conversations(n: int, seed: int = 0):
     ]
 
 
+def eight_token_model():
+    """A one-layer Llama of 8 tokens (seeded, weights large enough for peaked distributions), for sampling tests."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def first_two_probs(model, prompt: torch.Tensor, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's sampling distribution of the first token after `prompt` [V], and of the second after each first
+    [V, V]."""
+    from eagletree.verify import target_probs
+
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
+        p2 = torch.stack(
+            [
+                target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
+                for a in range(vocab)
+            ]
+        )
+    return p1, p2
+
+
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """p-value of observed counts under probs; any draw in a zero-probability cell fails outright.
 

@@ -14,7 +14,7 @@ from eagletree.draft.objectives import block_anchors, block_weights
 from eagletree.train.config import TrainConfig, TrainingError
 from eagletree.train.loop import train
 
-from helpers import chi_square_p, tiny_conversations, tiny_model, tiny_tokenizer
+from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_conversations, tiny_model, tiny_tokenizer
 
 
 def small_head(model, **kwargs) -> DFlashHead:
@@ -201,25 +201,8 @@ def test_a_trained_block_head_drafts_tokens_the_target_accepts():
 @pytest.mark.real  # 2,000 sampled runs (about 15 s): the full run only
 def test_sampling_with_a_block_head_keeps_the_targets_distribution():
     """Chi-square on the first two tokens of full sampled runs (a tiny 8-token target, a random block head)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagletree.verify import target_probs
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = eight_token_model()
     head = DFlashHead.for_target(model, block_size=3).eval()
     prompt, sampling, draws = torch.tensor([1, 6, 3, 1, 6]), dict(temperature=0.8, top_p=0.9), 2000
     pairs = torch.zeros(8, 8)
@@ -240,14 +223,7 @@ def test_sampling_with_a_block_head_keeps_the_targets_distribution():
         )
         a, b = [t for step in steps for t in step]
         pairs[a, b] += 1
-    with torch.no_grad():
-        p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
-        p2 = torch.stack(
-            [
-                target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
-                for a in range(8)
-            ]
-        )
+    p1, p2 = first_two_probs(model, prompt, **sampling)
     assert chi_square_p(pairs, p1[:, None] * p2) > 0.01
     assert chi_square_p(pairs.sum(1), p1) > 0.01
 

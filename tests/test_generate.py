@@ -8,7 +8,7 @@ from eagletree.decode.prompts import check_messages
 from eagletree.draft import EagleHead
 from eagletree.search.searchers import make_searcher
 
-from helpers import chi_square_p, tiny_model, tiny_tokenizer
+from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_model, tiny_tokenizer
 
 
 def plain(model, ids, n):
@@ -296,26 +296,9 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
     source="store" the prompt repeats nothing and the copied continuation is retrieved from a token
     store instead (3,000 draws).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from eagletree.search.store import SEPARATOR, TokenStore
-    from eagletree.verify import target_probs
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = eight_token_model()
     head = EagleHead.for_target(model.config).eval()
     prompt = torch.tensor([1, 6, 3, 1, 6, 3, 1, 6])  # the target gives the copied 3 p = 0.44, three others the rest
     store = None
@@ -348,14 +331,7 @@ def test_sampling_through_the_generation_loop_matches_the_target(source, draws):
         tree = stats.steps[0][0]
         copied += any(info is not None for info in tree.copy_info)
     assert copied == draws  # every first tree held the copied token 3 (or the retrieved 6) after "... 1 6"
-    with torch.no_grad():
-        p1 = target_probs(model(prompt[None]).logits[0, -1:], **sampling)[0]
-        p2 = torch.stack(
-            [
-                target_probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1:], **sampling)[0]
-                for a in range(8)
-            ]
-        )
+    p1, p2 = first_two_probs(model, prompt, **sampling)
     assert chi_square_p(pairs, p1[:, None] * p2) > 0.01
     assert chi_square_p(pairs.sum(1), p1) > 0.01
 
