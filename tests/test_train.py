@@ -201,15 +201,15 @@ def test_training_reduces_the_loss(tmp_path):
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     from eagletree.draft import EagleHead
 
-    real = EagleHead.training_loss
+    real = EagleHead.batch_loss
     calls = {"n": 0}
 
     def poisoned(self, *args, **kwargs):
         calls["n"] += 1
-        loss, parts = real(self, *args, **kwargs)
-        return (loss * float("nan") if calls["n"] > 4 else loss), parts  # step 3's first micro-batch
+        ((loss, parts),) = real(self, *args, **kwargs)
+        return [((loss * float("nan") if calls["n"] > 4 else loss), parts)]  # step 3's first micro-batch
 
-    monkeypatch.setattr(EagleHead, "training_loss", poisoned)
+    monkeypatch.setattr(EagleHead, "batch_loss", poisoned)
     with pytest.raises(TrainingError, match=r"loss is nan at step 3 .*step-0000002"):
         run(tiny_cfg(tmp_path))
     # the history of the checkpointed steps is on disk too
@@ -586,7 +586,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
     from eagletree.train.loop import TrainingInterrupted
 
     straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
-    real, calls = EagleHead.training_loss, {"n": 0}
+    real, calls = EagleHead.batch_loss, {"n": 0}
 
     def interrupted(self, *args, **kwargs):
         calls["n"] += 1
@@ -594,7 +594,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(EagleHead, "training_loss", interrupted)
+    monkeypatch.setattr(EagleHead, "batch_loss", interrupted)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(
         TrainingInterrupted,
@@ -604,7 +604,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resume_loses_nothin
         run(tiny_cfg(tmp_path / "b", save_every=100))
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # the run's are gone
     assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step-0000003"]
-    monkeypatch.setattr(EagleHead, "training_loss", real)
+    monkeypatch.setattr(EagleHead, "batch_loss", real)
     resumed, summary = run(tiny_cfg(tmp_path / "b", save_every=100), resume=True)
     assert summary["steps"] == 8
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
@@ -618,7 +618,7 @@ def test_a_signal_during_the_last_step_still_writes_the_head(tmp_path, monkeypat
     from eagletree.draft import EagleHead
 
     straight, _ = run(tiny_cfg(tmp_path / "a", save_every=100))
-    real, calls = EagleHead.training_loss, {"n": 0}
+    real, calls = EagleHead.batch_loss, {"n": 0}
 
     def interrupted(self, *args, **kwargs):
         calls["n"] += 1
@@ -626,7 +626,7 @@ def test_a_signal_during_the_last_step_still_writes_the_head(tmp_path, monkeypat
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(EagleHead, "training_loss", interrupted)
+    monkeypatch.setattr(EagleHead, "batch_loss", interrupted)
     head, summary = run(tiny_cfg(tmp_path / "b", save_every=100))
     assert calls["n"] == 16 and summary["steps"] == 8
     assert (tmp_path / "b" / "head" / "config.json").is_file()

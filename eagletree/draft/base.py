@@ -78,6 +78,23 @@ class FeatureSpec:
         states = model.get_decoder()(input_ids=ids[None], output_hidden_states=True).hidden_states
         return torch.cat([states[-1][0], self.from_states(states)[0]], dim=-1)
 
+    def training_features_batch(self, model, ids: list) -> list:
+        """`training_features` of several sequences ids [T_i] in one target pass, right-padded: the attention mask
+        hides the padding from every real token, whose position ids count from 0 as alone. [T_i, width] each."""
+        if len(ids) == 1:
+            return [self.training_features(model, ids[0])]
+        lengths = [int(x.numel()) for x in ids]
+        batch = ids[0].new_zeros(len(ids), max(lengths))
+        attention = torch.zeros_like(batch)
+        for row, x in enumerate(ids):
+            batch[row, : lengths[row]], attention[row, : lengths[row]] = x, 1
+        out = model.get_decoder()(input_ids=batch, attention_mask=attention, output_hidden_states=bool(self.layers))
+        if self.layers:
+            full = torch.cat([out.hidden_states[-1], self.from_states(out.hidden_states)], dim=-1)
+        else:
+            full = out.last_hidden_state
+        return [full[row, :n] for row, n in enumerate(lengths)]
+
 
 @dataclass(frozen=True)
 class Drafting:
@@ -159,6 +176,15 @@ class DraftHead(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} does not define training_loss()")
 
+    def batch_loss(self, module, target_lm, embed, batch: list, cfg, generators: list) -> list:
+        """[(loss, parts) or None] of the training objective on each sequence of a packed micro-batch `batch`
+        [(features, ids, mask)], sequence i's randomness drawn from `generators[i]` as `training_loss` alone draws
+        it. This default calls `training_loss` per sequence; a head whose objective batches overrides it."""
+        return [
+            self.training_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+            for (features, ids, mask), generator in zip(batch, generators)
+        ]
+
     def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
         """0 x a tiny forward through every parameter (through `module`), for a skipped micro-batch."""
         raise NotImplementedError(f"{type(self).__name__} does not define dummy_loss()")
@@ -187,6 +213,10 @@ class DraftHead(nn.Module):
         """The target's features the head trains on for one sequence ids [T]: [T, H] post-norm last hidden state,
         then (for a head reading fused layers) those layers' outputs (`FeatureSpec.training_features`)."""
         return self.feature_spec.training_features(model, ids)
+
+    def target_features_batch(self, model, ids: list) -> list:
+        """`target_features` of several sequences [T_i] in one target pass (a packed micro-batch)."""
+        return self.feature_spec.training_features_batch(model, ids)
 
     def make_drafter(self, target_model):
         """The `Drafter` (draft/drafter.py) that drafts trees with this head."""

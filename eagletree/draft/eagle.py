@@ -14,7 +14,7 @@ from ..target import cache_kwarg
 from .base import HeadConfig, HeadError, target_identity
 from .layers import attention_inputs, build_layer, config_from_dict, layer_config_dict, new_layer_cache
 from .level import LevelDraftingHead
-from .objectives import eagle_loss
+from .objectives import eagle_batch_loss, eagle_loss
 
 # The decoder layer's weights that read its input and that write its updates (rescaled by init_from_target).
 READS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -157,6 +157,9 @@ class EagleHead(LevelDraftingHead):
 
     def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
         return eagle_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+
+    def batch_loss(self, module, target_lm, embed, batch, cfg, generators):
+        return eagle_batch_loss(module, target_lm, embed, batch, cfg, generators)
 
     def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
         hidden = torch.zeros(1, 2, self.config.hidden_size, device=device)

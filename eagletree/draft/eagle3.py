@@ -25,7 +25,7 @@ from .layers import (
     rms_norm,
 )
 from .level import LevelDraftingHead
-from .objectives import eagle3_loss
+from .objectives import eagle3_batch_loss, eagle3_loss
 
 
 def default_fused_layers(num_layers: int) -> list[int]:
@@ -139,6 +139,9 @@ class Eagle3Head(LevelDraftingHead):
 
     def training_loss(self, module, target_lm, embed, features, ids, mask, cfg, generator=None):
         return eagle3_loss(module, target_lm, embed, features, ids, mask, cfg, generator)
+
+    def batch_loss(self, module, target_lm, embed, batch, cfg, generators):
+        return eagle3_batch_loss(module, target_lm, embed, batch, cfg, generators)
 
     def dummy_loss(self, module, embed, lm_weight, lm_bias, device) -> torch.Tensor:
         hidden = self.fuse(torch.zeros(1, 2, 3 * self.config.hidden_size, device=device))

@@ -55,6 +55,9 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps (the schedule's length)
     stop_after: int = 0  # stop (with a checkpoint) after this many steps; 0 = run to `steps`; resume later
     grad_accum: int = 4
+    # conversations per micro-batch, padded into one target pass and (eagle, eagle3) one head call per drafting step;
+    # the optimizer step's global batch is grad_accum x micro_batch x processes conversations, in the same order
+    micro_batch: int = 1
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 50
@@ -146,7 +149,7 @@ def _check_ranges(values: dict) -> None:
         raise TrainingError(f"head_type must be {listed}, got {values['head_type']!r}")
     positive = (
         *("steps", "grad_accum", "save_every", "keep_checkpoints", "log_every", "max_len", "medusa_heads"),
-        *("draft_layers", "block_anchors"),
+        *("draft_layers", "block_anchors", "micro_batch"),
     )
     for key in positive:
         if key in values and isinstance(values[key], int) and values[key] < 1:
