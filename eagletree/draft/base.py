@@ -79,16 +79,16 @@ class FeatureSpec:
         return torch.cat([states[-1][0], self.from_states(states)[0]], dim=-1)
 
     def training_features_batch(self, model, ids: list) -> list:
-        """`training_features` of several sequences ids [T_i] in one target pass, right-padded: the attention mask
-        hides the padding from every real token, whose position ids count from 0 as alone. [T_i, width] each."""
+        """`training_features` of several sequences ids [T_i] in one target pass, right-padded: under causal
+        attention no real token sees the padding after it, and position ids count from 0 as alone, so no padding
+        mask is passed (the target keeps its fast causal attention path). [T_i, width] each."""
         if len(ids) == 1:
             return [self.training_features(model, ids[0])]
         lengths = [int(x.numel()) for x in ids]
         batch = ids[0].new_zeros(len(ids), max(lengths))
-        attention = torch.zeros_like(batch)
         for row, x in enumerate(ids):
-            batch[row, : lengths[row]], attention[row, : lengths[row]] = x, 1
-        out = model.get_decoder()(input_ids=batch, attention_mask=attention, output_hidden_states=bool(self.layers))
+            batch[row, : lengths[row]] = x
+        out = model.get_decoder()(input_ids=batch, output_hidden_states=bool(self.layers))
         if self.layers:
             full = torch.cat([out.hidden_states[-1], self.from_states(out.hidden_states)], dim=-1)
         else:
