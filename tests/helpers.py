@@ -211,3 +211,30 @@ def records_of(path) -> list[dict]:
 
     lines = [line for line in Path(path).read_text().split("\n") if line]  # (not splitlines: U+2028 is text)
     return [r for r in map(json.loads, lines) if not is_header(r)]
+
+
+def tiny_tokenizer_gguf(path, vocab_size: int = 97):
+    """A GGUF file holding only a tokenizer of `vocab_size` tokens (what format "gguf" copies from a target's GGUF
+    file), and the folder marker that makes a target saved in `folder` look loaded from it: write the model with
+    save_pretrained first, then call `mark_gguf_source(folder, path)`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def mark_gguf_source(folder, gguf_path) -> None:
+    """Make a saved model folder read as de-quantized from `gguf_path` (the target cache's marker file)."""
+    import json
+    from pathlib import Path
+
+    (Path(folder) / "eagletree-cache.json").write_text(json.dumps({"source": str(gguf_path)}))

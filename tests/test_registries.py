@@ -14,12 +14,13 @@ from eagletree.draft import DFlashHead, Eagle3Head, EagleHead, HeadError, Medusa
 from eagletree.export.convert import check_format, export_head, import_folder, recognize_folder
 from eagletree.export.layout import Layout
 
-from helpers import tiny_config
+from helpers import mark_gguf_source, tiny_config, tiny_tokenizer_gguf
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """A tiny Llama target saved to and loaded from a folder (a speculators export names that folder)."""
+    """A tiny Llama target saved to and loaded from a folder (a speculators export names that folder), which reads
+    as de-quantized from a GGUF file (format "gguf" copies the tokenizer from it)."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config("llama")
@@ -27,6 +28,7 @@ def target(tmp_path_factory):
     folder = tmp_path_factory.mktemp("target")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    mark_gguf_source(folder, tiny_tokenizer_gguf(folder.parent / f"{folder.name}.gguf", cfg.vocab_size))
     return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
@@ -46,7 +48,7 @@ IDS = [f"{name}-{'+'.join(layout.heads)}" for name, layout in LAYOUTS]
 
 
 def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_the_heads_type(target):
-    assert set(export.format_names()) == {"eagle", "eagle3", "vllm", "sglang", "speculators", "dflash"}
+    assert set(export.format_names()) == {"eagle", "eagle3", "vllm", "sglang", "speculators", "dflash", "gguf"}
     taken = {}
     for name, layout in LAYOUTS:
         assert isinstance(layout, Layout) and layout.format == name and layout.heads and layout.kind
@@ -56,7 +58,7 @@ def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_th
     assert taken == {
         "eagle": ["eagle", "vllm", "sglang"],
         "eagle3": ["eagle3", "vllm", "speculators"],
-        "dflash": ["dflash"],
+        "dflash": ["dflash", "gguf"],
     }
     # "vllm" is two layouts, one per kind of head
     vllm = export.format_layouts("vllm")
@@ -72,6 +74,8 @@ def test_an_export_is_recognized_as_its_own_format_and_imports_back(tmp_path, ta
     assert type(back) is type(head) and torch.equal(back.d2t, head.d2t)
     for key, value in head.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+    if name == "gguf":  # one GGUF file, no config.json (one made elsewhere: tests/test_gguf_export.py)
+        return
     # Made elsewhere (no eagletree marker): the same kind of head; the same format where the files tell it apart
     # (EAGLE's own EAGLE-1/2 layout without a bias is vLLM's, file for file).
     config = json.loads((out / "config.json").read_text())
@@ -100,8 +104,8 @@ def test_a_format_refuses_a_head_it_does_not_take_in_one_line(tmp_path, target, 
 
 
 def test_an_unknown_format_or_engine_names_the_registered_ones(target):
-    with pytest.raises(HeadError, match=r"export format 'gguf' is not one of \('eagle', 'eagle3', "):
-        check_format(make_head("eagle", target), "gguf")
+    with pytest.raises(HeadError, match=r"export format 'onnx' is not one of \('eagle', 'eagle3', "):
+        check_format(make_head("eagle", target), "onnx")
     with pytest.raises(ValueError, match=r"engine must be one of \('vllm', 'sglang', 'eagle'\), got 'tgi'"):
         serve.engine("tgi")
 

@@ -29,7 +29,11 @@ def add_export_parsers(sub) -> None:
         "of its files",
     )
     p.add_argument("--dtype", default="bf16", choices=list(EXPORT_DTYPES))
-    p.add_argument("--target", default="smollm2-135m", help="eagle3: the target whose embedding the export carries")
+    p.add_argument(
+        "--target",
+        default="smollm2-135m",
+        help="eagle3: the target whose embedding the export carries; gguf: whose GGUF file gives the tokenizer",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="import an EAGLE-1/2 head trained elsewhere")

@@ -59,6 +59,17 @@ def resolve_target(spec: str | os.PathLike) -> Path:
     return path
 
 
+def gguf_source(model) -> Path | None:
+    """The GGUF file a loaded target was de-quantized from (recorded in its cache folder), or None when it was loaded
+    from anything else or the file is gone."""
+    folder = Path(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or ".")
+    try:
+        source = Path(json.loads((folder / _CACHE_COMPLETE).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if is_gguf_file(source) else None
+
+
 def is_gguf_file(path: Path) -> bool:
     """Whether `path` is a file named *.gguf (any case: model.GGUF too)."""
     return path.is_file() and path.suffix.lower() == ".gguf"
