@@ -469,7 +469,7 @@ def test_each_head_type_is_refused_the_other_types_formats_in_one_line(tmp_path,
 
     model = saved_target
     eagle3 = Eagle3Head.for_target(model).eval()
-    with pytest.raises(HeadError, match=r"^format 'speculators' takes EAGLE-3 heads .* 'eagle', 'vllm', 'sglang'$"):
+    with pytest.raises(HeadError, match=r"^format 'speculators' takes EAGLE-3 and block \(DFlash\) heads .* 'eagle', 'vllm', 'sglang'$"):
         export_head(eagle_head(model), tmp_path / "a", "speculators", target=model)
     with pytest.raises(HeadError, match=r"^an EAGLE-3 head exports as 'eagle3', 'vllm', 'speculators', not 'sglang'"):
         export_head(eagle3, tmp_path / "b", "sglang", target=model)
@@ -519,4 +519,4 @@ def test_cli_exports_eagle3_heads_for_vllm_and_refuses_eagle1_heads_before_loadi
     assert config["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "target").resolve())
     assert export("e1", "speculators") == 2 and loads == ["T"]  # refused before the target loads
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: format 'speculators' takes EAGLE-3 heads")
+    assert err.count("\n") == 1 and err.startswith("error: format 'speculators' takes EAGLE-3 and block (DFlash) heads")

@@ -58,7 +58,7 @@ def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_th
     assert taken == {
         "eagle": ["eagle", "vllm", "sglang"],
         "eagle3": ["eagle3", "vllm", "speculators"],
-        "dflash": ["dflash", "gguf"],
+        "dflash": ["speculators", "dflash", "gguf"],
     }
     # "vllm" is two layouts, one per kind of head
     vllm = export.format_layouts("vllm")

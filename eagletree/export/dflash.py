@@ -141,38 +141,45 @@ class DFlashLayout(Layout):
         return isinstance(config.get("dflash_config"), dict)
 
     def load(self, folder: Path, target) -> DFlashHead:
-        """The head in a DFlash checkpoint, for `target` (its config): over the target's whole vocabulary."""
+        """The head in a DFlash checkpoint, for `target` (its config): over the target's whole vocabulary, or its
+        draft vocabulary where the folder has a `token_map.pt`."""
         target_config = getattr(target, "config", target)
         config = read_export_config(folder)
-        check_export_target(config, target_config, folder)
-        dflash = config["dflash_config"]
-        layers = dflash.get("target_layer_ids")
-        if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
-            raise HeadError(f"{folder}/config.json: dflash_config.target_layer_ids must be a list of layer indices")
-        head_config = HeadConfig(
-            head_type=DFlashHead.head_type,
-            hidden_size=target_config.hidden_size,
-            target=target_identity(target_config),
-            layer_config=layer_config_dict(target_config),
-            fc_bias=False,
-            extra={
-                "block_size": int(dflash.get("block_size", config.get("block_size", 0))),
-                "num_layers": int(config.get("num_hidden_layers", 0)),
-                "target_layers": layers,
-                "mask_token_id": dflash.get("mask_token_id"),
-                "num_target_layers": target_config.num_hidden_layers,
-            },
-        )
-        try:
-            head = DFlashHead(head_config)
-        except HeadError as e:
-            raise HeadError(f"{folder}/config.json: {e}") from e
-        state = {our_key(k): v for k, v in read_weights(Path(folder)).items()}
-        head = load_checked(head, state, folder, "a DFlash checkpoint")
+        head = dflash_head(config, read_weights(Path(folder)), target_config, folder)
         draft_tokens = read_token_map(Path(folder), target_config.vocab_size)
         if draft_tokens is not None:
             head.set_draft_vocab(draft_tokens)
         return head
+
+
+def dflash_head(config: dict, weights: dict, target_config, folder) -> DFlashHead:
+    """A block head from a DFlash checkpoint's config (its Qwen3 fields and `dflash_config`) and its weights under
+    the checkpoint's names, for `target_config`; HeadError naming `folder` when they do not fit it."""
+    check_export_target(config, target_config, folder)
+    dflash = config["dflash_config"]
+    layers = dflash.get("target_layer_ids")
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise HeadError(f"{folder}/config.json: dflash_config.target_layer_ids must be a list of layer indices")
+    head_config = HeadConfig(
+        head_type=DFlashHead.head_type,
+        hidden_size=target_config.hidden_size,
+        target=target_identity(target_config),
+        layer_config=layer_config_dict(target_config),
+        fc_bias=False,
+        extra={
+            "block_size": int(dflash.get("block_size", config.get("block_size", 0))),
+            "num_layers": int(config.get("num_hidden_layers", 0)),
+            "target_layers": layers,
+            "mask_token_id": dflash.get("mask_token_id"),
+            "num_target_layers": target_config.num_hidden_layers,
+        },
+    )
+    try:
+        head = DFlashHead(head_config)
+    except HeadError as e:
+        raise HeadError(f"{folder}/config.json: {e}") from e
+    state = {our_key(k): v for k, v in weights.items()}
+    return load_checked(head, state, folder, "a DFlash checkpoint")
 
 
 LAYOUTS = (DFlashLayout(),)

@@ -17,4 +17,4 @@ def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
     }
 
 
-ENGINE = Engine("vllm", chain=True, full_vocab=True, settings=settings, formats=("vllm", "speculators", "dflash"))
+ENGINE = Engine("vllm", chain=True, full_vocab=True, settings=settings, formats=("vllm", "dflash", "speculators"))

@@ -40,8 +40,11 @@ def prepare(args, work: Path) -> dict:
     if args.format is not None and args.format != (kind if kind in ("speculators", "dflash") else "vllm"):
         raise ValueError(f"--export {str(export)!r} holds a {kind!r} export, not --format {args.format!r}")
     head = import_export(export, target).to(torch.float32).eval()
-    if head.can_widen_vocab():  # (not EAGLE-3: its own lm_head over its draft vocabulary, in vLLM too)
-        head.widen_vocab()  # vLLM drafts heads that read the target's lm_head over the target's whole vocabulary
+    # vLLM drafts heads that read the target's lm_head over the target's whole vocabulary, unless the export carries
+    # the draft vocabulary's rows and ids (EAGLE-3 heads, and a speculators block export: lm_head.weight and d2t)
+    carried = config.get("draft_vocab_size") not in (None, target.config.vocab_size)
+    if head.can_widen_vocab() and not carried:
+        head.widen_vocab()
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
     return {
         "target": target,
