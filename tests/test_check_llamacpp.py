@@ -70,23 +70,33 @@ def test_the_command_line_refuses_bad_sizes():
 
 
 @pytest.mark.llamacpp
-def test_the_gguf_export_equals_llama_cpps_converter(tmp_path, smollm2):
-    """A SmolLM2 block head exported as "dflash" (fp32) and converted by the sdist's convert_hf_to_gguf.py, against
-    `export --format gguf` of the same head: every tensor the converter writes, byte for byte, and its keys."""
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_the_gguf_export_equals_llama_cpps_converter(tmp_path, smollm2, kind):
+    """A SmolLM2 head exported as the checkpoint llama.cpp's converter reads ("dflash"; "speculators" for EAGLE-3),
+    fp32, converted by the sdist's convert_hf_to_gguf.py, against `export --format gguf` of the same head: every
+    tensor the converter writes, byte for byte, and its keys; the converter's own file imports back."""
     import gguf
     import numpy as np
 
-    from eagletree.draft import DFlashHead
+    from eagletree.draft import DFlashHead, Eagle3Head
     from eagletree.export.convert import export_head, import_folder
     from eagletree.target import resolve_target
 
     model, _ = smollm2
     torch.manual_seed(0)
-    head = DFlashHead.for_target(model, None, block_size=8).eval()
+    if kind == "dflash":
+        head = DFlashHead.for_target(model, None, block_size=8).eval()
+    else:
+        head = Eagle3Head.for_target(model, torch.arange(0, model.config.vocab_size, 6)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # (every tensor distinct, norms too)
     ours = export_head(head, tmp_path / "gguf", "gguf", dtype=torch.float32, target=model) / "model.gguf"
-    theirs = tmp_path / "converted.gguf"
-    checkpoint = export_head(head, tmp_path / "dflash", "dflash", dtype=torch.float32)
+    theirs = tmp_path / "foreign" / "model.gguf"
+    source = "dflash" if kind == "dflash" else "speculators"
+    checkpoint = export_head(head, tmp_path / source, source, dtype=torch.float32, target=model)
     command = [*llamacpp_build.converter(), str(checkpoint), "--target-model-dir", str(resolve_target("smollm2-135m"))]
+    theirs.parent.mkdir()
     subprocess.run([*command, "--outfile", str(theirs), "--outtype", "f32"], check=True, capture_output=True)
     a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
     skip = {"general.name", "general.size_label", "GGUF.kv_count"}
@@ -95,20 +105,13 @@ def test_the_gguf_export_equals_llama_cpps_converter(tmp_path, smollm2):
             assert key in b.fields and b.fields[key].contents() == field.contents(), key
             assert b.fields[key].types == field.types, key
     mine = {t.name: t for t in b.tensors}
+    assert set(mine) == {t.name for t in a.tensors}
     for t in a.tensors:
         assert t.tensor_type == mine[t.name].tensor_type and list(t.shape) == list(mine[t.name].shape), t.name
         assert np.array_equal(np.asarray(t.data), np.asarray(mine[t.name].data)), t.name
-    back = import_folder(_alone(theirs, tmp_path), model.config)  # the converter's own file imports too
+    back = import_folder(theirs.parent, model if kind == "eagle3" else model.config)
     for key, value in head.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
-
-
-def _alone(path: Path, tmp_path: Path) -> Path:
-    """A folder holding only `path`, as model.gguf (what import reads)."""
-    folder = tmp_path / "foreign"
-    folder.mkdir()
-    (folder / "model.gguf").symlink_to(path)
-    return folder
 
 
 @pytest.mark.llamacpp

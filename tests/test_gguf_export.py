@@ -8,7 +8,8 @@ import torch
 
 from eagletree.draft import DFlashHead, HeadError
 from eagletree.export.convert import export_head, import_folder, recognize_folder
-from eagletree.export.gguf import FILE, gguf_key
+from eagletree.export.gguf import gguf_key
+from eagletree.export.gguf_file import FILE
 
 from helpers import mark_gguf_source, tiny_config, tiny_tokenizer_gguf
 
@@ -99,3 +100,25 @@ def _four_layers():
     cfg.num_hidden_layers = 4
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_an_eagle3_head_is_llama_cpps_eagle3_layout_with_q_and_k_permuted_for_its_rope(tmp_path, target):
+    from eagletree.draft import Eagle3Head
+    from eagletree.export.gguf import rope_permute
+
+    torch.manual_seed(3)
+    head = Eagle3Head.for_target(target, torch.arange(3, 97, 3)).eval()
+    out = export_head(head, tmp_path / "e3", "gguf", dtype=torch.float32, target=target)
+    meta, tensors = read(out / FILE)
+    assert meta["general.architecture"] == "eagle3" and meta["eagle3.vocab_size"] == 97
+    assert meta["eagle3.target_layers"] == [i + 1 for i in head.feature_spec.layers]
+    assert meta["eagle3.norm_before_residual"] is False and meta["eagle3.target_hidden_size"] == 64
+    q = head.state_dict()["layer.self_attn.q_proj.weight"]
+    stored = torch.from_numpy(np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(q.shape).copy())
+    assert torch.equal(stored, rope_permute(q, 4)) and not torch.equal(stored, q)
+    assert torch.equal(rope_permute(rope_permute(q, 4), 4, inverse=True), q)
+    assert np.asarray(tensors["d2t"].data).tolist() == head.d2t.tolist()
+    back = import_folder(out, target)
+    assert recognize_folder(out).heads == ("eagle3",)
+    for key, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key

@@ -57,7 +57,7 @@ def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_th
             assert export.layout_for(name, make_head(head_type, target)) is layout
     assert taken == {
         "eagle": ["eagle", "vllm", "sglang"],
-        "eagle3": ["eagle3", "vllm", "speculators"],
+        "eagle3": ["eagle3", "vllm", "speculators", "gguf"],
         "dflash": ["speculators", "dflash", "gguf"],
     }
     # "vllm" is two layouts, one per kind of head

@@ -63,7 +63,7 @@ def export_head(
 def recognize_folder(folder) -> Layout:
     """The layout of a folder to import (read from its config.json, or the metadata of the GGUF file it holds instead);
     HeadError naming the file when it is unreadable or an eagletree head's."""
-    from .gguf import gguf_export_config
+    from .gguf_file import gguf_export_config
 
     return recognize(gguf_export_config(folder) or read_export_config(folder), folder)
 

