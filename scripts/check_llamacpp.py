@@ -81,8 +81,9 @@ def prepare(args, work: Path) -> dict:
         raise SystemExit(
             f"error: --head {str(args.head)!r} is a {head.head_type!r} head; llama.cpp drafts {sorted(SPEC_TYPES)}"
         )
-    if head.head_type == "dflash" and args.k > head.block_size - 1:
-        raise SystemExit(f"error: --k {args.k} is more than the head's block of {head.block_size} drafts (k - 1)")
+    deepest = head.drafting.max_depth  # (a block head drafts its block's k - 1 positions, no more)
+    if deepest is not None and args.k > deepest:
+        raise SystemExit(f"error: --k {args.k} is more than the {deepest} tokens this head drafts a step")
     export = export_head(head, work / "export", "gguf", dtype=torch.float32, target=target)
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
     return {
