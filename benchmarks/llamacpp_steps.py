@@ -3,6 +3,7 @@ lengths k, side by side in one run, on MT-bench first turns (one at a time, gree
 
     .venv/bin/python benchmarks/llamacpp_steps.py --head runs/smollm2-135m-eagle3/head --k 1 2 3
     .venv/bin/python benchmarks/llamacpp_steps.py --head runs/smollm2-135m-dflash/head --k 1 3 7 --prompts 8
+    .venv/bin/python benchmarks/llamacpp_steps.py --head DIR --k 1 --server-args="--poll 0"   # flags for every run
 
 llama.cpp as scripts/check_llamacpp.py builds it (.llama-cpp/, or LLAMA_SERVER). Per setting: tokens/s of the answers
 (llama.cpp's own timings, prefill left out), drafting steps (its draft_n / k: it drafts k every step), tokens per step
@@ -35,6 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="more llama-server flags for every run (plain too)")
     return ap.parse_args(argv)
 
 
@@ -64,16 +66,18 @@ def main(argv=None) -> None:
     prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
     model = str(gguf_source(target))
     runs = {"plain": []} | {k: [] for k in args.k}
+    flags = args.server_args.split()
     with tempfile.TemporaryDirectory() as tmp:
         export = export_head(head, Path(tmp) / "export", "gguf", dtype=torch.float32, target=target) / "model.gguf"
         for _ in range(args.rounds):
             for setting in runs:
                 extra = [] if setting == "plain" else ["-md", str(export), "--spec-type", SPEC_TYPES[head.head_type]]
                 extra += [] if setting == "plain" else ["--spec-draft-n-max", str(setting)]
-                with llamacpp_runs.Server(binary, model, Path(tmp) / "server.log", args.threads, extra) as s:
+                with llamacpp_runs.Server(binary, model, Path(tmp) / "server.log", args.threads, extra + flags) as s:
                     runs[setting].append(measure(s, prompts, args.max_new_tokens))
     plain_ms = statistics.median(r["seconds"] / r["tokens"] for r in runs["plain"]) * 1e3
     print(f"llama.cpp {binary}, {args.prompts} MT-bench prompts x {args.max_new_tokens} tokens, {args.threads} threads")
+    print(f"server flags: {' '.join(flags) or '(none)'}")
     print(f"plain: {1e3 / plain_ms:.1f} tokens/s, {plain_ms:.1f} ms a token")
     for k in args.k:
         rate = statistics.median(r["tokens"] / r["seconds"] for r in runs[k])
