@@ -152,14 +152,14 @@ class DFlashLayout(Layout):
         return head
 
 
-def dflash_head(config: dict, weights: dict, target_config, folder) -> DFlashHead:
+def dflash_head(config: dict, weights: dict, target_config, folder, source: str = "config.json") -> DFlashHead:
     """A block head from a DFlash checkpoint's config (its Qwen3 fields and `dflash_config`) and its weights under
-    the checkpoint's names, for `target_config`; HeadError naming `folder` when they do not fit it."""
+    the checkpoint's names (or ours), for `target_config`; HeadError naming `folder`/`source` when they do not fit."""
     check_export_target(config, target_config, folder)
     dflash = config["dflash_config"]
     layers = dflash.get("target_layer_ids")
     if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
-        raise HeadError(f"{folder}/config.json: dflash_config.target_layer_ids must be a list of layer indices")
+        raise HeadError(f"{folder}/{source}: dflash_config.target_layer_ids must be a list of layer indices")
     head_config = HeadConfig(
         head_type=DFlashHead.head_type,
         hidden_size=target_config.hidden_size,
@@ -177,8 +177,8 @@ def dflash_head(config: dict, weights: dict, target_config, folder) -> DFlashHea
     try:
         head = DFlashHead(head_config)
     except HeadError as e:
-        raise HeadError(f"{folder}/config.json: {e}") from e
-    state = {our_key(k): v for k, v in weights.items()}
+        raise HeadError(f"{folder}/{source}: {e}") from e
+    state = {our_key(k): v for k, v in weights.items()}  # (our own names pass unchanged)
     return load_checked(head, state, folder, "a DFlash checkpoint")
 
 

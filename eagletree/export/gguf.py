@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..draft import DFlashHead, Eagle3Head, HeadConfig, HeadError, target_identity
-from ..draft.layers import layer_config_dict
+from ..draft import DFlashHead, Eagle3Head, HeadError
+from .dflash import dflash_head
 from .gguf_file import FILE, as_export_config, layer_meta, marker, read_gguf, write_gguf
 from .layout import Layout
 from .shared import check_export_target, load_checked
@@ -170,30 +170,19 @@ class GGUFBlock(GGUFLayout):
 
     def load(self, folder: Path, target) -> DFlashHead:
         """The block head in a `dflash` GGUF file, for `target` (its config)."""
-        target_config = getattr(target, "config", target)
         meta, tensors = read_gguf(Path(folder))
-        check_export_target(as_export_config(meta), target_config, folder)
-        head_config = HeadConfig(
-            head_type=DFlashHead.head_type,
-            hidden_size=target_config.hidden_size,
-            target=target_identity(target_config),
-            layer_config=layer_config_dict(target_config),
-            fc_bias=False,
-            extra={
+        config = as_export_config(meta) | {
+            "num_hidden_layers": int(meta[f"{ARCH}.block_count"]),
+            "dflash_config": {
                 "block_size": int(meta[f"{ARCH}.block_size"]),
-                "num_layers": int(meta[f"{ARCH}.block_count"]),
-                "target_layers": [int(i) - 1 for i in meta[f"{ARCH}.target_layers"]],
+                "target_layer_ids": [int(i) - 1 for i in meta[f"{ARCH}.target_layers"]],
                 "mask_token_id": int(meta["tokenizer.ggml.mask_token_id"]),
-                "num_target_layers": target_config.num_hidden_layers,
             },
-        )
-        try:
-            head = DFlashHead(head_config)
-        except HeadError as e:
-            raise HeadError(f"{folder}/{FILE}: {e}") from e
+        }
         d2t = tensors.pop("d2t", None)
         tensors.pop("output.weight", None)  # the target's own rows: the head reads them from the target
-        head = load_checked(head, {our_key(k): v for k, v in tensors.items()}, folder, "a DFlash GGUF file")
+        weights = {our_key(k): v for k, v in tensors.items()}
+        head = dflash_head(config, weights, getattr(target, "config", target), folder, FILE)
         if d2t is not None:
             head.set_draft_vocab(d2t.long())
         return head

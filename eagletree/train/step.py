@@ -91,13 +91,13 @@ class Stepper:
         """[(loss, parts) or None] of the head's objective on the conversations of micro-batch `index` (stream
         positions index x micro_batch onwards) that can be trained on: one target pass and one `batch_loss`."""
         rows = self._features(range(index * self.cfg.micro_batch, (index + 1) * self.cfg.micro_batch))
+        if not rows:
+            return []
         # Noise seeded by the conversation's stream position: the same whatever the process count, packing or resumes.
         generators = []
         for position, *_ in rows:
             generator = self.noise_gen if not generators else torch.Generator()
             generators.append(generator.manual_seed(self.cfg.seed * 1_000_003 + position))
-        if not rows:
-            return []
         batch = [(feats.float(), ids, loss_mask) for _, ids, loss_mask, feats in rows]
         with self.amp():
             return self.core.batch_loss(self.head, self.target_lm, self.embed, batch, self.cfg, generators)
