@@ -132,14 +132,14 @@ def measure_acceptance(
     target, tokenizer, head, prompts, max_new_tokens: int = 48, depth: int = 8, top_k: int = 10, progress=True
 ) -> Acceptance:
     """Teacher-forced chain drafting along the target's own greedy answers (see the module's docstring); a
-    progress bar per prompt on stderr unless progress=False."""
-    if not head.drafting.follows_drafts:  # engines' EAGLE trees feed each level the head's own output
-        raise InvalidValue(f"plan takes EAGLE-1/2 or EAGLE-3 heads, not {head.config.head_type!r}")
+    progress bar per prompt on stderr unless progress=False. A head whose levels do not read its drafts (a block
+    head: one distribution per block position, whatever the parent) is measured the same way, as deep as it drafts."""
     if not prompts:
         raise InvalidValue("measuring acceptance needs at least one prompt")
     for name, value in (("max_new_tokens", max_new_tokens), ("depth", depth), ("top_k", top_k)):
         if not isinstance(value, int) or value < 1:
             raise InvalidValue(f"{name} must be an integer >= 1, got {value!r}")
+    depth = min(depth, head.drafting.max_depth or depth)  # (a block head drafts its block's positions, no deeper)
     device = next(target.parameters()).device
     rank_paths = []
     for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
@@ -265,9 +265,12 @@ def best_plan(acceptance: Acceptance, profile, engine: str, max_nodes: int = 64,
     return Plan(engine, len(paths) + 1, depth, width, [list(p) for p in paths], expected, decoded, step, rate, plain)
 
 
-def engine_config(plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
-    """The engine's own settings for the plan's tree (`eagletree.serve`: each engine's `settings`)."""
-    return serve.engine(plan.engine).settings(plan, export_dir, eagle3, draft_vocab)
+def engine_config(
+    plan: Plan, export_dir: str, eagle3: bool, draft_vocab: bool, export_format: str | None = None
+) -> dict:
+    """The engine's own settings for the plan's tree (`eagletree.serve`: each engine's `settings`), the head exported
+    in `export_format`."""
+    return serve.engine(plan.engine).settings(plan, export_dir, eagle3, draft_vocab, export_format)
 
 
 def load_profile(path):
@@ -403,6 +406,7 @@ def make_plan(
     target, tokenizer, head, profile, prompts, check_prompts, options: PlanOptions, acceptance: Acceptance | None = None
 ) -> dict:
     """Measure (unless given) the acceptance, choose the tree, write the engine's settings, check the tree."""
+    export_format = serve.engine(options.engine).format_for(head.head_type)  # (refuses a head it cannot load)
     if acceptance is None:
         acceptance = measure_acceptance(
             target, tokenizer, head, prompts, options.max_new_tokens, options.max_depth, options.top_k
@@ -413,7 +417,8 @@ def make_plan(
     draft_vocab = head.config.draft_vocab_size is not None
     return {
         "engine": options.engine,
-        "config": engine_config(plan, options.export_dir, eagle3, draft_vocab),
+        "config": engine_config(plan, options.export_dir, eagle3, draft_vocab, export_format),
+        "export_format": export_format,
         "draft_vocab_size": head.drafted_vocab_size(),
         "tree": {"nodes": plan.nodes, "depth": plan.depth, "width": plan.width, "paths": plan.paths},
         "expected_tokens_per_pass": plan.expected_tokens,

@@ -46,7 +46,13 @@ SPEC_TYPES = {"dflash": "draft-dflash", "eagle3": "draft-eagle3"}  # head_type -
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--head", type=Path, required=True, help="a block or EAGLE-3 head folder (head_type dflash, eagle3)")
+    p.add_argument("--head", type=Path, help="a block or EAGLE-3 head folder (head_type dflash, eagle3)")
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="check `eagletree plan --engine llamacpp -o PLAN`'s choice in llama.cpp instead (its head and prompts)",
+    )
     p.add_argument("--target", default="smollm2-135m", help="an alias of a GGUF target or a .gguf file")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -60,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--work", type=Path, default=None, help="keep the export and the logs here (default: temp)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if (args.head is None) == (args.plan is None):
+        p.error("give --head DIR (the engines' check) or --plan PLAN.json (a plan's check), one of them")
     for name in ("prompts", "max_new_tokens", "k", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -189,8 +197,27 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def main_plan(args) -> int:
+    """--plan: the plan's choice and best head setting against llama.cpp plain (scripts/engines/llamacpp_plan_check)."""
+    from engines import llamacpp_plan_check
+
+    with tempfile.TemporaryDirectory(prefix="check-llamacpp-plan-") as tmp:
+        result = llamacpp_plan_check.check_plan(args.plan, Path(tmp))
+    print("\n".join(llamacpp_plan_check.lines(result)))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    if result["problems"]:
+        print(f"FAIL: {'; '.join(result['problems'])}")
+        return 1
+    tolerance = llamacpp_plan_check.TOLERANCE
+    print(f"ok: every ratio to plain within {tolerance:.0%} of the plan's, the choice not below plain")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plan is not None:
+        return main_plan(args)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
         result = check(args, args.work.resolve())

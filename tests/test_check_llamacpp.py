@@ -125,3 +125,79 @@ def test_llama_cpp_serves_a_block_head_as_eagletree_drafts_it(tmp_path, smollm2)
     DFlashHead.for_target(model, None, block_size=4).save_pretrained(tmp_path / "head")
     args = ["--head", str(tmp_path / "head"), "--k", "3", "--prompts", "4", "--max-new-tokens", "40"]
     assert cl.main([*args, "--work", str(tmp_path / "work")]) == 0
+
+
+def test_each_steps_phases_are_read_from_the_servers_timestamps(tmp_path):
+    """A drafted step (two draft calls, a pass over 3 tokens) and one that drafted nothing (one call, a pass over
+    the token alone), closed by the answer's end."""
+    log = tmp_path / "server.log"
+    lines = [
+        "0.01.000.000 D slot get_n_draft_: id  0 | task 0 | max possible draft: 60",
+        "0.01.002.000 D spec        draft:  - seq_id 0, draft candidate   0, pos   0:   812 (   0.610) ' the'",
+        "0.01.002.001 D spec        draft:  - seq_id 0, draft candidate   1, pos   0:    11 (   0.100) ','",
+        "0.01.004.000 D spec        draft:  - seq_id 0, draft candidate   0, pos   1:  2201 (   0.300) ' cat'",
+        "0.01.004.500 D slot handle_last_: id  0 | task 0 | generate_draft: id=339, #tokens=54, #draft=2, pos_next=54",
+        "0.01.005.000 D srv        decode: n_batch (effective) = 2048, off = 0",
+        "0.01.025.000 D que  yield_to_que: done yielding to queue",
+        "0.01.027.000 D slot   operator(): id  0 | task 0 | accepted 1/2 draft tokens, new n_tokens = 24",
+        "0.01.028.000 D slot get_n_draft_: id  0 | task 0 | max possible draft: 58",
+        "0.01.030.000 D spec        draft:  - seq_id 0, draft candidate   0, pos   0:    42 (   0.050) ' a'",
+        "0.01.030.500 D slot handle_last_: id  0 | task 0 | slot decode token, id=30, n_ctx = 4096, n_tokens = 72",
+        "0.01.031.000 D srv        decode: n_batch (effective) = 2048, off = 0",
+        "0.01.041.000 D que  yield_to_que: done yielding to queue",
+        "0.01.042.000 I slot      release: id  0 | task 0 | stop processing: n_tokens = 80, truncated = 0",
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    steps = llamacpp_runs.step_timeline(log, call_per_draft=True)
+    assert [(s["size"], s["calls"]) for s in steps] == [(3, 2), (1, 1)]
+    assert [round(s["draft_ms"], 3) for s in steps] == [4.5, 2.5]
+    assert [round(s["verify_ms"], 3) for s in steps] == [20.0, 10.0]
+    assert [round(s["after_ms"], 3) for s in steps] == [3.0, 1.0]
+    blocks = llamacpp_runs.step_timeline(log, call_per_draft=False)  # a block head: its call is the pos-0 line
+    assert [(s["size"], s["calls"]) for s in blocks] == [(3, 1), (1, 1)]
+
+
+def test_the_step_costs_are_fitted_to_the_timed_runs_over_the_debug_runs_steps():
+    profile = importlib.util.spec_from_file_location("profile_llamacpp", ROOT / "scripts" / "profile_llamacpp.py")
+    pl = importlib.util.module_from_spec(profile)
+    profile.loader.exec_module(pl)
+
+    def steps(count, size, calls):  # drafting 2 ms a call, the target's pass 3/4 of a drafting step
+        return [
+            {"size": size, "calls": calls, "draft_ms": 2.0 * calls, "verify_ms": 30.0, "after_ms": 10.0 - 2 * calls}
+        ]
+
+    timelines = [steps(1, 2, 1) * 10, steps(1, 3, 2) * 10, steps(1, 1, 1) * 6 + steps(1, 2, 2) * 4]
+    # truth: a plain token 10 ms, a step drafting nothing 12, one draft 20, each further draft 5, a stop call 2
+    runs = [{"ms": 10 * 20.0}, {"ms": 10 * 25.0}, {"ms": 6 * 12.0 + 4 * 20.0 + 4 * 2.0}]
+    costs, residuals = pl.fit(runs, timelines, plain_ms=10.0)
+    assert costs == pytest.approx(
+        {"empty_ms": 12.0, "one_ms": 20.0, "draft_ms": 5.0, "stop_call_ms": 2.0, "target_share": 0.75}
+    )
+    assert max(map(abs, residuals)) < 1e-9
+    assert pl.counts(timelines[2]) == {"sizes": [0, 6, 4], "calls": [0, 6, 8]}
+    assert pl.default_settings(True, None)[-1] == (1, 0.5) and max(k for k, _ in pl.default_settings(False, 3)) == 3
+
+
+def test_a_plans_check_judges_ratios_to_plain():
+    from engines import llamacpp_plan_check as pc
+
+    head = {"mode": "head", "threads": 2, "k": 1, "p_min": 0.0, "tokens_per_s": 60.0}
+    plan = {"choice": {"mode": "plain", "threads": 2, "tokens_per_s": 100.0}, "best_head": head}
+    plan["options"] = [plan["choice"], {"mode": "plain", "threads": 1, "tokens_per_s": 70.0}, head]
+    rows = pc.settings(plan)
+    assert list(rows) == ["plain", "best head"]  # the choice is plain itself: served once
+    # the machine ran 20% slower than at the profile: the ratios still hold
+    ok = pc.judge(rows, {"plain": 80.0, "best head": 49.0}, 16)
+    assert ok["ok"] and ok["rows"]["best head"]["ratio_error"] == pytest.approx(49 / 80 / 0.6 - 1)
+    bad = pc.judge(rows, {"plain": 80.0, "best head": 40.0}, 16)
+    assert not bad["ok"] and "best head" in bad["problems"][0]
+    head_plan = {"choice": head | {"tokens_per_s": 130.0}, "best_head": head | {"tokens_per_s": 130.0}}
+    head_plan["options"] = [{"mode": "plain", "threads": 2, "tokens_per_s": 100.0}, head_plan["choice"]]
+    rows = pc.settings(head_plan)
+    assert list(rows) == ["plain", "choice"]
+    slower = pc.judge(rows, {"plain": 100.0, "choice": 98.0}, 16)
+    assert any("below plain" in p for p in slower["problems"])
+    assert pc.flags(head, "h.gguf", "draft-eagle3") == [
+        *("-md", "h.gguf", "--spec-type", "draft-eagle3", "--spec-draft-n-max", "1", "--spec-draft-p-min", "0.0")
+    ]

@@ -116,13 +116,34 @@ def brute_force_plan(acceptance, profile, max_nodes, max_depth, chain=False):
     return best
 
 
-def test_plan_refuses_a_head_whose_levels_do_not_read_its_own_features():
+def test_plan_refuses_a_head_the_engine_loads_no_export_of():
     from eagletree.draft import MedusaHead
+    from eagletree.plan import PlanOptions, make_plan
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = MedusaHead.for_target(model.config, num_heads=3).eval()
-    with pytest.raises(ValueError, match="plan takes EAGLE-1/2 or EAGLE-3 heads, not 'medusa'"):
-        measure_acceptance(model, tok, head, [torch.tensor([5, 9, 11, 3])], max_new_tokens=4, depth=3, top_k=4)
+    profile = LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0005)
+    with pytest.raises(ValueError, match="none of which takes 'medusa' heads"):
+        make_plan(model, tok, head, profile, [torch.tensor([5, 9])], [], PlanOptions("vllm", "o", max_new_tokens=4))
+
+
+def test_a_block_heads_plan_is_measured_as_deep_as_its_block_and_served_as_vllms_dflash():
+    """A block head's levels read its block's positions whatever the parent: the rank paths are as valid, the plan's
+    prediction is again what `generate` measures with its static tree, and vLLM gets method "dflash"."""
+    from eagletree.draft import DFlashHead
+    from eagletree.plan import PlanOptions, make_plan
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(model, block_size=4).eval()
+    prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 2, 40, 8, 8])]
+    profile = LatencyProfile([1, 64], [0.010, 0.012], draft_s_per_level=0.0, draft_s_per_step=0.001)
+    options = PlanOptions("vllm", "o", max_new_tokens=16, max_nodes=8, max_depth=8)
+    result = make_plan(model, tok, head, profile, prompts, prompts, options)
+    assert len(result["acceptance"]["accept"]) == 3  # the block's 3 drafted positions, not max_depth
+    check = result["check"]
+    assert check["measured_tokens_per_pass"] == pytest.approx(check["predicted_tokens_per_pass"], abs=1e-9)
+    assert result["export_format"] == "dflash" and result["config"]["speculative_config"]["method"] == "dflash"
 
 
 def test_best_plan_maximizes_tokens_per_second_and_vllm_gets_a_chain():

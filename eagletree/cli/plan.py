@@ -23,7 +23,13 @@ def add_plan_parser(sub) -> None:
         default=None,
         help="latency profile JSON (eagletree profile's "
         "profile.json, or a cached LatencyProfile); default: measure "
-        "on --device",
+        "on --device. --engine llamacpp: llama.cpp's measured costs, as scripts/profile_llamacpp.py writes them",
+    )
+    p.add_argument(
+        "--project-weights-gb",
+        type=float,
+        default=None,
+        help="--engine llamacpp: also project the choice for a GGUF target of this many GB of weights",
     )
     p.add_argument(
         "--export",
@@ -77,6 +83,9 @@ def _engine_vocab(args, head) -> None:
 def cmd_plan(args) -> int:
     """The best static tree for a head and a device, written as vLLM's, SGLang's or EAGLE's settings."""
     from .. import plan
+
+    if serve.engine(args.engine).measured_costs:
+        return _plan_from_engine_costs(args)
     from ..bench import load_prompts
     from ..files import check_output_file, write_json_atomic
     from .models import load_from_args
@@ -109,3 +118,46 @@ def cmd_plan(args) -> int:
     print(plan.summary(result))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if result["check"]["within_tolerance"] else 1
+
+
+def _plan_from_engine_costs(args) -> int:
+    """plan --engine llamacpp: the head's own greedy chains on the first half of the prompts, llama.cpp's measured
+    costs from --profile; the second half is left for scripts/check_llamacpp.py --plan to check in llama.cpp."""
+    from .. import plan, plan_llamacpp
+    from ..bench import load_prompts
+    from ..files import check_output_file, write_json_atomic
+    from .models import load_from_args
+
+    if args.profile is None:
+        raise InvalidValue(
+            f"plan --engine {args.engine} needs the engine's measured costs: run scripts/profile_llamacpp.py "
+            "--head DIR --out COSTS.json and pass --profile COSTS.json"
+        )
+    if args.project_weights_gb is not None and not args.project_weights_gb > 0:
+        raise InvalidValue(f"--project-weights-gb must be > 0, got {args.project_weights_gb}")
+    check_output_file(args.out, "-o/--out")
+    refuse_head_none(args, "plan", "chooses a tree for a draft head")
+    profile = plan_llamacpp.read_costs(args.profile)
+    measure, _check = plan.split_prompts(load_prompts(args.prompts))
+    model, tok, head = load_from_args(args)
+    if head is None:
+        raise InvalidValue("plan needs a draft head (--head DIR)")
+    if head.head_type != profile["head_type"]:
+        raise InvalidValue(
+            f"--profile {args.profile!r} measured a {profile['head_type']!r} head in llama.cpp; --head is "
+            f"{head.head_type!r}"
+        )
+    depth = min(args.max_depth, head.drafting.max_depth or args.max_depth)
+    chains = plan_llamacpp.own_chains(model, tok, head, measure, args.max_new_tokens, depth)
+    export = "EXPORT_DIR" if args.export == EXPORT_PLACEHOLDER else args.export
+    per_draft = head.drafting.level_calls > 0  # EAGLE-3 drafts a token a call; a block head its block in one
+    result = plan_llamacpp.plan_llamacpp(
+        chains, profile, export, per_draft, args.max_new_tokens, args.project_weights_gb
+    )
+    result |= {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
+    write_json_atomic(args.out, result)
+    print(plan_llamacpp.summary(result))
+    print(
+        f"wrote {args.out}; check it in llama.cpp: python scripts/check_llamacpp.py --plan {args.out}", file=sys.stderr
+    )
+    return 0

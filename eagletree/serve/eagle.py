@@ -6,7 +6,7 @@ from __future__ import annotations
 from .registry import Engine
 
 
-def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
+def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool, export_format: str | None = None) -> dict:
     """EaModel.from_pretrained's tree arguments: total_token counts the root; its first top-k level comes before
     `depth` more."""
     return {"total_token": plan.nodes, "depth": plan.depth - 1, "top_k": plan.width}

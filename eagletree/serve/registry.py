@@ -17,10 +17,12 @@ class Engine:
 
     `chain`: it drafts one token per level (no token tree), so its plan is the best chain. `full_vocab`: it scores
     an export whose head reads the target's lm_head over the target's whole vocabulary (it reads no token map), so
-    plan measures such a head widened. `settings(plan, export_dir, eagle3, draft_vocab)`: the engine's own
-    configuration for the plan's tree, the head exported to `export_dir` (`eagle3`: a head that fuses target layers;
-    `draft_vocab`: the head has a draft vocabulary). `formats`: the export formats it loads, preferred first (a
-    head is exported in the first that takes its kind: `format_for`).
+    plan measures such a head widened. `settings(plan, export_dir, eagle3, draft_vocab, export_format)`: the
+    engine's own configuration for the plan's tree, the head exported to `export_dir` (`eagle3`: a head that fuses
+    target layers; `draft_vocab`: the head has a draft vocabulary; `export_format`: the format it was exported in).
+    `formats`: the export formats it loads, preferred first (a head is exported in the first that takes its kind:
+    `format_for`). `measured_costs`: its plan comes from the engine's own measured costs (`plan --profile`,
+    eagletree/plan_llamacpp.py), not from eagletree's latency profile.
     """
 
     name: str
@@ -28,6 +30,7 @@ class Engine:
     full_vocab: bool
     settings: Callable[..., dict]
     formats: tuple[str, ...] = ()
+    measured_costs: bool = False
 
     def format_for(self, head_type: str) -> str:
         """The export format this engine loads a `head_type` head in; ValueError when none of its formats takes it."""

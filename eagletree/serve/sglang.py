@@ -9,7 +9,7 @@ from ..export import TOKEN_MAP
 from .registry import Engine
 
 
-def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
+def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool, export_format: str | None = None) -> dict:
     """The launch_server flags for the plan's tree, and the command they make."""
     flags = {
         "--speculative-algorithm": "EAGLE3" if eagle3 else "EAGLE",

@@ -6,11 +6,13 @@ from __future__ import annotations
 from .registry import Engine
 
 
-def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool) -> dict:
-    """`LLM(..., speculative_config=...)`: the chain's length as num_speculative_tokens."""
+def settings(plan, export_dir: str, eagle3: bool, draft_vocab: bool, export_format: str | None = None) -> dict:
+    """`LLM(..., speculative_config=...)`: the chain's length as num_speculative_tokens; a block head's `dflash` export
+    (a DFlashDraftModel checkpoint) under method "dflash"."""
+    method = "dflash" if export_format == "dflash" else "eagle3" if eagle3 else "eagle"
     return {
         "speculative_config": {
-            "method": "eagle3" if eagle3 else "eagle",
+            "method": method,
             "model": export_dir,
             "num_speculative_tokens": plan.depth,
         }

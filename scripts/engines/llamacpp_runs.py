@@ -128,3 +128,77 @@ def near_tie_problems(runs: dict[str, list[list[int]]], plain: list[list[int]], 
                     f"margin is {shown} (a near-tie is <= {tie})"
                 )
     return problems, partings
+
+
+# llama.cpp's debug line for a draft call's top candidate, " - seq_id 0, draft candidate   0, pos   2: ...": EAGLE-3
+# logs one a call (pos: the call), a block head one a block position read (pos 0: the first of its one call)
+CALL_LINE = re.compile(r"draft candidate +0, pos")
+BLOCK_CALL_LINE = re.compile(r"draft candidate +0, pos +0:")
+STAMP = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")  # llama.cpp's log time: minutes.seconds.ms.us
+
+
+def totals(server: Server, prompts: list[list[int]], n_predict: int) -> dict:
+    """Greedy completions of every prompt, one at a time, summed from llama.cpp's own timings: decode ms (prefill
+    left out), answer tokens, drafted and accepted tokens; `steps`: decode passes after the prefill's token (each
+    yields one token plus the drafts it accepts); `rates`: each prompt's tokens/s."""
+    ms = tokens = drafted = accepted = 0
+    rates = []
+    for ids in prompts:
+        t = server.complete(ids, n_predict)["timings"]
+        ms, tokens = ms + t["predicted_ms"], tokens + t["predicted_n"]
+        drafted, accepted = drafted + t.get("draft_n", 0), accepted + t.get("draft_n_accepted", 0)
+        rates.append(t["predicted_n"] / t["predicted_ms"] * 1e3)
+    steps = tokens - len(prompts) - accepted
+    return {"ms": ms, "tokens": tokens, "drafted": drafted, "accepted": accepted, "steps": steps, "rates": rates}
+
+
+def _stamp(line: str) -> float | None:
+    m = STAMP.match(line)
+    return None if m is None else int(m[1]) * 60 + int(m[2]) + int(m[3]) / 1e3 + int(m[4]) / 1e6
+
+
+def step_timeline(log: Path, call_per_draft: bool) -> list[dict]:
+    """Each decode step of a debug-verbosity server log (`verbose=True`), from llama-server's own timestamps: `size`,
+    the tokens its target pass verified (1 + drafts), its draft `calls`, and ms spent drafting (from the step's start
+    to the batch being built), in the target's pass (`verify`: the decode until the server's queue resumes) and
+    after it until the next step starts or the answer's last token (`after`: the draft model taking in the verified
+    tokens, sampling, bookkeeping)."""
+    call = CALL_LINE if call_per_draft else BLOCK_CALL_LINE
+    steps, cur = [], None
+    for line in log.read_text(errors="replace").splitlines():
+        t = _stamp(line)
+        if t is None:
+            continue
+        if "get_n_draft_" in line or ("slot decode token" in line and cur is None):
+            if cur is not None and "verify_end" in cur:
+                steps.append(_finish(cur, t))
+            cur = {"start": t, "calls": 0}
+            if "get_n_draft_" in line:
+                continue
+        if cur is None:
+            continue
+        if call.search(line):
+            cur["calls"] += 1
+        elif "generate_draft:" in line or "slot decode token" in line:
+            cur["drafted_at"] = t
+            cur["size"] = 1 + int(re.search(r"#draft=(\d+)", line)[1]) if "generate_draft:" in line else 1
+        elif "srv        decode: n_batch" in line and "verify_start" not in cur:
+            cur["verify_start"] = t
+        elif "done yielding to queue" in line and "verify_start" in cur and "verify_end" not in cur:
+            cur["verify_end"] = t
+        elif "stop processing" in line or "n_decoded =" in line or "release" in line:
+            if "verify_end" in cur:
+                steps.append(_finish(cur, t))
+            cur = None
+    return steps
+
+
+def _finish(cur: dict, end: float) -> dict:
+    drafted_at = cur.get("drafted_at", cur["start"])
+    return {
+        "size": cur.get("size", 1),
+        "calls": cur["calls"],
+        "draft_ms": (drafted_at - cur["start"]) * 1e3,
+        "verify_ms": (cur["verify_end"] - cur["verify_start"]) * 1e3,
+        "after_ms": (end - cur["verify_end"]) * 1e3,
+    }
