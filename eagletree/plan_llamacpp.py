@@ -14,10 +14,11 @@ chain, and for EAGLE-3 the call that drafted it is paid), verifies them with the
    (the target's pass over 2 tokens, the draft model's work, its calls), each further draft, and an EAGLE-3 chain's
    call past its last draft (cut by p_min): fitted to timed runs at several (k, p), whose steps are counted in
    debug-verbosity runs of the same settings; the n-gram modes' tokens/s.
-3. The plan: predicted tokens/s of every (threads, k, p) and of plain and n-gram decoding; a mode other than plain
-   is chosen only when predicted at least `MARGIN` faster (its prediction's tolerance), so the choice is not below
-   plain. `projected` scales the target's terms (a plain token, the verify passes) by the weights of a larger GGUF
-   target, keeping the head's and the acceptance: a projection, not a measurement.
+3. The plan: predicted tokens/s of every (threads, k, p) and of plain decoding (the n-gram modes' measured rates are
+   listed, not chosen: prompt-dependent); a head setting is chosen only when predicted at least `MARGIN` faster than
+   plain (its prediction's tolerance), so the choice is not below plain. `projected` scales the target's terms (a
+   plain token, its share of the steps) by the weights of a larger GGUF target, keeping the head's and the
+   acceptance: a projection, not a measurement.
 """
 
 from __future__ import annotations
@@ -209,9 +210,11 @@ def options(chains, costs: list[LlamaCosts], max_k: int, call_per_draft: bool, n
 
 
 def choose(rows: list[dict]) -> dict:
-    """The fastest plain row, unless another mode is predicted at least MARGIN faster than it."""
+    """The fastest plain row, unless a head setting is predicted at least MARGIN faster than it. The n-gram modes are
+    listed, never chosen: their gain depends on how much each answer repeats, and what they gained on the profile's
+    prompts did not hold on others (docs/results.md)."""
     plain = max((r for r in rows if r["mode"] == "plain"), key=lambda r: r["tokens_per_s"])
-    best = max(rows, key=lambda r: r["tokens_per_s"])
+    best = max((r for r in rows if r["mode"] in ("plain", "head")), key=lambda r: r["tokens_per_s"])
     return best if best["tokens_per_s"] >= plain["tokens_per_s"] * (1 + MARGIN) else plain
 
 

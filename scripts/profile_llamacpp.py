@@ -111,9 +111,9 @@ def fit(runs: list[dict], timelines: list[list[dict]], plain_ms: float) -> tuple
 
 
 def cautious_rate(mode_rounds: list[dict], plain_rounds: list[dict]) -> float:
-    """An n-gram mode's tokens/s as the plan may count on it: plain's rate times the mode's per-prompt ratio to plain
-    (paired by prompt and round) less two standard errors: its gain depends on how much each answer repeats, so what
-    it gained on some prompts says little about the next ones."""
+    """An n-gram mode's tokens/s, cautiously: plain's rate times the mode's per-prompt ratio to plain (paired by prompt
+    and round) less two standard errors. (The plan lists the n-gram modes and never chooses them: their gain depends
+    on how much each answer repeats, and it did not carry over to other prompts.)"""
     import statistics
 
     ratios = [m / p for a, b in zip(mode_rounds, plain_rounds) for m, p in zip(a["rates"], b["rates"])]

@@ -95,13 +95,16 @@ def test_the_prediction_is_tokens_over_the_modelled_step_time():
     assert next(r for r in rows if r["mode"] == "plain")["tokens_per_s"] == pytest.approx(100.0)
 
 
-def test_a_mode_other_than_plain_is_chosen_only_when_clearly_faster():
+def test_a_head_setting_is_chosen_only_when_clearly_faster_and_ngram_modes_never():
     rows = [
         {"mode": "plain", "threads": 2, "tokens_per_s": 100.0},
         {"mode": "plain", "threads": 1, "tokens_per_s": 60.0},
         {"mode": "ngram-mod", "threads": 2, "tokens_per_s": 104.0},
     ]
+    rows.append({"mode": "head", "threads": 1, "k": 2, "p_min": 0.0, "tokens_per_s": 104.0})
     assert choose(rows) == rows[0]  # 4% faster: within the prediction's tolerance, plain stays
+    rows.append({"mode": "ngram-simple", "threads": 2, "tokens_per_s": 150.0})  # listed, never chosen
+    assert choose(rows) == rows[0]
     rows.append({"mode": "head", "threads": 1, "k": 2, "p_min": 0.0, "tokens_per_s": 130.0})
     assert choose(rows) == rows[-1]
 

@@ -106,7 +106,7 @@ def test_a_format_refuses_a_head_it_does_not_take_in_one_line(tmp_path, target, 
 def test_an_unknown_format_or_engine_names_the_registered_ones(target):
     with pytest.raises(HeadError, match=r"export format 'onnx' is not one of \('eagle', 'eagle3', "):
         check_format(make_head("eagle", target), "onnx")
-    with pytest.raises(ValueError, match=r"engine must be one of \('vllm', 'sglang', 'eagle'\), got 'tgi'"):
+    with pytest.raises(ValueError, match=r"engine must be one of \('vllm', 'sglang', 'eagle', 'llamacpp'\), got 'tgi'"):
         serve.engine("tgi")
 
 
@@ -141,12 +141,14 @@ def test_each_engine_says_tree_or_chain_its_vocabulary_and_its_settings():
     from eagletree.plan import Acceptance, best_plan, engine_config
     from eagletree.search import LatencyProfile
 
-    assert serve.engine_names() == ("vllm", "sglang", "eagle")
+    assert serve.engine_names() == ("vllm", "sglang", "eagle", "llamacpp")
     rules = {name: (serve.engine(name).chain, serve.engine(name).full_vocab) for name in serve.engine_names()}
-    assert rules == {"vllm": (True, True), "sglang": (False, False), "eagle": (False, True)}
+    assert rules == {"vllm": (True, True), "sglang": (False, False), "eagle": (False, True), "llamacpp": (True, False)}
     acceptance = Acceptance({"0": 60, "1": 30, "0,0": 40, "1,0": 20}, 100, [[0.0]], [100], 2, 1)
     flat = LatencyProfile([1, 64], [0.010, 0.0101])
-    for name in serve.engine_names():
+    tree_planned = [name for name in serve.engine_names() if not serve.engine(name).measured_costs]
+    assert tree_planned == ["vllm", "sglang", "eagle"]  # llama.cpp's plan: tests/test_plan_llamacpp.py
+    for name in tree_planned:
         plan = best_plan(acceptance, flat, name, 8, 2)
         assert all(not any(p) for p in plan.paths) == serve.engine(name).chain  # a chain: rank 0 at every depth
         assert engine_config(plan, "out", False, True) == serve.engine(name).settings(plan, "out", False, True)
