@@ -37,6 +37,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--server-args", default="", help="more llama-server flags for every run (plain too)")
+    ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="the head's GGUF export")
     return ap.parse_args(argv)
 
 
@@ -68,7 +69,8 @@ def main(argv=None) -> None:
     runs = {"plain": []} | {k: [] for k in args.k}
     flags = args.server_args.split()
     with tempfile.TemporaryDirectory() as tmp:
-        export = export_head(head, Path(tmp) / "export", "gguf", dtype=torch.float32, target=target) / "model.gguf"
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        export = export_head(head, Path(tmp) / "export", "gguf", dtype=dtype, target=target) / "model.gguf"
         for _ in range(args.rounds):
             for setting in runs:
                 extra = [] if setting == "plain" else ["-md", str(export), "--spec-type", SPEC_TYPES[head.head_type]]
@@ -77,7 +79,7 @@ def main(argv=None) -> None:
                     runs[setting].append(measure(s, prompts, args.max_new_tokens))
     plain_ms = statistics.median(r["seconds"] / r["tokens"] for r in runs["plain"]) * 1e3
     print(f"llama.cpp {binary}, {args.prompts} MT-bench prompts x {args.max_new_tokens} tokens, {args.threads} threads")
-    print(f"server flags: {' '.join(flags) or '(none)'}")
+    print(f"server flags: {' '.join(flags) or '(none)'}; the head exported in {args.dtype}")
     print(f"plain: {1e3 / plain_ms:.1f} tokens/s, {plain_ms:.1f} ms a token")
     for k in args.k:
         rate = statistics.median(r["tokens"] / r["seconds"] for r in runs[k])
