@@ -92,18 +92,11 @@ def profiled(server, prompts, n, data: Path) -> tuple[dict, float]:
 def main(argv=None) -> None:
     import torch
 
-    from eagletree.decode import encode_prompt
-    from eagletree.draft import load_head
     from eagletree.export.convert import export_head
-    from eagletree.prompts import mtbench_subset
-    from eagletree.target import gguf_source, load_target
 
     args = parse_args(argv)
     binary = llamacpp_build.server()
-    target, tokenizer = load_target(args.target, dtype=torch.float32, device="cpu")
-    head = load_head(args.head, target_config=target.config)
-    prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
-    model = str(gguf_source(target))
+    target, _, head, prompts, model = llamacpp_runs.target_and_head(args.target, args.head, args.prompts)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         export = export_head(head, Path(tmp) / "export", "gguf", dtype=torch.float32, target=target) / "model.gguf"

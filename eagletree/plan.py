@@ -140,28 +140,42 @@ def measure_acceptance(
         if not isinstance(value, int) or value < 1:
             raise InvalidValue(f"{name} must be an integer >= 1, got {value!r}")
     depth = min(depth, head.drafting.max_depth or depth)  # (a block head drafts its block's positions, no deeper)
+    rank_paths = [
+        _answer_rank_paths(target, head, ids, answer, depth, top_k)
+        for ids, answer in greedy_answers(
+            target, tokenizer, head, prompts, max_new_tokens, "plan: acceptance", progress
+        )
+    ]
+    return _tally(rank_paths, depth, top_k, len(prompts))
+
+
+def greedy_answers(target, tokenizer, head, prompts, max_new_tokens: int, desc: str, progress=True):
+    """(prompt ids, the target's greedy answer) of every prompt that gets an answer, a progress bar on stderr: greedy
+    decoding is the target's own answer whatever the tree (a chain keeps it cheap)."""
     device = next(target.parameters()).device
-    rank_paths = []
-    for prompt in tqdm(prompts, desc="plan: acceptance", unit="prompt", file=sys.stderr, disable=not progress):
+    for prompt in tqdm(prompts, desc=desc, unit="prompt", file=sys.stderr, disable=not progress):
         ids = encode_prompt(tokenizer, prompt).to(device)
-        # greedy decoding is the target's own answer whatever the tree (a chain keeps it cheap)
         answer = generate(
             target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0, tree="chain", depth=4
         ).token_ids
         if answer:
-            rank_paths.append(_answer_rank_paths(target, head, ids, answer, depth, top_k))
-    return _tally(rank_paths, depth, top_k, len(prompts))
+            yield ids, answer
+
+
+def answer_drafter(target, head, ids, answer: list[int]):
+    """The prompt and its answer as one sequence, the head's features of it (one target pass) and a fresh drafter."""
+    layers = head.feature_spec.layers
+    seq = torch.cat([ids, torch.tensor(answer, device=ids.device)])
+    out = prefill(target, new_cache(target), seq[:-1], layers=layers)
+    feats = head_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
+    return seq, feats, make_drafter(head, target)
 
 
 def _answer_rank_paths(target, head, ids, answer: list[int], depth: int, top_k: int) -> list[list[int]]:
     """At each position of `answer` (the target's answer to `ids`), the ranks of the true tokens in the head's draft
     distributions along the true path, depth by depth, until one falls outside the top-k."""
     device = ids.device
-    layers = head.feature_spec.layers
-    seq = torch.cat([ids, torch.tensor(answer, device=device)])
-    out = prefill(target, new_cache(target), seq[:-1], layers=layers)
-    feats = head_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
-    drafter = make_drafter(head, target)
+    seq, feats, drafter = answer_drafter(target, head, ids, answer)
     to_draft = (
         None
         if drafter.token_map is None

@@ -24,19 +24,14 @@ chain, and for EAGLE-3 the call that drafted it is paid), verifies them with the
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from . import serve
-from .decode import encode_prompt, generate, head_features
-from .draft import make_drafter
 from .errors import InvalidValue
-from .target import new_cache
-from .verify import prefill
+from .plan import answer_drafter, greedy_answers
 
 MARGIN = 0.05  # a mode other than plain must be predicted this much faster to be chosen (the check's tolerance)
 P_MINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -61,15 +56,10 @@ def own_chains(target, tokenizer, head, prompts, max_new_tokens: int, depth: int
     deepest = head.drafting.max_depth
     if deepest is not None and depth > deepest:
         raise InvalidValue(f"depth {depth} is more than the {deepest} tokens this head drafts a step")
-    device = next(target.parameters()).device
-    chains = []
-    for prompt in tqdm(prompts, desc="plan: chains", unit="prompt", file=sys.stderr, disable=not progress):
-        ids = encode_prompt(tokenizer, prompt).to(device)
-        answer = generate(
-            target, tokenizer, head, ids, max_new_tokens=max_new_tokens, temperature=0.0, tree="chain", depth=1
-        ).token_ids
-        if answer:
-            chains.append(_answer_chains(target, head, ids, answer, depth))
+    chains = [
+        _answer_chains(target, head, ids, answer, depth)
+        for ids, answer in greedy_answers(target, tokenizer, head, prompts, max_new_tokens, "plan: chains", progress)
+    ]
     if not chains:
         raise InvalidValue("the target answered none of the prompts (each stopped at once)")
     return chains
@@ -77,11 +67,7 @@ def own_chains(target, tokenizer, head, prompts, max_new_tokens: int, depth: int
 
 def _answer_chains(target, head, ids, answer: list[int], depth: int) -> list[Chain]:
     device = ids.device
-    layers = head.feature_spec.layers
-    seq = torch.cat([ids, torch.tensor(answer, device=device)])
-    out = prefill(target, new_cache(target), seq[:-1], layers=layers)
-    feats = head_features(out.hidden[0], out.layer_hidden and {k: v[0] for k, v in out.layer_hidden.items()}, layers)
-    drafter = make_drafter(head, target)
+    seq, feats, drafter = answer_drafter(target, head, ids, answer)
     d2t = drafter.token_map
     p = ids.numel()
     drafter.extend(feats[: p - 1], seq[1:p])

@@ -125,22 +125,15 @@ def cautious_rate(mode_rounds: list[dict], plain_rounds: list[dict]) -> float:
 def profile(args, work: Path) -> dict:
     import torch
 
-    from eagletree.decode import encode_prompt
-    from eagletree.draft import load_head
     from eagletree.export.convert import export_head
-    from eagletree.prompts import mtbench_subset
-    from eagletree.target import gguf_source, load_target
 
     binary = llamacpp_build.server()
-    target, tokenizer = load_target(args.target, dtype=torch.float32, device="cpu")
-    head = load_head(args.head, target_config=target.config)
+    target, _, head, prompts, model = llamacpp_runs.target_and_head(args.target, args.head, args.prompts)
     if head.head_type not in SPEC_TYPES:
         raise SystemExit(f"error: --head is a {head.head_type!r} head; llama.cpp drafts {sorted(SPEC_TYPES)}")
     call_per_draft = head.drafting.level_calls > 0
     settings = args.settings or default_settings(call_per_draft, head.drafting.max_depth)
     export = export_head(head, work / "export", "gguf", dtype=torch.float32, target=target) / "model.gguf"
-    prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(args.prompts)]
-    model = str(gguf_source(target))
     n = args.max_new_tokens
     costs, raw = [], []
     for threads in args.threads:

@@ -202,3 +202,19 @@ def _finish(cur: dict, end: float) -> dict:
         "verify_ms": (cur["verify_end"] - cur["verify_start"]) * 1e3,
         "after_ms": (end - cur["verify_end"]) * 1e3,
     }
+
+
+def target_and_head(target_name: str, head_dir, n_prompts: int) -> tuple:
+    """The target (fp32, CPU), its tokenizer, the head, the first turns of `n_prompts` MT-bench questions as token ids
+    (chat template applied: llama.cpp gets ids), and the target's GGUF file, as the llama.cpp scripts take them."""
+    import torch
+
+    from eagletree.decode import encode_prompt
+    from eagletree.draft import load_head
+    from eagletree.prompts import mtbench_subset
+    from eagletree.target import gguf_source, load_target
+
+    target, tokenizer = load_target(target_name, dtype=torch.float32, device="cpu")
+    head = load_head(head_dir, target_config=target.config)
+    prompts = [encode_prompt(tokenizer, q.messages()).tolist() for q in mtbench_subset(n_prompts)]
+    return target, tokenizer, head, prompts, str(gguf_source(target))
