@@ -25,7 +25,7 @@ from eagletree.bench import load_prompts
 from eagletree.decode import Decoder
 from eagletree.decode import step as decoding_step
 from eagletree.decode.config import DecodeConfig
-from eagletree.draft import batch_drafter
+from eagletree.draft import batch_drafter, block_drafter
 from eagletree.draft.batch_drafter import make_batch_drafter
 from eagletree.draft.drafter import TreeDrafter
 from eagletree.loading import head_to_load, load_models
@@ -177,6 +177,29 @@ def measure(model, tok, head, args, clock, counts, timed, seen):
     return rows, skipped
 
 
+def plain_token_ms(model, tok, args) -> float:
+    """t(1): milliseconds a target pass of plain decoding (no head, no copies: one token per sequence a pass) on the
+    same prompts, lengths and batches, prefill left out (the batch decoded to its first token only, subtracted), the
+    median over the batches."""
+    decoders = [
+        Decoder(model, tok, None, DecodeConfig.from_options(max_new_tokens=n, copy=False))
+        for n in (1, args.max_new_tokens)
+    ]
+    for decoder in decoders:
+        decoder.prepare(args.batch_size)
+    prompts, per_pass = load_prompts(args.prompts), []
+    for first in range(0, len(prompts), args.batch_size):
+        seconds, passes = [], []
+        for decoder in decoders:
+            t = time.perf_counter()
+            results = decoder.generate_batch(prompts[first : first + args.batch_size], args.batch_size)
+            seconds.append(time.perf_counter() - t)
+            passes.append(max(r.stats.passes for r in results))
+        if passes[1] > passes[0]:
+            per_pass.append((seconds[1] - seconds[0]) / (passes[1] - passes[0]))
+    return statistics.median(per_pass) * 1e3
+
+
 def main(argv=None):
     args, head_dir = parse_args(argv)
     model, tok, head, _ = load_models(
@@ -190,6 +213,9 @@ def main(argv=None):
     )
     if args.lean == "off":
         batch_drafter.lean_layer = lambda *a, **k: None
+        if hasattr(block_drafter, "lean_block"):  # the block head's lean call (absent before it existed)
+            block_drafter.lean_block = lambda *a, **k: None
+    t1 = plain_token_ms(model, tok, args)
     clock, counts, timed, seen = instrument(head, type(make_batch_drafter(head, model)))
     rows, skipped = measure(model, tok, head, args, clock, counts, timed, seen)
     if not rows:
@@ -218,6 +244,8 @@ def main(argv=None):
     ):
         print(f"| {label} | {med[key] * 1e3:.2f} |")
     print(f"| levels per pass | {med['levels_per_pass']:.2f} |")
+    print(f"| plain decoding, ms a token: t(1) | {t1:.2f} |")
+    print(f"| drafting and search per step / t(1) | {med['step'] * 1e3 / t1:.3f} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 from eagletree.decode import Decoder, decode_steps, generate
 from eagletree.decode.config import DecodeConfig
 from eagletree.draft import DFlashHead, HeadError, load_head
+from eagletree.draft.block_drafter import BlockDrafter
 from eagletree.draft.dflash import default_context_layers
 from eagletree.draft.objectives import block_anchors, block_weights
 from eagletree.train.config import TrainConfig, TrainingError
@@ -279,13 +280,13 @@ def test_the_dflash_export_is_a_qwen3_drafter_checkpoint_and_imports_back(tmp_pa
         assert torch.equal(back.state_dict()[key], value), key
 
 
-def test_a_batch_drafts_with_one_block_call_a_step():
+def test_a_batch_drafts_with_one_block_call_a_step(monkeypatch):
     """Three sequences decoded together: the head runs its block once per pass for all of them (never per row)."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     head = small_head(model, block_size=4)
     calls = []
-    run_block = head.run_block
-    head.run_block = lambda *args: calls.append(args[0].shape[0]) or run_block(*args)
+    probs = BlockDrafter._probs  # once per head call: the blocks' distributions
+    monkeypatch.setattr(BlockDrafter, "_probs", lambda self, out: calls.append(out.shape[0]) or probs(self, out))
     config = DecodeConfig.from_options(max_new_tokens=16, copy=False, tree="eagle2", budget=8, depth=3)
     results = Decoder(model, tok, head, config).generate_batch([[4, 9, 16], [5, 6, 5, 6], [7, 8]], batch_size=3)
     assert calls and max(calls) == 3  # rows in one call

@@ -12,19 +12,39 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidValue
+from ..packing import (
+    apply_choice,
+    draft_kernel_choice,
+    is_packed,
+    pack_linears,
+    packed_linear,
+    packed_weight,
+    packing_problem,
+)
 from .base import HeadError
 from .batch_drafter import RowView, SoftmaxRows
 from .drafter import sliced_lm_head
+from .lean_block import HeadBlock, lean_block
 
 
 class BlockDrafter:
     """The batch drafter of a `DFlashHead` (the single-sequence `Drafter` is one row of it: `single`)."""
 
-    def __init__(self, head, target_model):
+    def __init__(self, head, target_model, lean: bool = True):
         self.head = head
         self.embed = target_model.get_input_embeddings()
         self.dtype = next(head.parameters()).dtype
         self.lm_weight, self.lm_bias = sliced_lm_head(head, target_model, self.dtype)
+        self.lm_packed, self.kernel_choice = None, None
+        if is_packed(target_model) and not packing_problem(head):  # (as `TreeDrafter`: the target's kernels)
+            if not is_packed(head):
+                pack_linears(head)
+            self.kernel_choice = draft_kernel_choice(head, target_model, self.lm_weight, self.lm_bias)
+            apply_choice(head, self.kernel_choice)
+            self.lm_packed = packed_weight(head, self.lm_weight)
+        # the call as fused tensor operations where it reproduces the head's own (`lean_block`)
+        packs = self.lm_packed is not None
+        self.block = (lean and lean_block(head, self.embed, packs, self.kernel_choice)) or HeadBlock(head)
         self.token_map = None if head.config.draft_vocab_size is None else head.d2t
         self.reset()
 
@@ -54,7 +74,7 @@ class BlockDrafter:
                     layer.kv_heads,
                     max(capacity, have_cap),
                     layer.head_dim,
-                    dtype=self.dtype,
+                    dtype=self.block.cache_dtype,
                     device=device,
                 )
                 if old is not None:
@@ -86,47 +106,81 @@ class BlockDrafter:
         """Commit target features ([m, F] each) and the token after each, for several rows, and draft each row's
         block rooted at its last token, all in one head call. positions: each row's [m] ascending positions from
         its next one on (a gap: positions the head is not shown); None: the next m positions."""
-        head, device = self.head, self.head.d2t.device
+        head, device, block = self.head, self.head.d2t.device, self.block
         where = [
             self._positions(r, f.shape[0], None if positions is None else positions[i])
             for i, (r, f) in enumerate(zip(rows, features))
         ]
         counts = [f.shape[0] for f in features]
-        context = head.context(torch.cat(features).to(device, self.dtype))[None]  # [1, M, H]
-        slot_rows = torch.tensor([r for r, m in zip(rows, counts) for _ in range(m)], device=device)
-        slots = torch.cat([torch.arange(self.lengths[r], self.lengths[r] + m) for r, m in zip(rows, counts)]).to(device)
+        context = block.context(torch.cat(features).to(device, self.dtype))  # [M, H]
+        store = self._writer(rows, counts)
         for r, m, pos in zip(rows, counts, where):
             self.lengths[r] += m
             self.positions[r] = int(pos[-1]) + 1
         self._grow(len(self.lengths), max(self.lengths[r] for r in rows))
-        cos, sin = head.rotary(context, torch.cat(where).to(device)[None])
-        index = torch.tensor(rows, device=device)
+        context_positions = torch.cat(where).to(device)
         kept = max(self.lengths[r] for r in rows)
+        read = self._reader(rows, kept)
 
         def context_kv(i):  # layer i's keys and values of the new entries go into the cache first
-            k, v = head.layers[i].context_kv(context, cos, sin)  # [1, kv_heads, M, d]
-            self.keys[i][slot_rows, :, slots] = k[0].transpose(0, 1)
-            self.values[i][slot_rows, :, slots] = v[0].transpose(0, 1)
-            return self.keys[i][index, :, :kept], self.values[i][index, :, :kept]
+            k, v = block.context_kv(i, context, context_positions)  # [M, kv_heads, d]
+            store(self.keys[i], k)
+            store(self.values[i], v)
+            return read(self.keys[i]), read(self.values[i])
 
         roots = torch.stack([t[-1] for t in next_tokens]).to(device)
         x = head.block_inputs(roots, self.embed).to(self.dtype)  # [R, k, H]
-        k = head.block_size
         block_pos = torch.tensor([self.positions[r] for r in rows], device=device)[:, None] + torch.arange(
-            k, device=device
+            head.block_size, device=device
         )
-        filled = (
-            torch.arange(kept, device=device)[None]
-            < torch.tensor([self.lengths[r] for r in rows], device=device)[:, None]
-        )
-        allowed = torch.cat(
-            [filled[:, None].expand(-1, k, -1), torch.ones(len(rows), k, k, dtype=torch.bool, device=device)], 2
-        )
-        out = head.run_block(x, block_pos, context_kv, allowed)[:, 1:]  # [R, k-1, H]
-        logits = torch.nn.functional.linear(out.to(self.lm_weight.dtype), self.lm_weight, self.lm_bias)
-        probs = torch.softmax(logits.float(), dim=-1)
+        out = block.run_block(x, block_pos, context_kv, self._allowed(rows, kept))
+        probs = self._probs(out[:, 1:])  # [R, k-1, V']
         for i, r in enumerate(rows):
             self.level_probs[r] = probs[i]
+
+    def _writer(self, rows: list[int], counts: list[int]):
+        """store(cache, entries [M, kv_heads, d]): the rows' new entries into a layer's cache [rows, kv_heads,
+        capacity, d], each row's `counts` after its current ones (one row: a slice, copied in place)."""
+        if len(rows) == 1:
+            r, start = rows[0], self.lengths[rows[0]]
+            return lambda cache, entries: cache[r, :, start : start + counts[0]].copy_(entries.transpose(0, 1))
+        device = self.head.d2t.device
+        slot_rows = torch.tensor([r for r, m in zip(rows, counts) for _ in range(m)], device=device)
+        slots = torch.cat([torch.arange(self.lengths[r], self.lengths[r] + m) for r, m in zip(rows, counts)])
+
+        def store(cache, entries):
+            cache[slot_rows, :, slots.to(device)] = entries.to(cache.dtype)
+
+        return store
+
+    def _reader(self, rows: list[int], kept: int):
+        """read(cache) -> the rows' first `kept` entries [R, kv_heads, kept, d] (ascending consecutive rows: a view)."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            first, last = rows[0], rows[0] + len(rows)
+            return lambda cache: cache[first:last, :, :kept]
+        index = torch.tensor(rows, device=self.head.d2t.device)
+        return lambda cache: cache[index, :, :kept]
+
+    def _allowed(self, rows: list[int], kept: int) -> torch.Tensor | None:
+        """Which keys each block position sees, [R, k, kept + k]: a row's own entries and its whole block; None
+        where every row holds `kept` entries (every position sees every key)."""
+        if all(self.lengths[r] == kept for r in rows):
+            return None
+        device, k = self.head.d2t.device, self.head.block_size
+        lengths = torch.tensor([self.lengths[r] for r in rows], device=device)
+        filled = torch.arange(kept, device=device)[None] < lengths[:, None]
+        return torch.cat(
+            [filled[:, None].expand(-1, k, -1), torch.ones(len(rows), k, k, dtype=torch.bool, device=device)], 2
+        )
+
+    def _probs(self, out: torch.Tensor) -> torch.Tensor:
+        """The blocks' outputs [R, k-1, H] -> their distributions over the draft vocabulary [R, k-1, V']."""
+        hidden = out.to(self.lm_weight.dtype).reshape(-1, out.shape[-1])
+        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.packs(hidden)):
+            logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
+        return torch.softmax(logits.float(), dim=-1).view(*out.shape[:2], -1)
 
     def _positions(self, row: int, m: int, given) -> torch.Tensor:
         """Row's [m] new positions: `given` (checked: ascending from its next position on) or the next m."""

@@ -74,7 +74,7 @@ class BlockLayer(nn.Module):
 
     def forward(self, x, cos, sin, keys, values, allowed) -> torch.Tensor:
         """The block x [B, Q, H] after this layer; keys/values [B, kv_heads, C, d] the context's, `allowed`
-        [B, Q, C + Q] bool over them and then the block's own positions."""
+        [B, Q, C + Q] bool over them and then the block's own positions (None: all of them)."""
         h = self.input_layernorm(x)
         q = rotate(self.q_norm(self._heads(h, self.q_proj, self.heads)), cos, sin)
         k = rotate(self.k_norm(self._heads(h, self.k_proj, self.kv_heads)), cos, sin)
@@ -82,9 +82,8 @@ class BlockLayer(nn.Module):
             torch.cat([keys.to(k.dtype), k], dim=2),
             torch.cat([values.to(k.dtype), self._heads(h, self.v_proj, self.kv_heads)], 2),
         )
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed[:, None], enable_gqa=self.kv_heads != self.heads
-        )
+        mask = None if allowed is None else allowed[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         x = x + self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -23,6 +23,9 @@ from ..packing import kernels_tag, machine_key
 from ..target import cache_dir, target_identity
 
 CANDIDATES = (torch.float32, torch.bfloat16)
+# Part of the cache key: raised when the drafters' kernels change (a choice measured on the old ones is stale).
+# 2: the block head's lean call (draft/lean_block.py).
+DRAFTERS_REVISION = 2
 
 
 def draft_dtype_path(head, target_model) -> Path:
@@ -30,7 +33,7 @@ def draft_dtype_path(head, target_model) -> Path:
     vocab = head.config.draft_vocab_size or "full"
     return (
         cache_dir() / "profiles" / f"draft-dtype-{target_identity(target_model.config)['fingerprint']}-"
-        f"{head.config.head_type}-{vocab}-{machine_key(target_model)}{kernels_tag(target_model)}.json"
+        f"{head.config.head_type}-{vocab}-{machine_key(target_model)}{kernels_tag(target_model)}-r{DRAFTERS_REVISION}.json"
     )
 
 

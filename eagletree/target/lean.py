@@ -183,6 +183,32 @@ def lean_act(act):
     return F.silu if same else act
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) is [-x2, x1], so its product with
+    sin is [x2, x1] (x rolled by half) times sin with its first half negated (a sign flip is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+class RopeTable:
+    """cos and signed sin [R, 1, dim] (for `rope`) of positions [R], read from a table of a rotary embedding's
+    values, grown (doubling) as positions grow."""
+
+    def __init__(self, rotary, dim: int, dtype: torch.dtype):
+        self.rotary, self.dim, self.dtype = rotary, dim, dtype
+        self.cos = self.sin = torch.zeros(0, 1, dim)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = int(positions.max()) + 1
+        if top > self.cos.shape[0]:
+            size = max(top, 2 * self.cos.shape[0], 256)
+            ref = torch.zeros(1, 1, dtype=torch.float32, device=positions.device)
+            cos, sin = self.rotary(ref, torch.arange(size, device=positions.device)[None])
+            half = self.dim // 2
+            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+            self.cos, self.sin = cos[0, :, None].to(self.dtype), sin[:, None].to(self.dtype)
+        return self.cos[positions], self.sin[positions]
+
+
 class LeanLayer:
     """A decoder layer over packed rows: (attention input [R, D], residual [R, H], positions [R]) on top of the
     cache rows of a `Layout` -> output features [R, H]; its keys and values go to layer `index` of the cache.
@@ -218,38 +244,23 @@ class LeanLayer:
         self.act, self.norm = lean_act(mlp.act_fn), lean_norm(layer.post_attention_layernorm)
         self.input_norm = getattr(layer, "input_layernorm", None)
         self.inter = mlp.gate_proj.out_features
-        self.rotary, self.index = rotary, index
+        self.index = index
         self.dtype = attn.q_proj.weight.dtype
-        self.cos = self.sin = torch.zeros(0, 1, self.dim)
-
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [R, 1, dim] of the rows' positions (`_rope`), from a table grown (doubling) as
-        positions grow."""
-        top = int(positions.max()) + 1
-        if top > self.cos.shape[0]:
-            size = max(top, 2 * self.cos.shape[0], 256)
-            ref = torch.zeros(1, 1, dtype=torch.float32, device=positions.device)
-            cos, sin = self.rotary(ref, torch.arange(size, device=positions.device)[None])
-            half = self.dim // 2
-            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-            self.cos, self.sin = cos[0, :, None].to(self.dtype), sin[:, None].to(self.dtype)
-        return self.cos[positions], self.sin[positions]
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) is [-x2, x1], so its product
-        with sin is [x2, x1] (x rolled by half) times sin with its first half negated (a sign flip is exact)."""
-        return x * cos + x.roll(self.dim // 2, -1) * signed_sin
+        self._rotary = RopeTable(rotary, self.dim, self.dtype)
+        self._rope = rope
 
     @torch.inference_mode()
-    def __call__(self, attn_in, residual, positions, cache: RaggedCache, layout: Layout, rope=None) -> torch.Tensor:
-        """rope: the rows' (cos, sin) when the caller read them once for every layer (same rotary, same dtype)."""
+    def __call__(
+        self, attn_in, residual, positions, cache: RaggedCache, layout: Layout, rope_values=None
+    ) -> torch.Tensor:
+        """rope_values: the rows' (cos, sin) when the caller read them once for every layer (one rotary, one dtype)."""
         r = attn_in.shape[0]
         qk, v = self.qkv(attn_in).split([(self.heads + self.kv_heads) * self.dim, self.kv_heads * self.dim], -1)
         qk, v = qk.view(r, self.heads + self.kv_heads, self.dim), v.view(r, self.kv_heads, self.dim)
         if self.q_norm is not None:  # (per-head norms: Qwen3)
             q, k = qk.split([self.heads, self.kv_heads], 1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], 1)
-        q, k = self._rope(qk, *(rope or self._rotary(positions))).split([self.heads, self.kv_heads], 1)
+        q, k = self._rope(qk, *(rope_values or self._rotary(positions))).split([self.heads, self.kv_heads], 1)
         # Attention runs in fp32 whatever the layer's precision: a bf16 product of a new shape (the context grows
         # every step) builds a oneDNN kernel first, which costs about a millisecond on a CPU.
         if self.dtype != torch.float32:
@@ -342,10 +353,10 @@ class LeanModel:
         """(logits [R, vocab] float32 or None, hidden [R, H] post-norm, {layer: [R, H] its output} or None) of the
         packed rows input_ids [R] at positions [R]; the caller holds the layout on the cache (`ragged_pass`)."""
         h = F.embedding(input_ids, self.embed)
-        rope = self.layers[0]._rotary(positions)
+        rope_values = self.layers[0]._rotary(positions)
         layer_hidden = {} if layers else None
         for i, (norm, lean) in enumerate(zip(self.norms, self.layers)):
-            h = lean(norm(h), h, positions, cache, layout, rope)
+            h = lean(norm(h), h, positions, cache, layout, rope_values)
             if layers and i in layers:
                 layer_hidden[i] = h
         hidden = self.norm(h)
