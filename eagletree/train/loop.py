@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..draft import HeadError, build_draft_vocab, head_class
 from ..loading import load_head  # init_head may be an export to import
 from ..target import checked_device, load_target
+from ..target.shell import load_target_shell
 from .checkpoints import (
     append_history,
     changed_run_keys,
@@ -120,7 +121,9 @@ def train(
     set_seed(cfg.seed)
     if model_and_tokenizer is None:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        model_and_tokenizer = load_target(cfg.target, dtype=dtype, device=accelerator.device)
+        # from cached features the target never runs: its embedding, final norm and lm_head are all a head reads
+        load = load_target_shell if cfg.features_dir else load_target
+        model_and_tokenizer = load(cfg.target, dtype=dtype, device=accelerator.device)
     resume_as = (resume, allow_changes, trust_checkpoint)
     run = _start(cfg, accelerator, *model_and_tokenizer, conversations, precision, resume_as)
     clear_run(overwritten)
