@@ -5,11 +5,15 @@ per conversation i, `{i}.ids` [T], `{i}.mask` [T] and `{i}.hidden` [T, F]: the f
 trains on (its `FeatureSpec.training_features`: the post-norm last hidden state, H wide, then the outputs of the
 target layers it fuses, when it fuses some; the manifest's identity names those layers). A shard is written
 under a temporary name and renamed, and only then recorded in the manifest (also replaced
-atomically), so an interrupted run resumes at the first missing shard and never trusts half a file.
+atomically) with the sha256 of its bytes, so an interrupted run resumes at the first missing shard and never trusts
+half a file. The manifest names the tokenizer that made the ids (`tokenizer_fingerprint`). Reading checks a shard's
+checksum when it first opens it, the tokenizer against the target's, and each record's ids, mask and feature rows
+against one another; a run of `eagletree features` writes damaged or missing shards again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import warnings
@@ -24,6 +28,7 @@ from ..draft import FeatureSpec, head_class, target_identity
 from ..errors import EagletreeError
 from ..files import is_partial, write_json_atomic, writing
 from .config import on_cpu, resolve_precision
+from .pretokenized import tokenizer_fingerprint
 from .render import MASK_VERSION, RenderError, render
 
 MANIFEST = "manifest.json"
@@ -51,6 +56,25 @@ def _identity(cfg, target_config) -> dict:
         "dtype": cfg.feature_dtype,
         "masks": MASK_VERSION,
     } | ({"layers": list(layers)} if layers else {})  # (a cache of the last layer alone names none, as before)
+
+
+def shard_digest(path: Path) -> str:
+    """sha256 of a shard file's bytes (read in 16 MiB pieces)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(16 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def damaged_shards(folder: Path, shards: list[dict]) -> list[dict]:
+    """The manifest's shards whose file is missing or no longer has the bytes it was written with (shards from
+    before checksums were recorded are taken as they are)."""
+    return [
+        s
+        for s in shards
+        if not (folder / s["file"]).is_file() or ("sha256" in s and shard_digest(folder / s["file"]) != s["sha256"])
+    ]
 
 
 def load_manifest(folder: Path) -> dict | None:
@@ -173,6 +197,12 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     identity = _identity(cfg, model.config)
     check_features_dir(folder)
     manifest = _resumable_manifest(folder, identity, shard_size)
+    _check_tokenizer(folder, manifest, tokenizer_fingerprint(tokenizer))
+    manifest["tokenizer"] = tokenizer_fingerprint(tokenizer)
+    damaged = damaged_shards(folder, manifest["shards"])
+    if damaged:  # written again below, like shards never written
+        print(f"features: shards {[s['index'] for s in damaged]} are damaged or missing; writing them again", file=log)
+        manifest["shards"] = [s for s in manifest["shards"] if s not in damaged]
     rendered, skipped = _render_all(cfg, tokenizer, conversations)
     dtype = _DTYPES[cfg.feature_dtype]
     spec = feature_spec(cfg, model.config)
@@ -199,10 +229,12 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         name = f"shard-{k:05d}.safetensors"
         with writing(folder / name) as tmp:
             save_file(tensors, tmp)
+            digest = shard_digest(tmp)
         manifest["shards"].append(
             {
                 "index": k,
                 "file": name,
+                "sha256": digest,
                 "conversations": ids,
                 "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids")),
             }
@@ -215,10 +247,21 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
     return manifest
 
 
+def _check_tokenizer(folder: Path, manifest: dict, fingerprint: str | None) -> None:
+    """FeatureError when the cache's token ids were made by another tokenizer than `fingerprint`'s (None, or a
+    cache from before fingerprints were recorded: not checked)."""
+    cached = manifest.get("tokenizer")
+    if fingerprint is not None and cached is not None and cached != fingerprint:
+        raise FeatureError(
+            f"{folder}: its token ids were made by tokenizer {cached}, not by this target's ({fingerprint}); "
+            "cache the features with this target again, in another features_dir"
+        )
+
+
 class FeatureStore:
     """Read cached features by example index (shards opened lazily, one at a time)."""
 
-    def __init__(self, folder, cfg, target_config):
+    def __init__(self, folder, cfg, target_config, tokenizer=None):
         self.folder = Path(folder)
         manifest = load_manifest(self.folder)
         if manifest is None:
@@ -233,6 +276,9 @@ class FeatureStore:
                 "finished shards",
                 stacklevel=2,
             )
+        _check_tokenizer(self.folder, manifest, None if tokenizer is None else tokenizer_fingerprint(tokenizer))
+        self.vocab_size = target_config.vocab_size
+        self.digests = {s["file"]: s.get("sha256") for s in manifest["shards"]}
         self.layers = tuple(manifest["identity"].get("layers", ())) or None  # the fused layers it holds
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
         self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
@@ -245,6 +291,27 @@ class FeatureStore:
         """(ids [T] long, mask [T] bool, features [T, F] float32) of example n."""
         name, i = self.index[n]
         if name != self._open_name:
-            self._open, self._open_name = safe_open(str(self.folder / name), framework="pt"), name
+            self._open, self._open_name = self._checked_open(name), name
         f = self._open
-        return (f.get_tensor(f"{i}.ids").long(), f.get_tensor(f"{i}.mask").bool(), f.get_tensor(f"{i}.hidden").float())
+        ids, mask, hidden = (
+            f.get_tensor(f"{i}.ids").long(),
+            f.get_tensor(f"{i}.mask").bool(),
+            f.get_tensor(f"{i}.hidden"),
+        )
+        if not ids.numel() == mask.numel() == hidden.shape[0] or (ids.numel() and int(ids.max()) >= self.vocab_size):
+            raise FeatureError(
+                f"{self.folder / name}: conversation {self.ids[n]!r} holds {ids.numel()} token ids (largest "
+                f"{int(ids.max()) if ids.numel() else None}), {mask.numel()} mask entries and {hidden.shape[0]} "
+                f"feature rows: expected as many of each, ids below the vocabulary's {self.vocab_size}"
+            )
+        return ids, mask, hidden.float()
+
+    def _checked_open(self, name: str):
+        """The shard opened, once its bytes have the checksum the manifest recorded (FeatureError otherwise)."""
+        path, digest = self.folder / name, self.digests.get(name)
+        if not path.is_file() or (digest is not None and shard_digest(path) != digest):
+            raise FeatureError(
+                f"{path} is missing or damaged (its bytes no longer match the manifest's sha256); run `eagletree "
+                "features` with the same config again: it writes the damaged shards anew"
+            )
+        return safe_open(str(path), framework="pt")

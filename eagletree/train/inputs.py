@@ -34,12 +34,15 @@ def training_conversations(cfg: TrainConfig):
     return train_convs[: cfg.max_conversations] if cfg.max_conversations else train_convs
 
 
-def training_stream(cfg: TrainConfig, target_config, conversations) -> tuple[FeatureStore | None, Stream]:
+def training_stream(
+    cfg: TrainConfig, target_config, conversations, tokenizer=None
+) -> tuple[FeatureStore | None, Stream]:
     """(feature store or None, stream): a run's items in training order, the cached features' indices when
-    `features_dir` is set, else `conversations`. TrainingError when there is nothing to train on."""
+    `features_dir` is set (their token ids checked to be `tokenizer`'s), else `conversations`. TrainingError when
+    there is nothing to train on."""
     store = None
     if cfg.features_dir:
-        store = FeatureStore(cfg.features_dir, cfg, target_config)
+        store = FeatureStore(cfg.features_dir, cfg, target_config, tokenizer)
         items = list(range(len(store)))
     else:
         items = conversations

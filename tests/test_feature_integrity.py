@@ -1,0 +1,78 @@
+"""A feature cache's integrity: shard checksums, the tokenizer that made its ids, and records checked on read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagletree.train.config import TrainConfig
+from eagletree.train.features import FeatureError, FeatureStore, cache_features, shard_digest
+
+from helpers import tiny_conversations, tiny_model, tiny_tokenizer
+
+
+def cached(tmp_path, shard_size=3):
+    model, tok, convs = tiny_model("llama"), tiny_tokenizer(), tiny_conversations(7)
+    cfg = TrainConfig(
+        out_dir=str(tmp_path / "run"), features_dir=str(tmp_path / "feats"), feature_dtype="fp32", max_len=40
+    )
+    manifest = cache_features(cfg, model, tok, convs, shard_size=shard_size, progress=False)
+    return cfg, model, tok, convs, manifest
+
+
+def read_all(store: FeatureStore) -> list:
+    return [store[n] for n in range(len(store))]
+
+
+def test_every_shard_carries_its_checksum_and_a_damaged_one_is_refused_then_written_again(tmp_path):
+    cfg, model, tok, convs, manifest = cached(tmp_path)
+    folder = tmp_path / "feats"
+    assert all(s["sha256"] == shard_digest(folder / s["file"]) for s in manifest["shards"])
+    want = read_all(FeatureStore(folder, cfg, model.config, tok))
+    shard = folder / manifest["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in a feature value
+    shard.write_bytes(bytes(data))
+    store = FeatureStore(folder, cfg, model.config, tok)
+    store[0]  # shard 0 is intact
+    with pytest.raises(
+        FeatureError, match=r"shard-00001.safetensors is missing or damaged .* run `eagletree features`"
+    ):
+        read_all(store)
+    untouched = (folder / manifest["shards"][0]["file"]).stat().st_mtime_ns
+    cache_features(cfg, model, tok, convs, shard_size=3, progress=False)  # writes shard 1 again, alone
+    assert (folder / manifest["shards"][0]["file"]).stat().st_mtime_ns == untouched
+    for (a_ids, a_mask, a_feats), (b_ids, b_mask, b_feats) in zip(
+        read_all(FeatureStore(folder, cfg, model.config)), want
+    ):
+        assert torch.equal(a_ids, b_ids) and torch.equal(a_mask, b_mask) and torch.equal(a_feats, b_feats)
+
+
+def test_ids_made_by_another_tokenizer_are_refused(tmp_path):
+    cfg, model, tok, convs, _ = cached(tmp_path)
+    other = tiny_tokenizer()
+    other.chat_template = other.chat_template.replace("<|assistant|>", "<|assistant|> ")
+    with pytest.raises(FeatureError, match="its token ids were made by tokenizer .*, not by this target's"):
+        FeatureStore(tmp_path / "feats", cfg, model.config, other)
+    with pytest.raises(FeatureError, match="its token ids were made by tokenizer"):
+        cache_features(cfg, model, other, convs, shard_size=3, progress=False)
+
+
+def test_a_record_whose_ids_and_features_disagree_is_refused_on_read(tmp_path):
+    cfg, model, tok, _, manifest = cached(tmp_path)
+    folder = tmp_path / "feats"
+    entry = manifest["shards"][0]
+    width = FeatureStore(folder, cfg, model.config)[0][2].shape[1]
+    tensors = {  # one id short of its features (a generator that dropped a token, say)
+        "0.ids": torch.arange(4, dtype=torch.int32),
+        "0.mask": torch.ones(5, dtype=torch.uint8),
+        "0.hidden": torch.zeros(5, width),
+    }
+    save_file(tensors, folder / entry["file"])
+    entry["sha256"] = shard_digest(folder / entry["file"])
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureError, match="holds 4 token ids .* 5 mask entries and 5 feature rows: expected as many"):
+        FeatureStore(folder, cfg, model.config, tok)[0]
