@@ -279,6 +279,7 @@ class FeatureStore:
         _check_tokenizer(self.folder, manifest, None if tokenizer is None else tokenizer_fingerprint(tokenizer))
         self.vocab_size = target_config.vocab_size
         self.digests = {s["file"]: s.get("sha256") for s in manifest["shards"]}
+        self.verified: set[str] = set()
         self.layers = tuple(manifest["identity"].get("layers", ())) or None  # the fused layers it holds
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
         self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
@@ -309,9 +310,11 @@ class FeatureStore:
     def _checked_open(self, name: str):
         """The shard opened, once its bytes have the checksum the manifest recorded (FeatureError otherwise)."""
         path, digest = self.folder / name, self.digests.get(name)
-        if not path.is_file() or (digest is not None and shard_digest(path) != digest):
-            raise FeatureError(
-                f"{path} is missing or damaged (its bytes no longer match the manifest's sha256); run `eagletree "
-                "features` with the same config again: it writes the damaged shards anew"
-            )
+        if name not in self.verified:  # once per shard: training reads conversations shuffled, shard to shard
+            if not path.is_file() or (digest is not None and shard_digest(path) != digest):
+                raise FeatureError(
+                    f"{path} is missing or damaged (its bytes no longer match the manifest's sha256); run "
+                    "`eagletree features` with the same config again: it writes the damaged shards anew"
+                )
+            self.verified.add(name)
         return safe_open(str(path), framework="pt")
