@@ -361,8 +361,10 @@ def _losses(folder):
     return [json.loads(line)["loss"] for line in (folder / "history.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
-    """Two CPU processes vs `python train.py` with twice the accumulation.
+@pytest.mark.parametrize("from_features", [False, True])
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, from_features):
+    """Two CPU processes vs `python train.py` with twice the accumulation, online or from cached features (then
+    each process loads the target's shell alone and reads the shards its conversations are in).
 
     On CPU, `accelerate launch --num_processes 2 --cpu` needs mpirun; torchrun is the equivalent
     launcher and Accelerator picks its environment up (MULTI_CPU, gloo).
@@ -372,7 +374,18 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     import sys
 
     target, data = _tiny_run_inputs(tmp_path)
+    cached = []
+    if from_features:
+        from eagletree.target import load_target
+        from eagletree.train.features import cache_features
+        from eagletree.train.inputs import training_conversations
+
+        keys = dict(target=str(target), dataset=str(data), heldout_fraction=0.01, max_len=40, precision="fp32")
+        cfg = TrainConfig(**keys, features_dir=str(tmp_path / "feats"), feature_dtype="fp32")
+        cache_features(cfg, *load_target(target), training_conversations(cfg), shard_size=8, progress=False)
+        cached = [f"features_dir={tmp_path / 'feats'}", "feature_dtype=fp32", "precision=fp32"]
     common = [
+        *cached,
         f"target={target}",
         f"dataset={data}",
         "heldout_fraction=0.01",
