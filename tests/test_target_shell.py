@@ -37,6 +37,8 @@ def test_the_shell_holds_the_target_s_embedding_final_norm_and_lm_head_alone(tmp
     assert torch.equal(shell.get_input_embeddings().weight, model.get_input_embeddings().weight)
     assert torch.equal(shell.get_output_embeddings().weight, model.get_output_embeddings().weight)
     assert torch.equal(shell.get_decoder().norm.weight, model.get_decoder().norm.weight)
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(shell.get_decoder().norm(x), model.get_decoder().norm(x))  # the model's own norm module
     assert (shell.get_output_embeddings().weight is shell.get_input_embeddings().weight) == tied
     layers = sum(p.numel() for p in model.model.layers.parameters())
     assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in shell.parameters()) >= layers

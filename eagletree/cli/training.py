@@ -34,6 +34,13 @@ def add_features_parser(sub) -> None:
     p.add_argument("--config", required=True, help="the training config (its features_dir receives the cache)")
     p.add_argument("--shard-size", type=at_least(1), default=64, help="conversations per shard")
     p.add_argument("--device", default=None, help="default: the config's device key, else cuda when available")
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="what runs the target: transformers (hf), or vLLM's offline LLM and its hidden-state extraction "
+        "(vllm: run from the environment that has vLLM, e.g. pip install 'eagletree[vllm]')",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func=cmd_features)
 
@@ -178,8 +185,9 @@ def cmd_features(args) -> int:
     """Cache the target's features for a training config (resumable)."""
     from .. import target
     from ..files import check_output_folder
+    from ..train.config import TrainConfig
     from ..train.features import cache_features, check_features_dir, features_dtype
-    from ..train.loop import TrainConfig, training_conversations
+    from ..train.inputs import training_conversations
 
     cfg = TrainConfig.from_sources(args.config, args.overrides)
     if not cfg.features_dir:
@@ -187,8 +195,12 @@ def cmd_features(args) -> int:
     check_output_folder(cfg.features_dir, "features_dir")
     check_features_dir(cfg.features_dir)  # before loading the target
     device = args.device or cfg.device or None  # the flag, else the config's device key (as training reads it)
-    model, tok = target.load_target(cfg.target, dtype=features_dtype(cfg, device), device=device)
-    manifest = cache_features(cfg, model, tok, training_conversations(cfg), shard_size=args.shard_size)
+    conversations = training_conversations(cfg)  # (a bad dataset fails before the target is loaded)
+    if args.engine == "vllm":
+        manifest = _vllm_features(cfg, device, conversations, args.shard_size)
+    else:
+        model, tok = target.load_target(cfg.target, dtype=features_dtype(cfg, device), device=device)
+        manifest = cache_features(cfg, model, tok, conversations, shard_size=args.shard_size)
     print(
         json.dumps(
             {
@@ -200,6 +212,27 @@ def cmd_features(args) -> int:
         )
     )
     return 0
+
+
+def _vllm_features(cfg, device, conversations, shard_size: int) -> dict:
+    """The features cache written from vLLM's hidden states (train/vllm_features.py): only the target's shell
+    (config, embedding, final norm, lm_head) is loaded here; vLLM loads its weights."""
+    from ..target import resolve_target
+    from ..target.shell import load_target_shell
+    from ..train.features import cache_features, feature_spec, features_dtype
+    from ..train.vllm_features import VllmStates, layer_ids, vllm_training_features
+
+    dtype = features_dtype(cfg, device)
+    shell, tok = load_target_shell(cfg.target, dtype=dtype, device="cpu")
+    spec = feature_spec(cfg, shell.config)
+    engine = VllmStates(
+        resolve_target(cfg.target), shell.config, dtype, layer_ids(spec, shell.config.num_hidden_layers)
+    )
+    try:
+        features = ("vllm", vllm_training_features(spec, shell, engine), lambda n, seqs: engine.start(n + 1, seqs))
+        return cache_features(cfg, shell, tok, conversations, shard_size=shard_size, engine=features)
+    finally:
+        engine.close()
 
 
 def _check_engine(args):

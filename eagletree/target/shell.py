@@ -2,7 +2,8 @@
 
 Training from cached features (`features_dir`) never runs the target; a head reads only its config, its token
 embedding (the head embeds the tokens it drafts after), its final norm (a new head's norm starts as the target's)
-and its lm_head (the loss's soft labels and the head's logits). `load_target_shell` reads those tensors alone from
+and its lm_head (the loss's soft labels and the head's logits); `eagletree features --engine vllm` applies its final
+norm to the last layer's output, which vLLM gives before the norm. `load_target_shell` reads those tensors alone from
 the target's safetensors files (one file, or several named by `model.safetensors.index.json`), finding their names
 by building the model's architecture on the meta device (no memory): a 70B target's shell is its embedding and
 lm_head, a few GB, where the whole model would not fit. `TargetShell` holds them; running it is an error naming why.
@@ -24,13 +25,11 @@ INDEX = "model.safetensors.index.json"
 class TargetShell(nn.Module):
     """A target's config, token embedding, final norm and lm_head, without its decoder layers (frozen)."""
 
-    def __init__(self, config, embed: nn.Embedding, norm_weight: torch.Tensor | None, lm_head: nn.Linear):
+    def __init__(self, config, embed: nn.Embedding, norm: nn.Module | None, lm_head: nn.Linear):
         super().__init__()
         self.config = config
         self.embed_tokens, self.lm_head = embed, lm_head
-        self.norm = nn.Module()
-        if norm_weight is not None:
-            self.norm.weight = nn.Parameter(norm_weight, requires_grad=False)
+        self.norm = norm if norm is not None else nn.Identity()
         self.requires_grad_(False)
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -50,9 +49,9 @@ class TargetShell(nn.Module):
         )
 
 
-def _parameter_names(config) -> dict[str, str | None]:
-    """Checkpoint names of the embedding, final norm and lm_head weights (None: no final norm with a weight),
-    read from the architecture built on the meta device."""
+def _parts(config) -> tuple[dict, nn.Module | None]:
+    """(checkpoint names of the embedding and lm_head weights, {"norm": the final norm's prefix or None, "tied"},
+    the final norm module on the meta device or None), read from the architecture built on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -60,14 +59,14 @@ def _parameter_names(config) -> dict[str, str | None]:
     modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     norm = getattr(model.get_decoder(), "norm", None)
-    has_norm = isinstance(getattr(norm, "weight", None), nn.Parameter)
-    return {
+    names = {
         "embed": f"{modules[id(embed)]}.weight",
         "lm_head": f"{modules[id(lm_head)]}.weight",
         "lm_bias": f"{modules[id(lm_head)]}.bias" if getattr(lm_head, "bias", None) is not None else None,
-        "norm": f"{modules[id(norm)]}.weight" if has_norm else None,
+        "norm": modules[id(norm)] if isinstance(norm, nn.Module) else None,
         "tied": lm_head.weight is embed.weight or bool(getattr(config, "tie_word_embeddings", False)),
     }
+    return names, norm if isinstance(norm, nn.Module) else None
 
 
 def _read_tensors(folder: Path, wanted: list[str]) -> dict[str, torch.Tensor]:
@@ -102,9 +101,10 @@ def load_target_shell(spec, dtype=None, device=None):
     folder = resolve_target(spec)
     config = target_config(folder)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    names = _parameter_names(config)
+    names, norm = _parts(config)
+    norm_names = [f"{names['norm']}.{n}" for n, _ in norm.named_parameters()] if norm is not None else []
     wanted = [names["embed"]] + ([] if names["tied"] else [names["lm_head"]])
-    wanted += [names[k] for k in ("lm_bias", "norm") if names[k]]
+    wanted += [names["lm_bias"]] * bool(names["lm_bias"]) + norm_names
     tensors = {k: v.to(device, dtype) for k, v in _read_tensors(folder, wanted).items()}
     embed = nn.Embedding.from_pretrained(tensors[names["embed"]], freeze=True)
     lm_weight = embed.weight if names["tied"] else nn.Parameter(tensors[names["lm_head"]], requires_grad=False)
@@ -112,5 +112,9 @@ def load_target_shell(spec, dtype=None, device=None):
     lm_head.weight = lm_weight  # (tied: the embedding's own Parameter, as in the model)
     if names["lm_bias"]:
         lm_head.bias = nn.Parameter(tensors[names["lm_bias"]], requires_grad=False)
-    shell = TargetShell(config, embed, tensors.get(names["norm"]), lm_head).eval()
+    if norm is not None:  # the model's own final norm module, with its weights: its forward is the model's
+        norm = norm.to_empty(device=device).to(dtype)
+        loaded = {n.removeprefix(f"{names['norm']}."): tensors[n] for n in norm_names}
+        norm.load_state_dict(loaded, strict=False)  # (its parameters, all read above; it has no buffers to load)
+    shell = TargetShell(config, embed, norm, lm_head).eval()
     return shell, AutoTokenizer.from_pretrained(folder)

@@ -128,8 +128,9 @@ def check_shards_match(folder, written: list[dict], planned: list[list[str]]) ->
             )
 
 
-def _resumable_manifest(folder: Path, identity: dict, shard_size: int) -> dict:
-    """The folder's manifest, or a new one; raises FeatureError if it is for another identity or shard size."""
+def _resumable_manifest(folder: Path, identity: dict, shard_size: int, tokenizer, log) -> dict:
+    """The folder's manifest, or a new one, without the shards that are damaged or missing (written again like
+    shards never written); raises FeatureError if it is for another identity, shard size or tokenizer."""
     manifest = load_manifest(folder) or {
         "identity": identity,
         "shards": [],
@@ -152,6 +153,12 @@ def _resumable_manifest(folder: Path, identity: dict, shard_size: int) -> dict:
             f"(got {shard_size}), or use another features_dir"
         )
     manifest["shard_size"] = shard_size
+    _check_tokenizer(folder, manifest, tokenizer_fingerprint(tokenizer))
+    manifest["tokenizer"] = tokenizer_fingerprint(tokenizer)
+    damaged = damaged_shards(folder, manifest["shards"])
+    if damaged:
+        print(f"features: shards {[s['index'] for s in damaged]} are damaged or missing; writing them again", file=log)
+        manifest["shards"] = [s for s in manifest["shards"] if s not in damaged]
     return manifest
 
 
@@ -171,38 +178,57 @@ def _render_all(cfg, tokenizer, conversations) -> tuple[list, int]:
     return rendered, skipped
 
 
-def _shard_tensors(model, shard: list, spec: FeatureSpec, dtype, bar) -> tuple[dict, list]:
-    """Run the target on one shard's conversations: (the tensors to save, the conversation ids)."""
+def hf_training_features(model, spec: FeatureSpec):
+    """features(ids list, bar) -> [T, spec.training_width] per conversation: the target run on each in turn."""
+
+    def features(ids: list[torch.Tensor], bar) -> list[torch.Tensor]:
+        device, out = next(model.parameters()).device, []
+        for x in ids:
+            with torch.inference_mode():
+                out.append(spec.training_features(model, x.to(device)))
+            bar.update(x.numel())
+        return out
+
+    return features
+
+
+def _shard_tensors(features, shard: list, dtype, bar) -> tuple[dict, list]:
+    """One shard's conversations through `features`: (the tensors to save, the conversation ids)."""
+    hidden = features([r.input_ids for _, r in shard], bar)
     tensors, ids = {}, []
-    device = next(model.parameters()).device
-    for i, (conv_id, r) in enumerate(shard):
-        with torch.inference_mode():
-            hidden = spec.training_features(model, r.input_ids.to(device))
+    for i, ((conv_id, r), h) in enumerate(zip(shard, hidden, strict=True)):
         tensors[f"{i}.ids"] = r.input_ids.to(torch.int32)
         tensors[f"{i}.mask"] = r.loss_mask.to(torch.uint8)
-        tensors[f"{i}.hidden"] = hidden.to("cpu", dtype).contiguous()
+        tensors[f"{i}.hidden"] = h.to("cpu", dtype).contiguous()
         ids.append(conv_id)
-        bar.update(r.input_ids.numel())
     return tensors, ids
 
 
-def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True, log=None) -> dict:
+def _write_shard(folder: Path, k: int, tensors: dict, ids: list, engine: str) -> dict:
+    """Shard k's file, written under a temporary name and renamed; returns its manifest entry."""
+    name = f"shard-{k:05d}.safetensors"
+    with writing(folder / name) as tmp:
+        save_file(tensors, tmp)
+        digest = shard_digest(tmp)
+    tokens = sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids"))
+    return {"index": k, "file": name, "sha256": digest, "engine": engine, "conversations": ids, "tokens": tokens}
+
+
+def cache_features(
+    cfg, model, tokenizer, conversations, shard_size: int = 64, progress: bool = True, log=None, engine=None
+) -> dict:
     """Render, run the target, and write the shards that are not yet in the manifest. Returns the manifest.
 
-    `log` (default: the current sys.stderr, looked up per call) receives the size statement.
+    `engine`: (name, features(ids list, bar) -> [T, training_width] per conversation, start(longest, count)) where
+    another engine than transformers computes the features (`model` may then be the target's shell); None: `model`
+    run by transformers. `log` (default: the current sys.stderr, looked up per call) receives the size statement.
     """
     log = log if log is not None else sys.stderr
     folder = Path(cfg.features_dir)
     folder.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, model.config)
     check_features_dir(folder)
-    manifest = _resumable_manifest(folder, identity, shard_size)
-    _check_tokenizer(folder, manifest, tokenizer_fingerprint(tokenizer))
-    manifest["tokenizer"] = tokenizer_fingerprint(tokenizer)
-    damaged = damaged_shards(folder, manifest["shards"])
-    if damaged:  # written again below, like shards never written
-        print(f"features: shards {[s['index'] for s in damaged]} are damaged or missing; writing them again", file=log)
-        manifest["shards"] = [s for s in manifest["shards"] if s not in damaged]
+    manifest = _resumable_manifest(folder, identity, shard_size, tokenizer, log)
     rendered, skipped = _render_all(cfg, tokenizer, conversations)
     dtype = _DTYPES[cfg.feature_dtype]
     spec = feature_spec(cfg, model.config)
@@ -218,6 +244,9 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         f"{len(shards) - len(todo)} already done)",
         file=log,
     )
+    engine_name, features, start = engine or ("hf", hf_training_features(model, spec), None)
+    if start is not None and todo:  # (before the bar: an engine's start is not feature time)
+        start(max(r.input_ids.numel() for k in todo for _, r in shards[k]), min(shard_size, len(rendered)))
     bar = tqdm(
         total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]),
         unit="tok",
@@ -225,19 +254,8 @@ def cache_features(cfg, model, tokenizer, conversations, shard_size: int = 64, p
         disable=not progress,
     )
     for k in todo:
-        tensors, ids = _shard_tensors(model, shards[k], spec, dtype, bar)
-        name = f"shard-{k:05d}.safetensors"
-        with writing(folder / name) as tmp:
-            save_file(tensors, tmp)
-            digest = shard_digest(tmp)
         manifest["shards"].append(
-            {
-                "index": k,
-                "file": name,
-                "sha256": digest,
-                "conversations": ids,
-                "tokens": sum(int(t.numel()) for key, t in tensors.items() if key.endswith(".ids")),
-            }
+            _write_shard(folder, k, *_shard_tensors(features, shards[k], dtype, bar), engine_name)
         )
         manifest["shards"].sort(key=lambda s: s["index"])
         write_json_atomic(folder / MANIFEST, manifest, indent=1)
