@@ -208,6 +208,8 @@ def cmd_features(args) -> int:
                 "shards": len(manifest["shards"]),
                 "complete": manifest["complete"],
                 "tokens": sum(s["tokens"] for s in manifest["shards"]),
+                "engine": args.engine,
+                "this_run": manifest["last_run"],  # tokens and seconds of the features this run computed
             }
         )
     )

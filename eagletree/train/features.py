@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def cache_features(
     rendered, skipped = _render_all(cfg, tokenizer, conversations)
     dtype = _DTYPES[cfg.feature_dtype]
     spec = feature_spec(cfg, model.config)
-    bytes_per_token = spec.training_width * torch.finfo(dtype).bits // 8 + 9  # features + id + mask
+    bytes_per_token = spec.training_width * torch.finfo(dtype).bits // 8 + 5  # features, int32 id, uint8 mask
     total_tokens = sum(r.input_ids.numel() for _, r in rendered)
     done = {s["index"] for s in manifest["shards"]}
     shards = [rendered[i : i + shard_size] for i in range(0, len(rendered), shard_size)]
@@ -247,12 +248,9 @@ def cache_features(
     engine_name, features, start = engine or ("hf", hf_training_features(model, spec), None)
     if start is not None and todo:  # (before the bar: an engine's start is not feature time)
         start(max(r.input_ids.numel() for k in todo for _, r in shards[k]), min(shard_size, len(rendered)))
-    bar = tqdm(
-        total=sum(r.input_ids.numel() for k in todo for _, r in shards[k]),
-        unit="tok",
-        desc="features",
-        disable=not progress,
-    )
+    todo_tokens = sum(r.input_ids.numel() for k in todo for _, r in shards[k])
+    bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
+    t0 = time.perf_counter()
     for k in todo:
         manifest["shards"].append(
             _write_shard(folder, k, *_shard_tensors(features, shards[k], dtype, bar), engine_name)
@@ -260,6 +258,8 @@ def cache_features(
         manifest["shards"].sort(key=lambda s: s["index"])
         write_json_atomic(folder / MANIFEST, manifest, indent=1)
     bar.close()
+    # this run's feature time (an engine's start left out), for `eagletree features` to print
+    manifest["last_run"] = {"engine": engine_name, "tokens": todo_tokens, "seconds": time.perf_counter() - t0}
     manifest["complete"] = len(manifest["shards"]) == len(shards)
     write_json_atomic(folder / MANIFEST, manifest, indent=1)
     return manifest
