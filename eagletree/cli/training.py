@@ -41,6 +41,12 @@ def add_features_parser(sub) -> None:
         help="what runs the target: transformers (hf), or vLLM's offline LLM and its hidden-state extraction "
         "(vllm: run from the environment that has vLLM, e.g. pip install 'eagletree[vllm]')",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=at_least(1),
+        default=1,
+        help="--engine vllm: GPUs the target is split over (vLLM's tensor_parallel_size)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func=cmd_features)
 
@@ -197,7 +203,7 @@ def cmd_features(args) -> int:
     device = args.device or cfg.device or None  # the flag, else the config's device key (as training reads it)
     conversations = training_conversations(cfg)  # (a bad dataset fails before the target is loaded)
     if args.engine == "vllm":
-        manifest = _vllm_features(cfg, device, conversations, args.shard_size)
+        manifest = _vllm_features(cfg, device, conversations, args.shard_size, args.tensor_parallel)
     else:
         model, tok = target.load_target(cfg.target, dtype=features_dtype(cfg, device), device=device)
         manifest = cache_features(cfg, model, tok, conversations, shard_size=args.shard_size)
@@ -216,7 +222,7 @@ def cmd_features(args) -> int:
     return 0
 
 
-def _vllm_features(cfg, device, conversations, shard_size: int) -> dict:
+def _vllm_features(cfg, device, conversations, shard_size: int, tensor_parallel: int = 1) -> dict:
     """The features cache written from vLLM's hidden states (train/vllm_features.py): only the target's shell
     (config, embedding, final norm, lm_head) is loaded here; vLLM loads its weights."""
     from ..target import resolve_target

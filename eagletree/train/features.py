@@ -33,6 +33,7 @@ from .pretokenized import tokenizer_fingerprint
 from .render import MASK_VERSION, RenderError, render
 
 MANIFEST = "manifest.json"
+OPEN_SHARDS = 16  # shard files a reader keeps open (memory-mapped) at once
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -301,7 +302,7 @@ class FeatureStore:
         self.layers = tuple(manifest["identity"].get("layers", ())) or None  # the fused layers it holds
         self.index = [(s["file"], i) for s in manifest["shards"] for i in range(len(s["conversations"]))]
         self.ids = [conv_id for s in manifest["shards"] for conv_id in s["conversations"]]  # per example
-        self._open_name, self._open = None, None
+        self._open: dict = {}  # shard file -> its open handle, the most recently read last
 
     def __len__(self) -> int:
         return len(self.index)
@@ -309,9 +310,10 @@ class FeatureStore:
     def __getitem__(self, n: int):
         """(ids [T] long, mask [T] bool, features [T, F] float32) of example n."""
         name, i = self.index[n]
-        if name != self._open_name:
-            self._open, self._open_name = self._checked_open(name), name
-        f = self._open
+        f = self._open.pop(name, None) or self._checked_open(name)
+        self._open[name] = f  # training reads conversations shuffled, shard to shard: keep a few handles open
+        if len(self._open) > OPEN_SHARDS:
+            del self._open[next(iter(self._open))]
         ids, mask, hidden = (
             f.get_tensor(f"{i}.ids").long(),
             f.get_tensor(f"{i}.mask").bool(),

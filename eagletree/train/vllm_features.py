@@ -56,15 +56,15 @@ def import_extraction():
 
 
 class VllmStates:
-    """vLLM's offline `LLM` over a target folder extracting the hidden states of vLLM layer ids `layer_ids` (any
-    order): `states(prompts)` -> [T, len(layer_ids), H] per prompt, in that order."""
+    """vLLM's offline `LLM` over a target folder (split over `tensor_parallel` GPUs) extracting the hidden states of
+    vLLM layer ids `layer_ids` (any order): `states(prompts)` -> [T, len(layer_ids), H] per prompt, in that order."""
 
-    def __init__(self, folder, config, dtype: torch.dtype, layer_ids: list[int]):
+    def __init__(self, folder, config, dtype: torch.dtype, layer_ids: list[int], tensor_parallel: int = 1):
         self.LLM, self.SamplingParams, self.load, self.cleanup = import_extraction()
         self.folder, self.config, self.dtype = str(folder), config, dtype
         self.ids = sorted(set(layer_ids))  # vLLM sorts them itself and sizes its buffer by their count
         self.pick = [self.ids.index(i) for i in layer_ids]
-        self.llm, self.out_dir = None, None
+        self.llm, self.out_dir, self.tensor_parallel = None, None, tensor_parallel
 
     def start(self, max_model_len: int, max_seqs: int) -> None:
         """Start vLLM for conversations of up to `max_model_len` - 1 tokens, `max_seqs` at a time."""
@@ -95,6 +95,7 @@ class VllmStates:
             max_model_len=max_model_len,
             max_num_seqs=max_seqs,
             enforce_eager=True,
+            tensor_parallel_size=self.tensor_parallel,
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
