@@ -4,7 +4,10 @@ from __future__ import annotations
 
 
 def decode_text(tokenizer, ids) -> str:
-    """Text of token ids, without special tokens and without clean-up (so streamed pieces add up to it)."""
+    """Text of token ids, without special tokens and without clean-up (so streamed pieces add up to it); "" without
+    a tokenizer (a decoder given token ids alone, as `hf.decoding`'s)."""
+    if tokenizer is None:
+        return ""
     try:
         return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     except TypeError:  # a minimal tokenizer without that option

@@ -1,0 +1,145 @@
+"""Trees inside the `generate()` call people already make: a decoding method for transformers' `custom_generate`.
+
+    out = model.generate(**inputs, custom_generate=eagletree.hf.decoding(head), max_new_tokens=128)
+
+transformers (5.x) calls a callable `custom_generate` as its decoding method once `generate` has prepared the call:
+the prompts' ids (a batch left-padded, with its `attention_mask`), the logits processors and stopping criteria it
+built from the GenerationConfig, the config itself and the streamer. `decoding(head)` returns such a method: it
+decodes through eagletree's `Decoder` (one prompt through `steps`, several through the batched decoder) with the
+user's own model object and returns what `generate` returns: the sequences (each row its padded prompt, then its
+answer, rows that finished early padded with `pad_token_id`), or a `GenerateDecoderOnlyOutput` with
+`return_dict_in_generate=True`.
+
+Lossless means the target's own distribution: greedy, or sampling under temperature, top-k and top-p, stopping at
+the end-of-sequence ids and max_new_tokens / max_length. Whatever else would change the distribution or the stop
+(another logits processor: a repetition penalty, min_p, a bad-words list, ...; beams; several sequences per prompt;
+stopping criteria other than length and end-of-sequence, stop strings included) is refused with one line naming the
+option, never ignored; so is a streamer with several prompts (as transformers refuses it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode import Decoder
+from .decode.config import DecodeConfig
+from .errors import InvalidValue
+
+# the processors and criteria `generate` builds from the options honoured here (by class name: they are what the
+# GenerationConfig's temperature, top_k, top_p, max_length and eos_token_id turn into)
+KNOWN_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
+KNOWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
+
+
+def decoding(head, tree: str = "auto", tokenizer=None, **options):
+    """A decoding method for `model.generate(custom_generate=...)` drafting with `head` (a loaded DraftHead) as a
+    `tree` ("auto", "eagle2", "optimal", ...); `tokenizer`: the target's, where the model's generation config does
+    not name its end-of-sequence ids; `options`: further `DecodeConfig` options (budget, depth, copy, ...)."""
+
+    def method(
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
+        check_generation(generation_config, logits_processor, stopping_criteria, streamer, input_ids.shape[0])
+        prompts = unpadded_prompts(input_ids, model_kwargs.get("attention_mask"))
+        config = DecodeConfig.from_options(
+            tree=tree,
+            max_new_tokens=new_tokens(generation_config, input_ids),
+            stop=eos_ids(generation_config),
+            **sampling(generation_config),
+            **options,
+        )
+        decoder = Decoder(model, tokenizer, head, config)
+        if len(prompts) == 1:
+            answers = [one_answer(decoder, prompts[0], streamer, input_ids)]
+        else:
+            answers = [r.token_ids for r in decoder.generate_batch(prompts, batch_size=len(prompts))]
+        return generate_output(input_ids, answers, generation_config)
+
+    return method
+
+
+def check_generation(config, processors, criteria, streamer, rows: int) -> None:
+    """InvalidValue naming the first option `decoding` cannot honour losslessly."""
+    if getattr(config, "num_beams", 1) not in (None, 1):
+        raise InvalidValue(f"num_beams={config.num_beams}: beam search is not supported by eagletree's decoding")
+    if getattr(config, "num_return_sequences", 1) not in (None, 1):
+        raise InvalidValue(
+            f"num_return_sequences={config.num_return_sequences}: eagletree's decoding returns one sequence a prompt"
+        )
+    other = [type(p).__name__ for p in processors or () if type(p).__name__ not in KNOWN_PROCESSORS]
+    if other:
+        raise InvalidValue(
+            f"logits processor {other[0]} is not supported by eagletree's decoding (it keeps the target's "
+            "distribution: temperature, top_k and top_p only)"
+        )
+    stops = [type(c).__name__ for c in criteria or () if type(c).__name__ not in KNOWN_CRITERIA]
+    if stops:
+        raise InvalidValue(
+            f"stopping criterion {stops[0]} is not supported by eagletree's decoding (max_new_tokens, max_length "
+            "and eos_token_id are)"
+        )
+    if streamer is not None and rows > 1:
+        raise InvalidValue(f"a streamer streams one prompt; got a batch of {rows}")
+
+
+def unpadded_prompts(input_ids: torch.Tensor, attention_mask) -> list[list[int]]:
+    """Each row's prompt ids without its padding (left or right, as the mask says)."""
+    if attention_mask is None:
+        return [row.tolist() for row in input_ids]
+    return [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+
+
+def new_tokens(config, input_ids: torch.Tensor) -> int:
+    """The answer's length limit: max_new_tokens, else max_length less the (padded) prompt, as `generate` counts."""
+    return int(config.max_length - input_ids.shape[1]) if config.max_new_tokens is None else int(config.max_new_tokens)
+
+
+def eos_ids(config) -> list[int]:
+    eos = config.eos_token_id
+    return [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+
+
+def sampling(config) -> dict:
+    """DecodeConfig's sampling options from the GenerationConfig: greedy, or its temperature, top_k and top_p."""
+    if not config.do_sample:
+        return {"temperature": 0.0}
+    top_k = config.top_k if config.top_k else None
+    top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
+    return {"temperature": float(config.temperature or 1.0), "top_k": top_k, "top_p": top_p}
+
+
+def one_answer(decoder: Decoder, prompt: list[int], streamer, input_ids) -> list[int]:
+    """One prompt's answer through `steps`, each pass's tokens handed to the streamer as they are decoded."""
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    answer = []
+    for step in decoder.steps(prompt):
+        answer.extend(step.tokens)
+        if streamer is not None:
+            streamer.put(torch.tensor(step.tokens))
+    if streamer is not None:
+        streamer.end()
+    return answer
+
+
+def generate_output(input_ids: torch.Tensor, answers: list[list[int]], config):
+    """`generate`'s return value: the sequences [rows, prompt + longest answer] (shorter answers padded with the
+    pad token, else the first end-of-sequence id), or a GenerateDecoderOnlyOutput holding them."""
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos_ids(config) or [0])[0]
+    width = max((len(a) for a in answers), default=0)
+    new = torch.full((len(answers), width), int(pad), dtype=input_ids.dtype, device=input_ids.device)
+    for row, answer in enumerate(answers):
+        new[row, : len(answer)] = torch.tensor(answer, dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if not config.return_dict_in_generate:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return GenerateDecoderOnlyOutput(sequences=sequences)
