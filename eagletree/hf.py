@@ -36,26 +36,18 @@ def decoding(head, tree: str = "auto", tokenizer=None, **options):
     `tree` ("auto", "eagle2", "optimal", ...); `tokenizer`: the target's, where the model's generation config does
     not name its end-of-sequence ids; `options`: further `DecodeConfig` options (budget, depth, copy, ...)."""
 
-    def method(
-        model,
-        input_ids,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        synced_gpus=False,
-        streamer=None,
-        **model_kwargs,
-    ):
+    decoders: dict = {}  # the Decoder of the last (model, settings), reused by the next call with the same
+
+    def method(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, **kwargs):
         check_generation(generation_config, logits_processor, stopping_criteria, streamer, input_ids.shape[0])
-        prompts = unpadded_prompts(input_ids, model_kwargs.get("attention_mask"))
-        config = DecodeConfig.from_options(
-            tree=tree,
-            max_new_tokens=new_tokens(generation_config, input_ids),
-            stop=eos_ids(generation_config),
-            **sampling(generation_config),
-            **options,
-        )
-        decoder = Decoder(model, tokenizer, head, config)
+        prompts = unpadded_prompts(input_ids, kwargs.get("attention_mask"))
+        limits = {"max_new_tokens": new_tokens(generation_config, input_ids), "stop": eos_ids(generation_config)}
+        config = DecodeConfig.from_options(tree=tree, **limits, **sampling(generation_config), **options)
+        key = (id(model), config)
+        if key not in decoders:  # built once per model and settings: its drafter, kernels and profile kept
+            decoders.clear()
+            decoders[key] = Decoder(model, tokenizer, head, config)
+        decoder = decoders[key]
         if len(prompts) == 1:
             answers = [one_answer(decoder, prompts[0], streamer, input_ids)]
         else:
