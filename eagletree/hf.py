@@ -11,10 +11,11 @@ answer, rows that finished early padded with `pad_token_id`), or a `GenerateDeco
 `return_dict_in_generate=True`.
 
 Lossless means the target's own distribution: greedy, or sampling under temperature, top-k and top-p, stopping at
-the end-of-sequence ids and max_new_tokens / max_length. Whatever else would change the distribution or the stop
-(another logits processor: a repetition penalty, min_p, a bad-words list, ...; beams; several sequences per prompt;
-stopping criteria other than length and end-of-sequence, stop strings included) is refused with one line naming the
-option, never ignored; so is a streamer with several prompts (as transformers refuses it).
+the end-of-sequence ids and max_new_tokens / max_length, and at any other stopping criterion (stop strings, the
+user's own), asked after every token of the row as `generate` would show it. Whatever else would change the
+distribution or the stop (another logits processor: a repetition penalty, min_p, a bad-words list, ...; beams;
+several sequences per prompt; max_time) is refused with one line naming the option, never ignored; so is a streamer
+with several prompts (as transformers refuses it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .errors import InvalidValue
 # the processors and criteria `generate` builds from the options honoured here (by class name: they are what the
 # GenerationConfig's temperature, top_k, top_p, max_length and eos_token_id turn into)
 KNOWN_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
-KNOWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
+KNOWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}  # the Decoder stops there itself
+UNTIMEABLE = {"MaxTimeCriteria"}  # every other criterion is asked token by token (`stop_point`)
 
 
 def decoding(head, tree: str = "auto", tokenizer=None, **options):
@@ -48,10 +50,12 @@ def decoding(head, tree: str = "auto", tokenizer=None, **options):
             decoders.clear()
             decoders[key] = Decoder(model, tokenizer, head, config)
         decoder = decoders[key]
+        others = [c for c in stopping_criteria or () if type(c).__name__ not in KNOWN_CRITERIA]
         if len(prompts) == 1:
-            answers = [one_answer(decoder, prompts[0], streamer, input_ids)]
+            answers = [one_answer(decoder, prompts[0], streamer, input_ids, others)]
         else:
             answers = [r.token_ids for r in decoder.generate_batch(prompts, batch_size=len(prompts))]
+            answers = [cut_at_stop(others, input_ids[row], answer) for row, answer in enumerate(answers)]
         return generate_output(input_ids, answers, generation_config)
 
     return method
@@ -71,11 +75,11 @@ def check_generation(config, processors, criteria, streamer, rows: int) -> None:
             f"logits processor {other[0]} is not supported by eagletree's decoding (it keeps the target's "
             "distribution: temperature, top_k and top_p only)"
         )
-    stops = [type(c).__name__ for c in criteria or () if type(c).__name__ not in KNOWN_CRITERIA]
-    if stops:
+    timed = [type(c).__name__ for c in criteria or () if type(c).__name__ in UNTIMEABLE]
+    if timed:
         raise InvalidValue(
-            f"stopping criterion {stops[0]} is not supported by eagletree's decoding (max_new_tokens, max_length "
-            "and eos_token_id are)"
+            f"stopping criterion {timed[0]} (max_time) is not supported by eagletree's decoding: it stops where a "
+            "clock says, not where the tokens do"
         )
     if streamer is not None and rows > 1:
         raise InvalidValue(f"a streamer streams one prompt; got a batch of {rows}")
@@ -107,18 +111,40 @@ def sampling(config) -> dict:
     return {"temperature": float(config.temperature or 1.0), "top_k": top_k, "top_p": top_p}
 
 
-def one_answer(decoder: Decoder, prompt: list[int], streamer, input_ids) -> list[int]:
-    """One prompt's answer through `steps`, each pass's tokens handed to the streamer as they are decoded."""
+def one_answer(decoder: Decoder, prompt: list[int], streamer, input_ids, criteria=()) -> list[int]:
+    """One prompt's answer through `steps`, each pass's tokens handed to the streamer as they are decoded, ending at
+    the first token after which one of `criteria` stops it (`stop_point`)."""
     if streamer is not None:
         streamer.put(input_ids.cpu())
     answer = []
     for step in decoder.steps(prompt):
-        answer.extend(step.tokens)
+        kept, stopped = stop_point(criteria, input_ids[0], answer + list(step.tokens), start=len(answer))
+        new = kept[len(answer) :]
+        answer.extend(new)
         if streamer is not None:
-            streamer.put(torch.tensor(step.tokens))
+            streamer.put(torch.tensor(new))
+        if stopped:
+            break
     if streamer is not None:
         streamer.end()
     return answer
+
+
+def stop_point(criteria, prompt: torch.Tensor, answer: list[int], start: int = 0) -> tuple[list[int], bool]:
+    """(`answer` up to and including its first token from `start` on after which one of the stopping `criteria` is
+    met on the row as `generate` shows it, its padded prompt then the answer so far; whether one was): where
+    `generate` would have stopped that row. Tokens decoded past it are dropped; those before it are the ones
+    `generate` draws."""
+    for k in range(start, len(answer)):
+        row = torch.cat([prompt, torch.tensor(answer[: k + 1], dtype=prompt.dtype, device=prompt.device)])[None]
+        if any(bool(torch.as_tensor(c(row, None)).any()) for c in criteria):
+            return answer[: k + 1], True
+    return answer, False
+
+
+def cut_at_stop(criteria, prompt: torch.Tensor, answer: list[int]) -> list[int]:
+    """A whole answer cut where the stopping `criteria` stop it (`stop_point`)."""
+    return stop_point(criteria, prompt, answer)[0]
 
 
 def generate_output(input_ids: torch.Tensor, answers: list[list[int]], config):

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagletree import hf
 from eagletree.draft import EagleHead
 from eagletree.errors import InvalidValue
 
-from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_model
+from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_model, tiny_tokenizer
 
 EOS, PAD = 35, 0  # (the tiny model repeats token 35 in the first prompt's answer: it ends there)
 
@@ -105,9 +105,45 @@ def test_sampled_generate_keeps_the_target_s_distribution():
     assert chi_square_p(pairs.sum(1), p1) > 0.01
 
 
-class Never(StoppingCriteria):
+class AfterToken(StoppingCriteria):
+    """A user's criterion: stop a row once it ends in `token`."""
+
+    def __init__(self, token: int):
+        self.token = token
+
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return input_ids[:, -1] == self.token
+
+
+def test_other_stopping_criteria_and_stop_strings_stop_where_generate_stops(model_and_head):
+    model, head = model_and_head
+    tok = tiny_tokenizer()  # (generate asks for one with stop strings only)
+    prompts = [[7, 8, 9], [4, 9, 16, 5, 6]]
+    ids = torch.tensor([[PAD, PAD] + prompts[0], prompts[1]])
+    mask = (ids != PAD).long()
+    method = hf.decoding(head, tree="eagle2")
+    for options in ({"stopping_criteria": StoppingCriteriaList([AfterToken(93)])},):
+        for batch in ({"input_ids": ids[1:]}, {"input_ids": ids, "attention_mask": mask}):
+            want = model.generate(**batch, max_new_tokens=20, do_sample=False, tokenizer=tok, **options)
+            got = model.generate(
+                **batch, max_new_tokens=20, do_sample=False, tokenizer=tok, custom_generate=method, **options
+            )
+            assert torch.equal(got, want), options
+    answer = want[1, ids.shape[1] :].tolist()  # the criterion ended the batch's second row at 93, padded after
+    assert answer[: answer.index(93) + 1] == [78, 34, 87, 93] and set(answer[answer.index(93) + 1 :]) <= {PAD}
+
+
+def test_on_smollm2_stop_strings_stop_where_generate_stops(smollm2, shipped_head):
+    """(transformers' StopStringCriteria needs a real tokenizer: the tiny word-level one breaks it)"""
+    model, tok = smollm2
+    messages = [{"role": "user", "content": "List three rivers, one per line."}]
+    batch = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    # (transformers 5.25 hands a callable no tokenizer, so `stop_strings=` cannot reach it; the criterion can)
+    stop = StoppingCriteriaList([StopStringCriteria(tok, ["\n"])])
+    options = dict(max_new_tokens=48, do_sample=False, stopping_criteria=stop)
+    want = model.generate(**batch, **options)
+    got = model.generate(**batch, custom_generate=hf.decoding(shipped_head), **options)
+    assert torch.equal(got, want) and want.shape[1] < batch["input_ids"].shape[1] + 48
 
 
 @pytest.mark.parametrize(
@@ -117,7 +153,7 @@ class Never(StoppingCriteria):
         ({"repetition_penalty": 1.3}, r"logits processor RepetitionPenaltyLogitsProcessor is not supported"),
         ({"do_sample": True, "min_p": 0.1}, r"logits processor MinPLogitsWarper is not supported"),
         ({"num_return_sequences": 2, "do_sample": True}, r"num_return_sequences=2: .* one sequence a prompt"),
-        ({"stopping_criteria": StoppingCriteriaList([Never()])}, r"stopping criterion Never is not supported"),
+        ({"max_time": 5.0}, r"stopping criterion MaxTimeCriteria \(max_time\) is not supported"),
     ],
 )
 def test_what_it_cannot_honour_is_refused_in_one_line(model_and_head, options, message):
