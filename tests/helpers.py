@@ -238,3 +238,17 @@ def mark_gguf_source(folder, gguf_path) -> None:
     from pathlib import Path
 
     (Path(folder) / "eagletree-cache.json").write_text(json.dumps({"source": str(gguf_path)}))
+
+
+def small_block_head(model, dtype=torch.float32, **kwargs):
+    """A random block head (`DFlashHead.for_target(model, **kwargs)`) whose Linears are scaled down (at the init
+    scale its logits saturate), in `dtype`."""
+    from eagletree.draft import DFlashHead
+
+    torch.manual_seed(0)
+    head = DFlashHead.for_target(model, **kwargs).eval()
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(0.5)
+    return head.to(dtype)

@@ -15,18 +15,15 @@ from eagletree.draft.objectives import block_anchors, block_weights
 from eagletree.train.config import TrainConfig, TrainingError
 from eagletree.train.loop import train
 
-from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_conversations, tiny_model, tiny_tokenizer
-
-
-def small_head(model, **kwargs) -> DFlashHead:
-    """A random block head whose Linears are scaled down (at the init scale its logits saturate)."""
-    torch.manual_seed(0)
-    head = DFlashHead.for_target(model, **kwargs).eval()
-    with torch.no_grad():
-        for module in head.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.mul_(0.5)
-    return head
+from helpers import (
+    chi_square_p,
+    eight_token_model,
+    first_two_probs,
+    small_block_head,
+    tiny_conversations,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 
 def test_context_layers_follow_the_anchors_rule():
@@ -43,7 +40,7 @@ def test_the_drafter_commits_in_pieces_and_batches_what_training_computes_at_onc
     """A block drafted after committing positions in pieces (one row or several in one call) equals the
     training forward's block at the same anchor, where every anchor's block is computed in one call."""
     model = tiny
-    head = small_head(model)
+    head = small_block_head(model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (24,), generator=g)
     h = head.config.hidden_size
@@ -72,7 +69,7 @@ def test_the_drafter_commits_in_pieces_and_batches_what_training_computes_at_onc
 
 def test_blocks_trained_together_see_only_their_own_block_and_the_context_before_it():
     model = tiny_model("llama")
-    head = small_head(model, block_size=4)
+    head = small_block_head(model, block_size=4)
     ids = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
     layers = head.feature_spec.training_features(model, ids)[:, head.config.hidden_size :]
     embed = model.get_input_embeddings()
@@ -155,7 +152,7 @@ def test_block_head_keys_are_checked_and_other_heads_refuse_them(tmp_path):
 @pytest.mark.parametrize("tree", ["eagle2", "optimal", "auto", "chain"])
 def test_block_trees_are_lossless_with_every_search_and_copies(tree):
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    head = small_head(model, block_size=5)
+    head = small_block_head(model, block_size=5)
     prompts = [[4, 9, 16, 25, 36], [5, 6, 5, 6, 5, 6, 5], [7]]
     plain = Decoder(model, tok, None, DecodeConfig.from_options(max_new_tokens=20, copy=False))
     want = [r.token_ids for r in plain.generate_batch(prompts)]
@@ -238,7 +235,7 @@ def test_auto_charges_a_block_heads_one_call_a_step_as_timed():
 
     model = tiny_model("llama")
     block = make_searcher("auto", profile=LatencyProfile([1, 64], [0.01, 0.012]))
-    block.set_drafting(small_head(model).drafting)
+    block.set_drafting(small_block_head(model).drafting)
     block.start()
     assert block.times_step_calls and block.catch_up_s is None
     block.observe_catch_up(0.004)
@@ -283,7 +280,7 @@ def test_the_dflash_export_is_a_qwen3_drafter_checkpoint_and_imports_back(tmp_pa
 def test_a_batch_drafts_with_one_block_call_a_step(monkeypatch):
     """Three sequences decoded together: the head runs its block once per pass for all of them (never per row)."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    head = small_head(model, block_size=4)
+    head = small_block_head(model, block_size=4)
     calls = []
     probs = BlockDrafter._probs  # once per head call: the blocks' distributions
     monkeypatch.setattr(BlockDrafter, "_probs", lambda self, out: calls.append(out.shape[0]) or probs(self, out))

@@ -5,23 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagletree.draft import DFlashHead
 from eagletree.draft.block_drafter import BlockDrafter
 from eagletree.draft.lean_block import HeadBlock, LeanBlock, lean_block
 from eagletree.packing import is_packed, pack_linears, packing_problem
 
-from helpers import tiny_model
-
-
-def small_head(model, dtype=torch.float32) -> DFlashHead:
-    """A random block head of blocks of 4 whose Linears are scaled down (at the init scale its logits saturate)."""
-    torch.manual_seed(0)
-    head = DFlashHead.for_target(model, block_size=4).eval()
-    with torch.no_grad():
-        for module in head.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.mul_(0.5)
-    return head.to(dtype)
+from helpers import small_block_head, tiny_model
 
 
 def drive(drafter: BlockDrafter, seed: int = 0) -> list[torch.Tensor]:
@@ -40,7 +28,7 @@ def drive(drafter: BlockDrafter, seed: int = 0) -> list[torch.Tensor]:
 
 def test_the_lean_call_drafts_what_the_head_s_own_modules_draft():
     model = tiny_model("llama")
-    head = small_head(model)
+    head = small_block_head(model, block_size=4)
     lean, own = BlockDrafter(head, model), BlockDrafter(head, model, lean=False)
     assert isinstance(lean.block, LeanBlock) and isinstance(own.block, HeadBlock)
     for a, b in zip(drive(lean), drive(own)):
@@ -49,7 +37,7 @@ def test_the_lean_call_drafts_what_the_head_s_own_modules_draft():
 
 def test_a_packed_target_makes_the_lean_call_packed_with_the_same_drafts():
     model = tiny_model("llama")
-    head = small_head(model)
+    head = small_block_head(model, block_size=4)
     want = drive(BlockDrafter(head, model, lean=False))
     pack_linears(model)
     drafter = BlockDrafter(head, model)
@@ -64,7 +52,7 @@ def test_in_bf16_the_lean_call_drafts_the_same_top_tokens():
     """bf16 drafts are not bit-exact either way (the lean call attends in fp32): the distributions stay close and
     the top token is the same wherever the head's own top two are not a near tie."""
     model = tiny_model("llama")
-    head = small_head(model, torch.bfloat16)
+    head = small_block_head(model, torch.bfloat16, block_size=4)
     want = drive(BlockDrafter(head, model, lean=False))
     pack_linears(model)
     drafter = BlockDrafter(head, model)
@@ -78,7 +66,7 @@ def test_in_bf16_the_lean_call_drafts_the_same_top_tokens():
 
 def test_a_head_the_lean_call_does_not_reproduce_keeps_its_own_modules():
     model = tiny_model("llama")
-    head = small_head(model)
+    head = small_block_head(model, block_size=4)
     layer = head.layers[1]
     own_forward = layer.forward
     layer.forward = lambda x, *args: own_forward(x, *args) + 1.0  # a layer the lean call does not compute

@@ -9,11 +9,11 @@ import torch
 from eagletree import serve
 from eagletree.decode import Decoder
 from eagletree.decode.config import CopyOptions, DecodeConfig
-from eagletree.draft import DFlashHead, EagleHead
+from eagletree.draft import EagleHead
 from eagletree.errors import InvalidValue
 from eagletree.plan_llamacpp import Chain, LlamaCosts, choose, options, own_chains, plan_llamacpp, read_costs, simulate
 
-from helpers import tiny_model, tiny_tokenizer
+from helpers import small_block_head, tiny_model, tiny_tokenizer
 
 # one answer of 6 tokens; the chain at position t drafts token t on (position 0's comes from the prefill)
 ANSWER = [
@@ -45,23 +45,13 @@ def test_simulate_replays_llamacpps_schedule(k, p_min, per_draft, n_predict, exp
     assert simulate([ANSWER], k, p_min, per_draft, n_predict) == {"tokens": 6, **expected}
 
 
-def small_block_head(model) -> DFlashHead:
-    torch.manual_seed(0)
-    head = DFlashHead.for_target(model, block_size=4).eval()
-    with torch.no_grad():
-        for module in head.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.mul_(0.5)
-    return head
-
-
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_own_chains_are_what_the_decoders_chain_drafts_and_accepts(kind):
     """At every position where eagletree's chain decoding starts a pass, the own chain's tokens are the pass's drafts
     and its matched count (capped at k) is what the pass accepts; probabilities are the drafts' top ones."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     torch.manual_seed(0)
-    head = EagleHead.for_target(model.config).eval() if kind == "eagle" else small_block_head(model)
+    head = EagleHead.for_target(model.config).eval() if kind == "eagle" else small_block_head(model, block_size=4)
     k = 3
     prompts = [torch.tensor([5, 9, 11, 3]), torch.tensor([7, 2, 40])]
     chains = own_chains(model, tok, head, prompts, max_new_tokens=12, depth=k, progress=False)

@@ -12,18 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidValue
-from ..packing import (
-    apply_choice,
-    draft_kernel_choice,
-    is_packed,
-    pack_linears,
-    packed_linear,
-    packed_weight,
-    packing_problem,
-)
 from .base import HeadError
 from .batch_drafter import RowView, SoftmaxRows
-from .drafter import sliced_lm_head
+from .drafter import draft_kernels, lm_probs, sliced_lm_head
 from .lean_block import HeadBlock, lean_block
 
 
@@ -35,13 +26,7 @@ class BlockDrafter:
         self.embed = target_model.get_input_embeddings()
         self.dtype = next(head.parameters()).dtype
         self.lm_weight, self.lm_bias = sliced_lm_head(head, target_model, self.dtype)
-        self.lm_packed, self.kernel_choice = None, None
-        if is_packed(target_model) and not packing_problem(head):  # (as `TreeDrafter`: the target's kernels)
-            if not is_packed(head):
-                pack_linears(head)
-            self.kernel_choice = draft_kernel_choice(head, target_model, self.lm_weight, self.lm_bias)
-            apply_choice(head, self.kernel_choice)
-            self.lm_packed = packed_weight(head, self.lm_weight)
+        self.lm_packed, self.kernel_choice = draft_kernels(head, target_model, self.lm_weight, self.lm_bias)
         # the call as fused tensor operations where it reproduces the head's own (`lean_block`)
         packs = self.lm_packed is not None
         self.block = (lean and lean_block(head, self.embed, packs, self.kernel_choice)) or HeadBlock(head)
@@ -175,12 +160,8 @@ class BlockDrafter:
 
     def _probs(self, out: torch.Tensor) -> torch.Tensor:
         """The blocks' outputs [R, k-1, H] -> their distributions over the draft vocabulary [R, k-1, V']."""
-        hidden = out.to(self.lm_weight.dtype).reshape(-1, out.shape[-1])
-        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.packs(hidden)):
-            logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
-        else:
-            logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
-        return torch.softmax(logits.float(), dim=-1).view(*out.shape[:2], -1)
+        rows = out.reshape(-1, out.shape[-1])
+        return lm_probs(rows, self.lm_weight, self.lm_bias, self.lm_packed, self.kernel_choice).view(*out.shape[:2], -1)
 
     def _positions(self, row: int, m: int, given) -> torch.Tensor:
         """Row's [m] new positions: `given` (checked: ascending from its next position on) or the next m."""

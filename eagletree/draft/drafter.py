@@ -66,6 +66,30 @@ def sliced_lm_head(head, target_model, dtype=None):
     return cached[1], cached[2]
 
 
+def draft_kernels(head, target_model, lm_weight, lm_bias) -> tuple:
+    """(the lm_head slice packed or None, the kernel choice or None) a drafter runs with: where the target runs
+    oneDNN-packed kernels (--pack; never inside stock_kernels(target)), so does the head (its Linears packed here),
+    at the row counts where the target's measured choice (--pack auto) found them faster (its layer has the
+    target's layer shapes), or, drafting in another precision, where its own measured choice did."""
+    if not is_packed(target_model) or packing_problem(head):
+        return None, None
+    if not is_packed(head):
+        pack_linears(head)
+    choice = draft_kernel_choice(head, target_model, lm_weight, lm_bias)
+    apply_choice(head, choice)
+    return (None if lm_weight is None else packed_weight(head, lm_weight)), choice
+
+
+def lm_probs(hidden: torch.Tensor, lm_weight, lm_bias, lm_packed, choice) -> torch.Tensor:
+    """[..., H] features -> [..., V'] draft distributions through the lm_head slice (packed where `choice` packs)."""
+    hidden = hidden.to(lm_weight.dtype)
+    if lm_packed is not None and (choice is None or choice.packs(hidden)):
+        logits = packed_linear(hidden, lm_packed, lm_bias)
+    else:
+        logits = torch.nn.functional.linear(hidden, lm_weight, lm_bias)
+    return torch.softmax(logits.float(), dim=-1)
+
+
 class TreeDrafter:
     """The `Drafter` of EAGLE-1/2 and EAGLE-3 heads: one head call per level for the whole frontier."""
 
@@ -80,17 +104,7 @@ class TreeDrafter:
         self.lm_weight, self.lm_bias = (
             (None, None) if self.own_lm_head else sliced_lm_head(head, target_model, self.dtype)
         )
-        self.lm_packed, self.kernel_choice = None, None
-        if is_packed(target_model) and not packing_problem(head):  # (never inside stock_kernels(target))
-            # The target runs oneDNN-packed kernels (--pack): so does the drafter, at the row counts where the
-            # target's measured choice (--pack auto) found them faster (its layer has the target's layer shapes),
-            # or, drafting in another precision, where its own measured choice did.
-            if not is_packed(head):
-                pack_linears(head)
-            self.kernel_choice = draft_kernel_choice(head, target_model, self.lm_weight, self.lm_bias)
-            apply_choice(head, self.kernel_choice)
-            if self.lm_weight is not None:
-                self.lm_packed = packed_weight(head, self.lm_weight)
+        self.lm_packed, self.kernel_choice = draft_kernels(head, target_model, self.lm_weight, self.lm_bias)
         self.token_map = None if full else head.d2t  # draft id -> target id, for the search
         # On CPU each level's rows read the cached grouped key/value heads in place (bitwise the same outputs).
         use_gqa_sdpa_layer(head.layer, head.layer_config)
@@ -102,12 +116,7 @@ class TreeDrafter:
         """[..., H] predicted features -> [..., V'] draft distributions (through the target's lm_head)."""
         if self.own_lm_head:
             return torch.softmax(self.head.draft_logits(hidden).float(), dim=-1)
-        hidden = hidden.to(self.lm_weight.dtype)
-        if self.lm_packed is not None and (self.kernel_choice is None or self.kernel_choice.packs(hidden)):
-            logits = packed_linear(hidden, self.lm_packed, self.lm_bias)
-        else:
-            logits = torch.nn.functional.linear(hidden, self.lm_weight, self.lm_bias)
-        return torch.softmax(logits.float(), dim=-1)
+        return lm_probs(hidden, self.lm_weight, self.lm_bias, self.lm_packed, self.kernel_choice)
 
     def _truncate(self, length: int) -> None:
         for layer in self.cache.layers:
