@@ -16,14 +16,25 @@ user's own), asked after every token of the row as `generate` would show it. Wha
 distribution or the stop (another logits processor: a repetition penalty, min_p, a bad-words list, ...; beams;
 several sequences per prompt; max_time) is refused with one line naming the option, never ignored; so is a streamer
 with several prompts (as transformers refuses it).
+
+transformers 5.x hands a callable neither the streamer nor the tokenizer (so `stop_strings=` cannot reach it). A
+folder that `eagletree export --format hf-generate` writes, `model.generate(**inputs, custom_generate=FOLDER,
+trust_remote_code=True)`, runs `folder_generate` instead, which gets every argument of `generate`: it turns stop
+strings into their stopping criterion, hands the streamer to the method and calls `generate` with it.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
 
 import torch
 
 from .decode import Decoder
 from .decode.config import DecodeConfig
+from .draft import HeadError
 from .errors import InvalidValue
 
 # the processors and criteria `generate` builds from the options honoured here (by class name: they are what the
@@ -161,3 +172,72 @@ def generate_output(input_ids: torch.Tensor, answers: list[list[int]], config):
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     return GenerateDecoderOnlyOutput(sequences=sequences)
+
+
+_FOLDER_METHODS: dict = {}  # (head folder and its files' times, tree, options, device) -> the decoding method
+
+
+def folder_generate(model, export: dict, **kwargs):
+    """`generate` as an hf-generate export's generate.py runs it: `kwargs` are all of `generate`'s arguments, plus
+    eagletree_head (a head folder to draft with instead of the export's) and eagletree_tree (how trees are searched).
+    The streamer goes to the decoding method, stop strings become a StopStringCriteria with the tokenizer."""
+    from transformers import GenerationMixin
+
+    head = Path(kwargs.pop("eagletree_head", None) or exported_head(export))
+    tree = kwargs.pop("eagletree_tree", None) or export.get("tree", "auto")
+    streamer, tokenizer = kwargs.pop("streamer", None), kwargs.pop("tokenizer", None)
+    kwargs = stop_strings_as_criteria(model, kwargs, tokenizer)
+    method = folder_method(model, head, tree, tokenizer, export.get("options", {}))
+    return GenerationMixin.generate(model, custom_generate=functools.partial(method, streamer=streamer), **kwargs)
+
+
+def exported_head(export: dict) -> Path:
+    """The export's head: in the folder it was written to, else fetched from the Hub repository it names; HeadError
+    saying what to pass when it is neither."""
+    local = Path(export["folder"]) / export["head"]
+    if (local / "config.json").is_file():
+        return local
+    if export.get("hub_repo"):
+        from huggingface_hub import snapshot_download
+
+        fetched = snapshot_download(export["hub_repo"], allow_patterns=[f"{export['head']}/*"])
+        return Path(fetched) / export["head"]
+    raise HeadError(
+        f"the head of this custom_generate export is not at {str(local)!r} (the folder moved, and it names no Hub "
+        "repository): pass eagletree_head=PATH to generate, or export again with --hub-repo"
+    )
+
+
+def stop_strings_as_criteria(model, kwargs: dict, tokenizer) -> dict:
+    """`kwargs` with the stop strings (an argument, or the generation config's) as one more stopping criterion, and
+    none left where `generate` would build the criterion itself (it cannot: a callable gets no tokenizer)."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    config = kwargs.get("generation_config") or model.generation_config
+    strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if not strings:
+        return kwargs
+    if tokenizer is None:
+        raise InvalidValue(f"stop_strings={strings!r} needs the tokenizer: pass tokenizer= to generate as well")
+    if getattr(config, "stop_strings", None):
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        kwargs["generation_config"] = config
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer, strings))
+    return {**kwargs, "stopping_criteria": criteria}
+
+
+def folder_method(model, head_dir: Path, tree: str, tokenizer, options: dict):
+    """The decoding method for this head folder and settings, built once (the head loaded onto the model's device,
+    the Decoder kept by the method) and rebuilt when the head's files change."""
+    from .loading import load_head
+
+    files = [head_dir / name for name in ("config.json", "model.safetensors")]
+    stamp = tuple(path.stat().st_mtime_ns if path.is_file() else None for path in files)
+    key = (str(head_dir.resolve()), stamp, tree, json.dumps(options, sort_keys=True), str(model.device))
+    if key not in _FOLDER_METHODS:
+        _FOLDER_METHODS.clear()
+        head = load_head(head_dir, model.config, device=model.device).eval()
+        _FOLDER_METHODS[key] = decoding(head, tree, tokenizer, **options)
+    return _FOLDER_METHODS[key]

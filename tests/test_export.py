@@ -469,10 +469,12 @@ def test_each_head_type_is_refused_the_other_types_formats_in_one_line(tmp_path,
 
     model = saved_target
     eagle3 = Eagle3Head.for_target(model).eval()
-    refused = r"^format 'speculators' takes EAGLE-3 and block \(DFlash\) heads .* 'eagle', 'vllm', 'sglang'$"
+    refused = (
+        r"^format 'speculators' takes EAGLE-3 and block \(DFlash\) heads .* 'eagle', 'vllm', 'sglang', 'hf-generate'$"
+    )
     with pytest.raises(HeadError, match=refused):
         export_head(eagle_head(model), tmp_path / "a", "speculators", target=model)
-    exports = r"^an EAGLE-3 head exports as 'eagle3', 'vllm', 'speculators', 'gguf', not 'sglang'"
+    exports = r"^an EAGLE-3 head exports as 'eagle3', 'vllm', 'speculators', 'gguf', 'hf-generate', not 'sglang'"
     with pytest.raises(HeadError, match=exports):
         export_head(eagle3, tmp_path / "b", "sglang", target=model)
     with pytest.raises(HeadError, match="names its verifier"):

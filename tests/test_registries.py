@@ -48,7 +48,8 @@ IDS = [f"{name}-{'+'.join(layout.heads)}" for name, layout in LAYOUTS]
 
 
 def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_the_heads_type(target):
-    assert set(export.format_names()) == {"eagle", "eagle3", "vllm", "sglang", "speculators", "dflash", "gguf"}
+    names = {"eagle", "eagle3", "vllm", "sglang", "speculators", "dflash", "gguf", "hf-generate"}
+    assert set(export.format_names()) == names
     taken = {}
     for name, layout in LAYOUTS:
         assert isinstance(layout, Layout) and layout.format == name and layout.heads and layout.kind
@@ -56,9 +57,10 @@ def test_every_format_declares_its_heads_and_the_registry_picks_the_layout_by_th
             taken.setdefault(head_type, []).append(name)
             assert export.layout_for(name, make_head(head_type, target)) is layout
     assert taken == {
-        "eagle": ["eagle", "vllm", "sglang"],
-        "eagle3": ["eagle3", "vllm", "speculators", "gguf"],
-        "dflash": ["speculators", "dflash", "gguf"],
+        "eagle": ["eagle", "vllm", "sglang", "hf-generate"],
+        "eagle3": ["eagle3", "vllm", "speculators", "gguf", "hf-generate"],
+        "dflash": ["speculators", "dflash", "gguf", "hf-generate"],
+        "medusa": ["hf-generate"],  # every head eagletree decodes with runs inside `generate`
     }
     # "vllm" is two layouts, one per kind of head
     vllm = export.format_layouts("vllm")
@@ -98,7 +100,7 @@ def test_a_format_refuses_a_head_it_does_not_take_in_one_line(tmp_path, target, 
     message = str(refused.value)
     assert "\n" not in message and f"{name!r}" in message, message
     takers = export.formats_taking(head_type)
-    kind = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "'medusa'", "dflash": "'dflash'"}[head_type]
+    kind = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "dflash": "DFlash"}[head_type]
     assert kind in message and ", ".join(repr(f) for f in takers or export.format_names()) in message, message
     assert not (tmp_path / "out").exists()
 

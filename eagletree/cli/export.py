@@ -18,7 +18,8 @@ def add_export_parsers(sub) -> None:
         choices=format_names(),
         help="EAGLE-1/2 heads: eagle, vllm or sglang; EAGLE-3 heads: eagle3 (SGLang, EAGLE), vllm "
         '(speculative_config method "eagle3") or speculators (vLLM starts it alone, LLM(model=OUT); its config '
-        "names the --target folder as the verifier vLLM loads)",
+        "names the --target folder as the verifier vLLM loads); every head: hf-generate (a folder for "
+        "model.generate(custom_generate=OUT, trust_remote_code=True))",
     )
     p.add_argument("--out", required=True, help="a new or empty folder (never the head's own)")
     p.add_argument(
@@ -29,6 +30,12 @@ def add_export_parsers(sub) -> None:
         "of its files",
     )
     p.add_argument("--dtype", default="bf16", choices=list(EXPORT_DTYPES))
+    p.add_argument(
+        "--hub-repo",
+        default=None,
+        help="hf-generate: the Hub repository (OWNER/NAME) the folder will be pushed to, where generate.py fetches "
+        "the head from when the folder is not on the machine",
+    )
     p.add_argument(
         "--target",
         default="smollm2-135m",
@@ -62,12 +69,12 @@ def cmd_export(args) -> int:
 
     check_output_dir(Path(args.out), args.overwrite, sources=[args.head])  # before the head is read
     head = load_head(args.head)
-    layout = check_format(head, args.format)  # before the target loads
+    layout = check_format(head, args.format, args.hub_repo)  # before the target loads
     model = None
     if layout.needs_target:  # e.g. the target's embedding ("eagle3"), the verifier's folder ("speculators")
         model, _ = target.load_target(args.target, device="cpu")
     dtype = getattr(torch, EXPORT_DTYPES[args.dtype])
-    out = export_head(head, args.out, args.format, dtype, overwrite=args.overwrite, target=model)
+    out = export_head(head, args.out, args.format, dtype, args.overwrite, model, hub_repo=args.hub_repo)
     print(f"exported {args.head} as {args.format} ({args.dtype}) to {out}")
     for note in engine_notes(head, args.format, None if model is None else model.config):
         print(f"note: {note}")

@@ -1,6 +1,6 @@
 """Export formats: a head written in the layout EAGLE's code, vLLM or SGLang loads, and read back by `eagletree
 import`. One module per format (eagle.py, eagle3.py, vllm.py, speculators.py, sglang.py,
-dflash.py, gguf.py) declares the heads it
+dflash.py, gguf.py, hf_generate.py) declares the heads it
 takes, whether it needs the target, how it writes and how import recognizes its folders; `registry` finds them by
 name. A new format is its module and one `register` line below.
 
@@ -31,3 +31,4 @@ register("sglang")
 register("speculators")
 register("dflash")
 register("gguf")
+register("hf-generate", f"{__package__}.hf_generate")

@@ -12,15 +12,19 @@ from ..draft import DraftHead, HeadError
 from ..files import check_output_dir
 from ..search.copy import copy_calibration_names
 from .layout import Layout
-from .registry import layout_for, recognize
+from .registry import format_layouts, format_names, layout_for, recognize
 from .shared import read_export_config
 
 
-def check_format(head, fmt: str) -> Layout:
+def check_format(head, fmt: str, hub_repo: str | None = None) -> Layout:
     """The layout `fmt` writes `head` in; HeadError (one line, naming the formats the head takes) unless the format
-    takes the head and its engines load heads for the head's target. Loads nothing."""
+    takes the head and its engines load heads for the head's target, and names a Hub repository if given one.
+    Loads nothing."""
     layout = layout_for(fmt, head)
     layout.check(head)
+    if hub_repo is not None and not layout.names_hub_repo:
+        takers = [name for name in format_names() if any(lay.names_hub_repo for lay in format_layouts(name))]
+        raise HeadError(f"format {fmt!r} names no Hub repository (--hub-repo {hub_repo!r}); that is for {takers}")
     return layout
 
 
@@ -43,21 +47,23 @@ def export_head(
     overwrite: bool = False,
     target=None,
     speculative_tokens: int | None = None,
+    hub_repo: str | None = None,
 ) -> Path:
     """Write the export folder (config.json + model.safetensors, and a format's companion files) atomically.
 
     `out_dir` must be absent or empty unless `overwrite`, which replaces these files and keeps the
     folder's other files; it is never the head's own folder. `target` (the target model) is needed by a format
     whose layout `needs_target` ("eagle3" carries the target's embedding; "speculators" names the target's folder
-    as the verifier vLLM loads); `speculative_tokens` is the speculators config's chain length (default 3).
+    as the verifier vLLM loads); `speculative_tokens` is the speculators config's chain length (default 3);
+    `hub_repo` the Hub repository ("OWNER/NAME") a layout that names one will be pushed to ("hf-generate").
     """
-    layout = check_format(head, fmt)
+    layout = check_format(head, fmt, hub_repo)
     out = Path(out_dir)
     source = head.folder
     check_output_dir(out, overwrite, sources=[source] if source else [])
     if target is not None:
         head.check_target(target.config)
-    return layout.write(head, out, dtype, overwrite, target, speculative_tokens)
+    return layout.write(head, out, dtype, overwrite, target, speculative_tokens, hub_repo)
 
 
 def recognize_folder(folder) -> Layout:

@@ -116,7 +116,9 @@ class GGUFLayout(Layout):
     needs_target = True  # the tokenizer comes from the target's GGUF file
     target_types = ("llama", "qwen2", "qwen3", "mistral")
 
-    def write(self, head, out: Path, dtype, overwrite=False, target=None, speculative_tokens=None) -> Path:
+    def write(
+        self, head, out: Path, dtype, overwrite=False, target=None, speculative_tokens=None, hub_repo=None
+    ) -> Path:
         embedding = None if target is None else self.embedding(target)
         meta = self.config(head, dtype, target, speculative_tokens)
         return write_gguf(out, self.arch, meta, self.state(head, embedding), dtype, target, overwrite)

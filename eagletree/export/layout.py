@@ -31,6 +31,7 @@ class Layout:
     target_types: tuple[str, ...] = ("llama",)  # the target model_types its engines load heads for
     loaders = ""  # "the ... loaders take Llama-architecture heads": the refusal of another target
     stale: tuple[str, ...] = ()  # files an overwrite removes: another layout's, which would describe another head
+    names_hub_repo = False  # its files name the Hub repository they are pushed to (`hub_repo`)
 
     def check(self, head) -> None:
         """HeadError unless this layout's engines load heads for the head's target; loads nothing."""
@@ -66,9 +67,12 @@ class Layout:
         """The head in `folder`, for `target`: the target model where `imports_with_model`, else its config."""
         raise NotImplementedError(f"{type(self).__name__} does not define load()")
 
-    def write(self, head, out: Path, dtype: torch.dtype, overwrite=False, target=None, speculative_tokens=None) -> Path:
+    def write(
+        self, head, out: Path, dtype: torch.dtype, overwrite=False, target=None, speculative_tokens=None, hub_repo=None
+    ) -> Path:
         """Write the export folder atomically: built under a partial name, then published (`files.publish`) keeping
-        the folder's other files; with `overwrite` these files replace those there."""
+        the folder's other files; with `overwrite` these files replace those there. (`hub_repo`: for the layouts
+        that name the Hub repository they are pushed to.)"""
         embedding = None if target is None else self.embedding(target)
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.state(head, embedding).items()}
         config = self.config(head, dtype, target, speculative_tokens)
