@@ -1,18 +1,21 @@
 """`model.generate` with and without eagletree's trees (`custom_generate=eagletree.hf.decoding(head)`), side by side.
 
-    python benchmarks/hf_generate.py --prompts mtbench:16 --max-new-tokens 128 --batch-size 8 --rounds 2
+    python benchmarks/hf_generate.py --prompts mtbench:16 --max-new-tokens 128 --batch-size 8 --rounds 2 [--folder]
 
 The same model object and kernels (transformers' own: nothing packed), the same chat-templated prompts, greedy:
 per round, plain `generate` and `generate` with the trees one prompt at a time, then both on left-padded batches of
 --batch-size, alternating which goes first; prints tokens/s of each and the ratio, and checks the answers: with
 trees, one at a time, equal to plain one at a time (batched answers are compared with plain batched, whose left
-padding changes transformers' numerics at near-ties). Say which CPU it ran on; run it with nothing else running.
+padding changes transformers' numerics at near-ties). `--folder` also times the head exported as `hf-generate`
+(`custom_generate=FOLDER, trust_remote_code=True`: transformers loads generate.py at every call) one prompt at a
+time, in the same rotation. Say which CPU it ran on; run it with nothing else running.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -32,6 +35,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tree", default="auto")
+    ap.add_argument("--folder", action="store_true", help="also the hf-generate export folder, one prompt at a time")
     args = ap.parse_args(argv)
     for name in ("max_new_tokens", "batch_size", "rounds"):
         if getattr(args, name) < 1:
@@ -39,9 +43,8 @@ def parse_args(argv=None):
     return args
 
 
-def run(model, batches, max_new_tokens: int, method=None) -> tuple[float, list[list[int]]]:
-    """(seconds, each prompt's answer ids) of `generate` over the batches (plain where `method` is None)."""
-    extra = {} if method is None else {"custom_generate": method}
+def run(model, batches, max_new_tokens: int, extra: dict) -> tuple[float, list[list[int]]]:
+    """(seconds, each prompt's answer ids) of `generate` over the batches with the options `extra` (none: plain)."""
     answers, start = [], time.perf_counter()
     for batch in batches:
         out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, **extra)
@@ -64,19 +67,20 @@ def main(argv=None) -> int:
         tok(texts[i : i + size], return_tensors="pt", padding=True, padding_side="left")
         for i in range(0, len(texts), size)
     ]
-    method = hf.decoding(head, tree=args.tree)
-    rates = {k: [] for k in ("plain 1", "trees 1", f"plain {size}", f"trees {size}")}
-    same = True
+    methods = {"plain": {}, "trees": {"custom_generate": hf.decoding(head, tree=args.tree)}}
+    if args.folder:
+        folder = {"custom_generate": exported_folder(head), "trust_remote_code": True, "eagletree_tree": args.tree}
+        methods["folder"] = folder
+    rates, same = {}, True
     for r in range(args.rounds):
         for mode, batches in (("1", single), (str(size), batched)):
-            order = (None, method) if r % 2 == 0 else (method, None)
+            names = [name for name in methods if mode == "1" or name != "folder"]
             got = {}
-            for m in order:
-                seconds, answers = run(model, batches, args.max_new_tokens, m)
-                name = f"{'plain' if m is None else 'trees'} {mode}"
-                rates[name].append(sum(map(len, answers)) / seconds)
-                got[name.split()[0]] = answers
-            same &= got["plain"] == got["trees"]
+            for name in names if r % 2 == 0 else names[::-1]:
+                seconds, answers = run(model, batches, args.max_new_tokens, methods[name])
+                rates.setdefault(f"{name} {mode}", []).append(sum(map(len, answers)) / seconds)
+                got[name] = answers
+            same &= all(answers == got["plain"] for answers in got.values())
     print(
         f"{args.target} + {head_to_load(args.target, args.head)}, {len(texts)} prompts x {args.max_new_tokens} tokens, "
         f"greedy, tree {args.tree}, {args.rounds} rounds, threads {torch.get_num_threads()}"
@@ -84,11 +88,19 @@ def main(argv=None) -> int:
     print("| generate | tokens/s (median) | each round |\n|---|---|---|")
     for name, values in rates.items():
         print(f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
-    for mode in ("1", str(size)):
-        ratio = statistics.median(t / p for t, p in zip(rates[f"trees {mode}"], rates[f"plain {mode}"]))
-        print(f"trees / plain at {mode} a call: {ratio:.2f}x")
+    for name, mode in [("trees", "1"), ("trees", str(size))] + [("folder", "1")] * args.folder:
+        ratio = statistics.median(t / p for t, p in zip(rates[f"{name} {mode}"], rates[f"plain {mode}"]))
+        print(f"{name} / plain at {mode} a call: {ratio:.2f}x")
     print(f"answers with trees equal plain generate's: {same}")
     return 0 if same else 1
+
+
+def exported_folder(head) -> str:
+    """The head exported as hf-generate (in its own precision) into a new temporary folder."""
+    from eagletree.export.convert import export_head
+
+    dtype = next(head.parameters()).dtype
+    return str(export_head(head, tempfile.mkdtemp(prefix="eagletree-hf-generate-") + "/trees", "hf-generate", dtype))
 
 
 if __name__ == "__main__":
