@@ -165,7 +165,7 @@ def test_chi_square_p_matches_scipy_and_rejects():
 
 def test_device_checks_pass_on_cpu():
     greedy = checks.greedy_check("cpu", torch.float32, kinds=("llama",), prompts=2, max_new=10)
-    assert greedy["ok"] and greedy["identical"] == greedy["sequences"] == 4, greedy
+    assert greedy["ok"] and greedy["identical"] == greedy["sequences"] == 6, greedy  # 2 prompts x 3 runs
     assert checks.sampled_check("cpu", draws=400)["ok"]
     tree = checks.tree_pass_check("cpu", torch.float32, kinds=("qwen2",), sizes=(1, 9))
     assert tree["ok"] and tree["max_abs_diff"] < 1e-4 and tree["trees"] == 2

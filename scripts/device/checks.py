@@ -1,7 +1,8 @@
 """Losslessness checks that run on any device (the GPU run's first evidence; the test suite runs them on CPU).
 
-- greedy: eagletree's decoding (the `generate` loop with an EAGLE head, and the verify engine with trees
-  that hold the true continuation) equals HF `generate(do_sample=False)` token for token; a difference is
+- greedy: eagletree's decoding (the `generate` loop with an EAGLE head, the same inside HF `generate` through
+  `custom_generate=eagletree.hf.decoding(head)`, and the verify engine with trees that hold the true
+  continuation) equals HF `generate(do_sample=False)` token for token; a difference is
   judged by the logit gap at that position in a plain forward (a near-tie of the dtype's rounding, or wrong);
 - sampled: the first two tokens emitted by tree acceptance follow the target's distribution (chi-square);
 - tree pass: the logits of every node of one tree pass (4D boolean mask, position = depth) equal a plain
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from eagletree import hf
 from eagletree.decode import decode_steps
 from eagletree.draft import EagleHead
 from eagletree.target import new_cache
@@ -66,6 +68,15 @@ def _plain(model, prompt, max_new):
             min_new_tokens=max_new,
             do_sample=False,
         )
+    return out[0, prompt.numel() :].tolist()
+
+
+def _in_generate(model, prompt, max_new, method):
+    """The answer of HF `generate` with eagletree's decoding method (the model has no end-of-sequence id)."""
+    ones = torch.ones_like(prompt)[None]
+    out = model.generate(
+        prompt[None], attention_mask=ones, max_new_tokens=max_new, do_sample=False, custom_generate=method
+    )
     return out[0, prompt.numel() :].tolist()
 
 
@@ -129,6 +140,7 @@ def greedy_check(device, dtype, kinds=("llama", "qwen2"), prompts: int = 10, max
     for kind in kinds:
         model = tiny_model(kind, device, dtype)
         head = EagleHead.for_target(model.config).to(device=device, dtype=dtype).eval()
+        method = hf.decoding(head, tree="eagle2", budget=16, depth=4, top_k_draft=4)
         g = torch.Generator().manual_seed(7)
         for k in range(prompts):
             prompt = torch.randint(
@@ -152,6 +164,7 @@ def greedy_check(device, dtype, kinds=("llama", "qwen2"), prompts: int = 10, max
                     for t in step
                 ]
             }
+            runs["hf_generate"] = _in_generate(model, prompt, max_new, method)
             runs["engine"], p = _engine_greedy(model, prompt, max_new, ref, g)
             new, passes = new + max_new, passes + p
             for name, ours in runs.items():
