@@ -398,6 +398,31 @@ def test_softmax_rows_are_checked_for_nan_on_the_read_back():
         top_k_lists(bad, 2, 1)
 
 
+def test_a_level_broadcast_from_one_row_is_ranked_once(monkeypatch):
+    """A block or Medusa head's level is one distribution after every node (an expanded view, stride 0): the same
+    top-k lists as the rows materialized, from one top-k over that row (and a NaN in it still raises)."""
+    from eagletree.draft.batch_drafter import SoftmaxRows
+    from eagletree.search.readback import top_k_lists
+
+    g = torch.Generator().manual_seed(1)
+    level = torch.softmax(torch.randn(50, generator=g), -1)
+    other = torch.softmax(torch.randn(3, 50, generator=g), -1)
+    token_map = torch.randperm(200, generator=g)[:50]
+    requests = [level.expand(4, -1), other, level.expand(1, -1), level[None].expand(6, -1)]
+    want = top_k_lists([r.contiguous() for r in requests], 5, 2, token_map)
+    ranked = []
+    original = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, *a, **k: ranked.append(x.shape[0]) or original(x, *a, **k))
+    for marked in (list, SoftmaxRows):
+        got = top_k_lists(marked(requests), 5, 2, token_map)
+        assert [t.lists for t in got] == [t.lists for t in want]
+        assert ranked.pop() == 1 + 3 + 1 + 1  # one row for each broadcast request
+    broken = level.clone()
+    broken[7] = float("nan")
+    with pytest.raises(ValueError, match="contains NaN"):
+        top_k_lists(SoftmaxRows([broken.expand(3, -1)]), 5, 1)
+
+
 def test_search_trees_built_unchecked_pass_the_checks():
     """The searches and DraftTree.prefix build their trees with DraftTree.trusted (no checks, for speed); every
     such tree is one the checked constructor accepts, with the same depths."""

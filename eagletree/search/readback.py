@@ -31,10 +31,15 @@ def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=Non
 
     Distributions marked `softmax_rows` (a list whose producer made every row by a softmax, as the batch drafter
     does) cannot be negative or sum to anything but 1; only a NaN can spoil them (from a NaN or infinite logit), and
-    top-k ranks a NaN first, so their check is on the values read back instead of two passes over [F, V]."""
+    top-k ranks a NaN first, so their check is on the values read back instead of two passes over [F, V].
+
+    A request whose rows are one row broadcast (stride 0 along its rows: a block head's level, the same
+    distribution after every node) is checked and ranked once, its lists repeated on the host."""
     where = f"drafter output at level {level}"
     counts = [p.shape[0] for p in probs]
-    table = probs[0] if len(probs) == 1 else torch.cat(probs)
+    shared = [n > 1 and p.stride(0) == 0 for p, n in zip(probs, counts)]
+    rows = [p[:1] if one else p for p, one in zip(probs, shared)]
+    table = rows[0] if len(rows) == 1 else torch.cat(rows)
     softmax_rows = getattr(probs, "softmax_rows", False)
     if not softmax_rows:
         check_distribution(table, where)
@@ -49,7 +54,9 @@ def top_k_lists(probs: list[torch.Tensor], top_k: int, level: int, token_map=Non
     if softmax_rows and any(x != x for row in q for x in row):
         raise InvalidValue(f"{where} contains NaN")
     out, start = [], 0
-    for n in counts:
-        out.append(TopK(q[start : start + n], tok[start : start + n]))
-        start += n
+    for n, one in zip(counts, shared):
+        m = 1 if one else n
+        qs, ts = q[start : start + m], tok[start : start + m]
+        out.append(TopK(qs * n, ts * n) if one else TopK(qs, ts))  # (the lists are only read)
+        start += m
     return out
