@@ -76,3 +76,47 @@ def test_a_record_whose_ids_and_features_disagree_is_refused_on_read(tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FeatureError, match="holds 4 token ids .* 5 mask entries and 5 feature rows: expected as many"):
         FeatureStore(folder, cfg, model.config, tok)[0]
+
+
+def test_shard_groups_give_each_process_only_its_own_shards(tmp_path):
+    """feature_groups N: micro-batch b reads group b mod N (shard i in group i mod N), so process r of N, which takes
+    micro-batches r, r + N, ..., opens only group r's shards; one process with N groups reads the same micro-batches
+    in the same order, interleaved."""
+    from eagletree.train.inputs import GroupStream, training_stream
+
+    cfg, model, tok, convs, manifest = cached(tmp_path, shard_size=2)  # 7 conversations: 4 shards
+    store = FeatureStore(tmp_path / "feats", cfg, model.config, tok)
+    groups = store.shard_groups(2)
+    shard_of = {n: name for n, (name, _) in enumerate(store.index)}
+    files = [s["file"] for s in manifest["shards"]]
+    assert [{shard_of[n] for n in g} for g in groups] == [{files[0], files[2]}, {files[1], files[3]}]
+    micro, accum, world = 2, 3, 2
+    _, stream = training_stream(TrainConfig(**{**cfg.__dict__, "micro_batch": micro}), model.config, convs, tok, world)
+    assert isinstance(stream, GroupStream) and sorted(stream.conversations) == list(range(7))
+    for rank in range(world):  # the positions the Stepper gives process `rank` (train/step.py)
+        read = [
+            stream[((step * accum + m) * world + rank) * micro + j]
+            for step in range(8)
+            for m in range(accum)
+            for j in range(micro)
+        ]
+        assert set(read) == set(groups[rank])  # every conversation of its group, none of another
+        group = read[: len(groups[rank])]
+        assert sorted(group) == sorted(groups[rank])  # an epoch of its group before any repeat
+    one = GroupStream(groups, cfg.seed, micro)
+    assert [one[p] for p in range(40)] == [stream[p] for p in range(40)]
+    with pytest.raises(FeatureError, match=r"holds 4 shards; 5 feature groups .* need one each at least"):
+        store.shard_groups(5)
+
+
+def test_a_resume_in_other_shard_groups_is_refused_naming_them(tmp_path):
+    from test_train import run, tiny_cfg
+
+    from eagletree.train.config import TrainingError
+
+    feats = tmp_path / "feats"
+    cfg = tiny_cfg(tmp_path / "run", steps=4, stop_after=2, features_dir=str(feats), feature_dtype="fp32")
+    cache_features(cfg, tiny_model("llama"), tiny_tokenizer(), tiny_conversations(12), shard_size=3, progress=False)
+    run(cfg)
+    with pytest.raises(TrainingError, match=r"read in 1 shard groups and would be read in 2 \(feature_groups"):
+        run(tiny_cfg(tmp_path / "run", steps=4, features_dir=str(feats), feature_dtype="fp32", feature_groups=2), True)

@@ -364,7 +364,8 @@ def _losses(folder):
 @pytest.mark.parametrize("from_features", [False, True])
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, from_features):
     """Two CPU processes vs `python train.py` with twice the accumulation, online or from cached features (then
-    each process loads the target's shell alone and reads the shards its conversations are in).
+    each process loads the target's shell alone and reads only its own shard group; the one process reads the
+    same two groups, `feature_groups=2`).
 
     On CPU, `accelerate launch --num_processes 2 --cpu` needs mpirun; torchrun is the equivalent
     launcher and Accelerator picks its environment up (MULTI_CPU, gloo).
@@ -400,8 +401,9 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, from_featu
         "none",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    groups = ["feature_groups=2"] if from_features else []
     single = subprocess.run(
-        [sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *common],
+        [sys.executable, "train.py", f"out_dir={tmp_path / 'one'}", "grad_accum=4", *groups, *common],
         check=True,
         env=env,
         capture_output=True,

@@ -50,6 +50,9 @@ class TrainConfig:
     long: str = "truncate"  # or "drop": what to do with conversations longer than max_len
     features_dir: str = ""  # "" = online features; else a cache written by `eagletree features`
     feature_dtype: str = "bf16"  # of cached features: bf16, fp16 or fp32
+    # features_dir: its shards dealt into this many groups (shard i to group i mod N), micro-batch b reading group
+    # b mod N, so that each of N processes reads only its own shards; 0 = one group per process
+    feature_groups: int = 0
     draft_vocab: int = 0  # 0 = the full target vocabulary; else the V' most frequent tokens
     draft_vocab_sample: int = 2000  # conversations counted to pick the draft vocabulary
     steps: int = 1000  # optimizer steps (the schedule's length)
@@ -166,6 +169,7 @@ def _check_ranges(values: dict) -> None:
         "max_conversations": (0, True),
         "draft_vocab": (0, True),
         "draft_vocab_sample": (1, True),
+        "feature_groups": (0, True),
         "eval_conversations": (1, True),
         "stop_after": (0, True),
         "seed": (0, True),

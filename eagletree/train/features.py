@@ -307,6 +307,21 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self.index)
 
+    def shard_groups(self, groups: int) -> list[list[int]]:
+        """The examples dealt into `groups` groups by shard (shard i to group i mod `groups`); FeatureError when a
+        group would get no shard."""
+        files = list(self.digests)
+        if len(files) < groups:
+            raise FeatureError(
+                f"{self.folder} holds {len(files)} shards; {groups} feature groups (feature_groups, or one per "
+                "process) need one each at least: cache the features in smaller shards (--shard-size) or use fewer"
+            )
+        group_of = {name: i % groups for i, name in enumerate(files)}
+        dealt: list[list[int]] = [[] for _ in range(groups)]
+        for n, (name, _) in enumerate(self.index):
+            dealt[group_of[name]].append(n)
+        return dealt
+
     def __getitem__(self, n: int):
         """(ids [T] long, mask [T] bool, features [T, F] float32) of example n."""
         name, i = self.index[n]

@@ -27,6 +27,22 @@ class Stream:
         return self.conversations[int(self._perm[i])]
 
 
+class GroupStream:
+    """Cached features in shard groups: micro-batch b (stream positions b x micro_batch onwards) reads group b mod N,
+    taking that group's conversations in an order of its own (a `Stream` per group). A run of N processes (or a
+    multiple of N) has process r read micro-batches r, r + N, ...: only group r's shards."""
+
+    def __init__(self, groups: list[list[int]], seed: int, micro_batch: int):
+        self.groups = [Stream(items, seed * 7_919 + g) for g, items in enumerate(groups)]
+        self.micro_batch = micro_batch
+        self.conversations = [i for items in groups for i in items]
+
+    def __getitem__(self, position: int):
+        batch, within = divmod(position, self.micro_batch)
+        group, nth = batch % len(self.groups), batch // len(self.groups)
+        return self.groups[group][nth * self.micro_batch + within]
+
+
 def training_conversations(cfg: TrainConfig):
     """The training side of the held-out split, cut to max_conversations. What was recovered or skipped reading a
     data file is warned about; the shipped ShareGPT file's known cut is not."""
@@ -35,11 +51,11 @@ def training_conversations(cfg: TrainConfig):
 
 
 def training_stream(
-    cfg: TrainConfig, target_config, conversations, tokenizer=None
-) -> tuple[FeatureStore | None, Stream]:
+    cfg: TrainConfig, target_config, conversations, tokenizer=None, processes: int = 1
+) -> tuple[FeatureStore | None, Stream | GroupStream]:
     """(feature store or None, stream): a run's items in training order, the cached features' indices when
-    `features_dir` is set (their token ids checked to be `tokenizer`'s), else `conversations`. TrainingError when
-    there is nothing to train on."""
+    `features_dir` is set (their token ids checked to be `tokenizer`'s; in `feature_groups` shard groups, by default
+    one per process: `GroupStream`), else `conversations`. TrainingError when there is nothing to train on."""
     store = None
     if cfg.features_dir:
         store = FeatureStore(cfg.features_dir, cfg, target_config, tokenizer)
@@ -57,15 +73,20 @@ def training_stream(
             "assistant turn with text; the head learns from assistant tokens, so there is nothing to "
             "train on"
         )
+    groups = cfg.feature_groups or processes
+    if store is not None and groups > 1:
+        return store, GroupStream(store.shard_groups(groups), cfg.seed, cfg.micro_batch)
     return store, Stream(items, cfg.seed)
 
 
-def data_fingerprint(items, store=None) -> dict:
+def data_fingerprint(items, store=None, stream=None) -> dict:
     """What a run trains on, for a resume to compare: the number of training conversations and a hash of their ids
-    in order (None when the items have no ids, e.g. pre-tokenized records)."""
+    in order (None when the items have no ids, e.g. pre-tokenized records), and the shard groups a `GroupStream`
+    reads them in."""
     ids = store.ids if store is not None else [getattr(item, "id", None) for item in items]
     digest = None if any(i is None for i in ids) else hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
-    return {"conversations": len(ids), "ids": digest}
+    groups = {"groups": len(stream.groups)} if isinstance(stream, GroupStream) else {}
+    return {"conversations": len(ids), "ids": digest, **groups}
 
 
 def has_assistant_text(conversations) -> bool:

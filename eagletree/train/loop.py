@@ -220,8 +220,8 @@ def _start(cfg: TrainConfig, accelerator, model, tok, conversations, precision: 
     newest checkpoint's head, optimizer, schedule, counts and random state."""
     model.requires_grad_(False)
     device = accelerator.device
-    store, stream = training_stream(cfg, model.config, conversations, tok)
-    data = data_fingerprint(stream.conversations, store)
+    store, stream = training_stream(cfg, model.config, conversations, tok, accelerator.num_processes)
+    data = data_fingerprint(stream.conversations, store, stream)
     head, resumed = _head_to_train(cfg, accelerator, model, tok, stream, store, data, *resume_as)
     head = head.to(device).train()
     embed = model.get_input_embeddings()
