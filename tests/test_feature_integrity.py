@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagletree.train.config import TrainConfig
+from eagletree.train.config import TrainConfig, TrainingError
 from eagletree.train.features import FeatureError, FeatureStore, cache_features, shard_digest
 
 from helpers import tiny_conversations, tiny_model, tiny_tokenizer
@@ -86,12 +86,14 @@ def test_shard_groups_give_each_process_only_its_own_shards(tmp_path):
 
     cfg, model, tok, convs, manifest = cached(tmp_path, shard_size=2)  # 7 conversations: 4 shards
     store = FeatureStore(tmp_path / "feats", cfg, model.config, tok)
-    groups = store.shard_groups(2)
+    with pytest.warns(UserWarning, match=r"its shards make 2 groups of \[4, 3\] conversations; the smaller"):
+        groups = store.shard_groups(2)
     shard_of = {n: name for n, (name, _) in enumerate(store.index)}
     files = [s["file"] for s in manifest["shards"]]
     assert [{shard_of[n] for n in g} for g in groups] == [{files[0], files[2]}, {files[1], files[3]}]
     micro, accum, world = 2, 3, 2
-    _, stream = training_stream(TrainConfig(**{**cfg.__dict__, "micro_batch": micro}), model.config, convs, tok, world)
+    with pytest.warns(UserWarning, match="smaller groups"):
+        _, stream = training_stream(TrainConfig(**{**cfg.__dict__, "micro_batch": micro}), model.config, convs, tok, 2)
     assert isinstance(stream, GroupStream) and sorted(stream.conversations) == list(range(7))
     for rank in range(world):  # the positions the Stepper gives process `rank` (train/step.py)
         read = [
@@ -107,16 +109,42 @@ def test_shard_groups_give_each_process_only_its_own_shards(tmp_path):
     assert [one[p] for p in range(40)] == [stream[p] for p in range(40)]
     with pytest.raises(FeatureError, match=r"holds 4 shards; 5 feature groups .* need one each at least"):
         store.shard_groups(5)
+    with pytest.warns(UserWarning, match="smaller groups"):
+        sizes = [len(g) for g in store.shard_groups(3)]  # each shard in turn to the group holding fewest
+    assert sizes == [3, 2, 2]
+    with pytest.raises(TrainingError, match=r"feature_groups=3 with 2 processes: each would read every group"):
+        training_stream(TrainConfig(**{**cfg.__dict__, "feature_groups": 3}), model.config, convs, tok, 2)
+    with pytest.raises(TrainingError, match=r"feature_groups=2 deals a feature cache's shards; set features_dir"):
+        training_stream(TrainConfig(feature_groups=2), model.config, convs, tok, 2)
+
+
+def test_the_draft_vocabulary_from_shard_groups_counts_each_group_once(tmp_path):
+    """Process r counts its own groups' share of the sample; the counts summed equal one process's over all groups."""
+    from eagletree.draft.vocab import token_counts
+    from eagletree.train.inputs import assistant_tokens, training_stream
+
+    cfg, model, tok, convs, _ = cached(tmp_path, shard_size=2)
+    cfg = TrainConfig(**{**cfg.__dict__, "feature_groups": 4, "draft_vocab_sample": 5})
+    with pytest.warns(UserWarning, match="smaller groups"):  # (the short last shard: a group of 1 conversation)
+        store, stream = training_stream(cfg, model.config, convs, tok, 1)
+    vocab = model.config.vocab_size
+    whole = token_counts(assistant_tokens(tok, stream, cfg, store), vocab)
+    parts = [token_counts(assistant_tokens(tok, stream, cfg, store, rank, 2), vocab) for rank in (0, 1)]
+    assert torch.equal(parts[0] + parts[1], whole) and int(whole.sum()) > 0
+    for rank in (0, 1):  # each process opened only its own groups' shards
+        store = FeatureStore(tmp_path / "feats", cfg, model.config, tok)
+        list(assistant_tokens(tok, stream, cfg, store, rank, 2))
+        assert {int(name[6:11]) % 2 for name in store.verified} == {rank}
 
 
 def test_a_resume_in_other_shard_groups_is_refused_naming_them(tmp_path):
     from test_train import run, tiny_cfg
 
-    from eagletree.train.config import TrainingError
-
     feats = tmp_path / "feats"
     cfg = tiny_cfg(tmp_path / "run", steps=4, stop_after=2, features_dir=str(feats), feature_dtype="fp32")
     cache_features(cfg, tiny_model("llama"), tiny_tokenizer(), tiny_conversations(12), shard_size=3, progress=False)
     run(cfg)
-    with pytest.raises(TrainingError, match=r"read in 1 shard groups and would be read in 2 \(feature_groups"):
+    with pytest.raises(
+        TrainingError, match=r"read in 1 shard group and would be read in 2 shard groups .*set feature_groups=1 to"
+    ):
         run(tiny_cfg(tmp_path / "run", steps=4, features_dir=str(feats), feature_dtype="fp32", feature_groups=2), True)

@@ -384,7 +384,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, from_featu
         keys = dict(target=str(target), dataset=str(data), heldout_fraction=0.01, max_len=40, precision="fp32")
         cfg = TrainConfig(**keys, features_dir=str(tmp_path / "feats"), feature_dtype="fp32")
         cache_features(cfg, *load_target(target), training_conversations(cfg), shard_size=8, progress=False)
-        cached = [f"features_dir={tmp_path / 'feats'}", "feature_dtype=fp32", "precision=fp32"]
+        cached = [f"features_dir={tmp_path / 'feats'}", "feature_dtype=fp32", "precision=fp32", "draft_vocab=40"]
     common = [
         *cached,
         f"target={target}",

@@ -6,7 +6,6 @@ d2t[i] = target id of draft id i; t2d = boolean mask over the target vocabulary.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -29,14 +28,30 @@ def check_draft_vocab(d2t: torch.Tensor, target_vocab: int) -> None:
 
 def build_draft_vocab(token_streams: Iterable[Iterable[int]], size: int, target_vocab: int, always=()) -> torch.Tensor:
     """The `size` most frequent target ids in the streams (plus `always`, e.g. EOS), sorted ascending."""
+    return draft_vocab_from_counts(token_counts(token_streams, target_vocab), size, target_vocab, always)
+
+
+def token_counts(token_streams: Iterable[Iterable[int]], target_vocab: int) -> torch.Tensor:
+    """[target_vocab] int64: how often each target id occurs in the streams (summed over processes, they make one
+    count)."""
+    counts = torch.zeros(target_vocab, dtype=torch.long)
+    for stream in token_streams:
+        ids = torch.as_tensor(list(stream), dtype=torch.long)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < target_vocab:
+            raise InvalidValue(f"token id {int(ids.max())} is outside the target vocabulary [0, {target_vocab})")
+        counts += torch.bincount(ids, minlength=target_vocab)
+    return counts
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, size: int, target_vocab: int, always=()) -> torch.Tensor:
+    """The `size` most frequent ids of `counts` [target_vocab] (ties: lower id first; too little data: the lowest
+    unused ids), `always` among them, sorted ascending."""
     if not 0 < size <= target_vocab:
         raise InvalidValue(f"draft vocabulary size must be in [1, {target_vocab}], got {size}")
-    counts = Counter()
-    for stream in token_streams:
-        counts.update(int(t) for t in stream)
     chosen = dict.fromkeys(int(t) for t in always)
-    ranked = (t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-    for token in [*ranked, *range(target_vocab)]:  # too little data: fill with the lowest unused ids
+    how_often = counts.tolist()
+    ranked = sorted((t for t, n in enumerate(how_often) if n > 0), key=lambda t: (-how_often[t], t))
+    for token in [*ranked, *range(target_vocab)]:
         if len(chosen) >= size:
             break
         chosen.setdefault(token)

@@ -198,12 +198,14 @@ def check_resume(
             f"the training data changed since the checkpoint ({counts}), so the rest of the run takes them in "
             "another order than a straight run"
         )
-        groups = (saved_data.get("groups", 1), data.get("groups", 1))
         if {**saved_data, "groups": 0} == {**data, "groups": 0}:  # the same data, read in other shard groups
+            before, now = (
+                f"{n} shard group{'s' * (n != 1)}" for n in (saved_data.get("groups", 1), data.get("groups", 1))
+            )
             what = (
-                f"the feature cache was read in {groups[0]} shard groups and would be read in {groups[1]} "
-                "(feature_groups, by default one per process), so the rest of the run takes it in another order "
-                "than a straight run: keep the checkpoint's number of processes, or set feature_groups to it"
+                f"the feature cache was read in {before} and would be read in {now} (feature_groups, by default "
+                "one per process), so the rest of the run takes it in another order than a straight run: set "
+                f"feature_groups={saved_data.get('groups', 1)} to read it as the checkpoint did"
             )
         if not allow_changes:
             raise TrainingError(

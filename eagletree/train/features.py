@@ -18,6 +18,7 @@ import json
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -308,15 +309,26 @@ class FeatureStore:
         return len(self.index)
 
     def shard_groups(self, groups: int) -> list[list[int]]:
-        """The examples dealt into `groups` groups by shard (shard i to group i mod `groups`); FeatureError when a
-        group would get no shard."""
+        """The examples dealt into `groups` groups by whole shards, each shard in turn to the group holding the fewest
+        examples so far (ties: the lowest group); FeatureError when a group would get no shard, a warning when the
+        groups' sizes differ by more than a tenth (a smaller group's conversations are trained on more often)."""
+        sizes = Counter(name for name, _ in self.index)
         files = list(self.digests)
         if len(files) < groups:
             raise FeatureError(
                 f"{self.folder} holds {len(files)} shards; {groups} feature groups (feature_groups, or one per "
                 "process) need one each at least: cache the features in smaller shards (--shard-size) or use fewer"
             )
-        group_of = {name: i % groups for i, name in enumerate(files)}
+        held, group_of = [0] * groups, {}
+        for name in files:
+            group_of[name] = min(range(groups), key=lambda g: (held[g], g))
+            held[group_of[name]] += sizes[name]
+        if max(held) - min(held) > max(held) / 10:
+            warnings.warn(
+                f"{self.folder}: its shards make {groups} groups of {held} conversations; the smaller groups' are "
+                "trained on more often (cache the features with a --shard-size that deals them out evenly)",
+                stacklevel=2,
+            )
         dealt: list[list[int]] = [[] for _ in range(groups)]
         for n, (name, _) in enumerate(self.index):
             dealt[group_of[name]].append(n)

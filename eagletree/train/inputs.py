@@ -42,6 +42,17 @@ class GroupStream:
         group, nth = batch % len(self.groups), batch // len(self.groups)
         return self.groups[group][nth * self.micro_batch + within]
 
+    def sample(self, count: int, rank: int = 0, world: int = 1) -> list:
+        """The first conversations of each group, `count` in all shared out evenly, of the groups process `rank` of
+        `world` reads (groups rank, rank + world, ...): what it counts toward the draft vocabulary, the processes'
+        counts summed making the same count as one process's over every group."""
+        share, extra = divmod(count, len(self.groups))
+        picked = []
+        for g in range(rank, len(self.groups), world):
+            stream = self.groups[g]
+            picked += [stream[i] for i in range(min(share + (g < extra), len(stream.conversations)))]
+        return picked
+
 
 def training_conversations(cfg: TrainConfig):
     """The training side of the held-out split, cut to max_conversations. What was recovered or skipped reading a
@@ -74,6 +85,13 @@ def training_stream(
             "train on"
         )
     groups = cfg.feature_groups or processes
+    if cfg.feature_groups and store is None:
+        raise TrainingError(f"feature_groups={cfg.feature_groups} deals a feature cache's shards; set features_dir too")
+    if groups % processes:
+        raise TrainingError(
+            f"feature_groups={groups} with {processes} processes: each would read every group's shards; use a "
+            f"multiple of {processes} (or 0: one group per process)"
+        )
     if store is not None and groups > 1:
         return store, GroupStream(store.shard_groups(groups), cfg.seed, cfg.micro_batch)
     return store, Stream(items, cfg.seed)
@@ -104,15 +122,20 @@ def has_assistant_text(conversations) -> bool:
     return False
 
 
-def assistant_tokens(tok, stream: Stream, cfg: TrainConfig, store=None):
-    """Assistant tokens of the first conversations in training order (to pick the draft vocabulary)."""
-    for i in range(min(cfg.draft_vocab_sample, len(stream.conversations))):
+def assistant_tokens(tok, stream: Stream | GroupStream, cfg: TrainConfig, store=None, rank: int = 0, world: int = 1):
+    """Assistant tokens of the first conversations in training order (to pick the draft vocabulary); from shard
+    groups, this process's share of them, read from its own groups only (`GroupStream.sample`)."""
+    if isinstance(stream, GroupStream):
+        items = stream.sample(cfg.draft_vocab_sample, rank, world)
+    else:
+        items = [stream[i] for i in range(min(cfg.draft_vocab_sample, len(stream.conversations)))]
+    for item in items:
         if store is not None:
-            ids, mask, _ = store[stream[i]]
+            ids, mask, _ = store[item]
             yield ids[mask].tolist()
             continue
         try:
-            r = render_item(tok, stream[i], cfg.max_len)
+            r = render_item(tok, item, cfg.max_len)
         except RenderError:
             continue
         yield r.input_ids[r.loss_mask].tolist()

@@ -19,7 +19,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from ..draft import HeadError, build_draft_vocab, head_class
+from ..draft import HeadError, head_class
+from ..draft.vocab import draft_vocab_from_counts, token_counts
 from ..loading import load_head  # init_head may be an export to import
 from ..target import checked_device, load_target
 from ..target.shell import load_target_shell
@@ -37,6 +38,7 @@ from .checkpoints import (
 )
 from .config import TrainConfig, TrainingError, lr_lambda, on_cpu, resolve_precision
 from .inputs import (
+    GroupStream,
     Stream,
     assistant_tokens,
     data_fingerprint,
@@ -291,10 +293,20 @@ def _head_to_train(
     set_seed(cfg.seed)  # the head's initial weights depend on the seed only, not on what ran before
     draft_tokens = None
     if cfg.draft_vocab:
-        draft_tokens = build_draft_vocab(
-            assistant_tokens(tok, stream, cfg, store), cfg.draft_vocab, model.config.vocab_size, always=special_ids(tok)
-        )
+        draft_tokens = _draft_vocab(cfg, accelerator, model.config.vocab_size, tok, stream, store)
     return head_class(cfg.head_type).create(model, cfg, draft_tokens), None
+
+
+def _draft_vocab(cfg: TrainConfig, accelerator, vocab_size: int, tok, stream, store) -> torch.Tensor:
+    """The draft vocabulary: the most frequent assistant tokens of the run's first conversations. From shard groups
+    each process counts its own groups' share and the counts are summed, so no process reads another's shards."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    grouped = isinstance(stream, GroupStream)
+    tokens = assistant_tokens(tok, stream, cfg, store, *((rank, world) if grouped else (0, 1)))
+    counts = token_counts(tokens, vocab_size)
+    if grouped and world > 1:
+        counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
+    return draft_vocab_from_counts(counts, cfg.draft_vocab, vocab_size, always=special_ids(tok))
 
 
 def _target_lm(model, head, device) -> tuple:
