@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -174,70 +175,124 @@ def generate_output(input_ids: torch.Tensor, answers: list[list[int]], config):
     return GenerateDecoderOnlyOutput(sequences=sequences)
 
 
-_FOLDER_METHODS: dict = {}  # (head folder and its files' times, tree, options, device) -> the decoding method
+_FOLDER_METHODS: dict = {}  # (model, head folder and its files' times, tree, options) -> decoding method, newest last
+_KEPT_METHODS = 4  # decoding methods kept (each holds a head and its Decoder)
+_HUB_HEADS: dict = {}  # Hub repository -> the head folder fetched from it, once a process
+_LOCK = threading.Lock()
+REFUSED_IN_FOLDER = ("assistant_model", "synced_gpus")  # generate's arguments a decoding method never receives
 
 
 def folder_generate(model, export: dict, **kwargs):
     """`generate` as an hf-generate export's generate.py runs it: `kwargs` are all of `generate`'s arguments, plus
     eagletree_head (a head folder to draft with instead of the export's) and eagletree_tree (how trees are searched).
-    The streamer goes to the decoding method, stop strings become a StopStringCriteria with the tokenizer."""
+    The streamer goes to the decoding method; stop strings (an argument, or a generation config's) become a
+    StopStringCriteria with the tokenizer, which is used for nothing else (as `generate` uses it)."""
     from transformers import GenerationMixin
 
+    for name in REFUSED_IN_FOLDER:
+        if kwargs.get(name):
+            given = kwargs[name] if isinstance(kwargs[name], (bool, int)) else f"<{type(kwargs[name]).__name__}>"
+            raise InvalidValue(f"{name}={given} is not supported by eagletree's decoding (it drafts itself)")
     head = Path(kwargs.pop("eagletree_head", None) or exported_head(export))
     tree = kwargs.pop("eagletree_tree", None) or export.get("tree", "auto")
     streamer, tokenizer = kwargs.pop("streamer", None), kwargs.pop("tokenizer", None)
-    kwargs = stop_strings_as_criteria(model, kwargs, tokenizer)
-    method = folder_method(model, head, tree, tokenizer, export.get("options", {}))
-    return GenerationMixin.generate(model, custom_generate=functools.partial(method, streamer=streamer), **kwargs)
+    method = functools.partial(folder_method(model, head, tree, export.get("options", {})), streamer=streamer)
+    kwargs, strings = stop_strings_as_criteria(model, kwargs, tokenizer)
+    if not strings:
+        return GenerationMixin.generate(model, custom_generate=method, **kwargs)
+    saved = model.generation_config  # `generate` fills unset fields from it: its stop strings would come back
+    model.generation_config = without_stop_strings(saved)
+    try:
+        return GenerationMixin.generate(model, custom_generate=method, **kwargs)
+    finally:
+        model.generation_config = saved
 
 
 def exported_head(export: dict) -> Path:
-    """The export's head: in the folder it was written to, else fetched from the Hub repository it names; HeadError
-    saying what to pass when it is neither."""
+    """The export's head: in the folder it was written to (if that folder still holds this export), else fetched
+    from the Hub repository it names (once a process); HeadError in one line saying what to pass otherwise."""
     local = Path(export["folder"]) / export["head"]
-    if (local / "config.json").is_file():
+    try:
+        here = json.loads((Path(export["folder"]) / "config.json").read_text()).get("custom_generate")
+    except (OSError, ValueError, AttributeError):
+        here = None
+    if here == export and (local / "config.json").is_file():
         return local
-    if export.get("hub_repo"):
-        from huggingface_hub import snapshot_download
+    repo = export.get("hub_repo")
+    if not repo:
+        raise HeadError(
+            f"the head of this custom_generate export is not at {str(local)!r} (the folder moved, and it names no "
+            "Hub repository): pass eagletree_head=PATH to generate, or export again with --hub-repo"
+        )
+    if repo not in _HUB_HEADS:
+        import huggingface_hub
 
-        fetched = snapshot_download(export["hub_repo"], allow_patterns=[f"{export['head']}/*"])
-        return Path(fetched) / export["head"]
-    raise HeadError(
-        f"the head of this custom_generate export is not at {str(local)!r} (the folder moved, and it names no Hub "
-        "repository): pass eagletree_head=PATH to generate, or export again with --hub-repo"
-    )
+        try:
+            fetched = huggingface_hub.snapshot_download(repo, allow_patterns=[f"{export['head']}/*"])
+        except Exception as e:  # (offline, no such repository, no access: huggingface_hub's own errors)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HeadError(
+                f"could not fetch {export['head']}/ from the Hub repository {repo!r} ({reason}); pass "
+                "eagletree_head=PATH to generate"
+            ) from e
+        _HUB_HEADS[repo] = Path(fetched) / export["head"]
+    return _HUB_HEADS[repo]
 
 
-def stop_strings_as_criteria(model, kwargs: dict, tokenizer) -> dict:
-    """`kwargs` with the stop strings (an argument, or the generation config's) as one more stopping criterion, and
-    none left where `generate` would build the criterion itself (it cannot: a callable gets no tokenizer)."""
+def stop_strings_as_criteria(model, kwargs: dict, tokenizer) -> tuple[dict, list]:
+    """(`kwargs` with the stop strings, an argument or a generation config's, as one more stopping criterion and
+    none left in a config `generate` would build the criterion from, which it cannot: a callable gets no tokenizer;
+    the stop strings)."""
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    config = kwargs.get("generation_config") or model.generation_config
-    strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    config = kwargs.get("generation_config")
+    strings = (
+        kwargs.pop("stop_strings", None)
+        or getattr(config, "stop_strings", None)
+        or getattr(model.generation_config, "stop_strings", None)
+    )
     if not strings:
-        return kwargs
+        return kwargs, []
     if tokenizer is None:
         raise InvalidValue(f"stop_strings={strings!r} needs the tokenizer: pass tokenizer= to generate as well")
-    if getattr(config, "stop_strings", None):
-        config = copy.deepcopy(config)
-        config.stop_strings = None
-        kwargs["generation_config"] = config
+    if config is not None:
+        kwargs["generation_config"] = without_stop_strings(config)
     criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer, strings))
-    return {**kwargs, "stopping_criteria": criteria}
+    return {**kwargs, "stopping_criteria": criteria}, list(strings)
 
 
-def folder_method(model, head_dir: Path, tree: str, tokenizer, options: dict):
-    """The decoding method for this head folder and settings, built once (the head loaded onto the model's device,
-    the Decoder kept by the method) and rebuilt when the head's files change."""
+def without_stop_strings(config):
+    """A copy of a GenerationConfig without stop strings."""
+    config = copy.deepcopy(config)
+    config.stop_strings = None
+    return config
+
+
+def folder_method(model, head_dir: Path, tree: str, options: dict):
+    """The decoding method for this model, head folder and settings, built once (the head loaded onto the model's
+    device, the Decoder kept by the method; the last few kept) and built again when the head's files change."""
+    from .decode.resources import COMPANION_FILES
     from .loading import load_head
 
-    files = [head_dir / name for name in ("config.json", "model.safetensors")]
+    files = [head_dir / name for name in ("config.json", "model.safetensors", *COMPANION_FILES)]
     stamp = tuple(path.stat().st_mtime_ns if path.is_file() else None for path in files)
-    key = (str(head_dir.resolve()), stamp, tree, json.dumps(options, sort_keys=True), str(model.device))
-    if key not in _FOLDER_METHODS:
-        _FOLDER_METHODS.clear()
-        head = load_head(head_dir, model.config, device=model.device).eval()
-        _FOLDER_METHODS[key] = decoding(head, tree, tokenizer, **options)
-    return _FOLDER_METHODS[key]
+    dtype = next(model.parameters()).dtype
+    key = (
+        id(model),
+        str(model.device),
+        dtype,
+        str(head_dir.resolve()),
+        stamp,
+        tree,
+        json.dumps(options, sort_keys=True),
+    )
+    with _LOCK:
+        method = _FOLDER_METHODS.pop(key, None)
+        if method is None:
+            head = load_head(head_dir, model.config, device=model.device).eval()
+            method = decoding(head, tree, None, **options)
+        _FOLDER_METHODS[key] = method  # newest last
+        while len(_FOLDER_METHODS) > _KEPT_METHODS:
+            del _FOLDER_METHODS[next(iter(_FOLDER_METHODS))]
+    return method

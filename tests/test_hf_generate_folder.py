@@ -5,6 +5,7 @@ gets, the head found when the folder moves, and one-line refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+from eagletree import hf
 from eagletree.cli import main as cli_main
 from eagletree.draft import EagleHead, HeadError
 from eagletree.errors import InvalidValue
@@ -130,8 +132,22 @@ def test_a_moved_folder_finds_its_head_on_the_hub_or_where_it_is_told(model_and_
         return moved
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
-    got = model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=moved, trust_remote_code=True)
-    assert torch.equal(got, want) and fetched == [("someone/trees", ["head/*"])]
+    monkeypatch.setattr(hf, "_HUB_HEADS", {})
+    for _ in range(2):  # fetched once a process
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=moved, trust_remote_code=True)
+        assert torch.equal(got, want) and fetched == [("someone/trees", ["head/*"])]
+    other = export_head(head, tmp_path / "pushed", "hf-generate", dtype=torch.float32, hub_repo="someone/else")
+    monkeypatch.setattr(hf, "_HUB_HEADS", {})  # the folder written is back, holding another export: not this one's
+    model.generate(ids, max_new_tokens=8, custom_generate=moved, trust_remote_code=True)
+    assert fetched[-1] == ("someone/trees", ["head/*"]) and len(fetched) == 2 and other.is_dir()
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nSecond line of the error")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    monkeypatch.setattr(hf, "_HUB_HEADS", {})
+    with pytest.raises(HeadError, match=r"^could not fetch head/ from the Hub repository 'someone/trees' \(We co"):
+        model.generate(ids, max_new_tokens=8, custom_generate=moved, trust_remote_code=True)
 
     alone = export_head(head, tmp_path / "alone", "hf-generate", dtype=torch.float32)
     moved = shutil.move(str(alone), str(tmp_path / "moved"))
@@ -146,10 +162,17 @@ def test_stop_strings_need_the_tokenizer_and_other_exports_name_no_hub_repo(mode
     model, head, out = model_and_export
     with pytest.raises(InvalidValue, match=r"stop_strings=\['x'\] needs the tokenizer: pass tokenizer="):
         model.generate(torch.tensor([[4, 9]]), stop_strings=["x"], custom_generate=str(out), trust_remote_code=True)
+    with pytest.raises(
+        InvalidValue,
+        match=r"^assistant_model=<LlamaForCausalLM> is not supported by eagletree's decoding \(it drafts itself\)$",
+    ):
+        model.generate(torch.tensor([[4, 9]]), assistant_model=model, custom_generate=str(out), trust_remote_code=True)
     with pytest.raises(HeadError, match=r"format 'vllm' names no Hub repository .*that is for \['hf-generate'\]"):
         export_head(head, tmp_path / "v", "vllm", hub_repo="someone/trees")
     with pytest.raises(HeadError, match=r"--hub-repo 'trees' is not a Hub repository id; expected OWNER/NAME"):
         export_head(head, tmp_path / "h", "hf-generate", hub_repo="trees")
+    with pytest.raises(HeadError, match=r"--hub-repo 'a b/c' is not a Hub repository id"):
+        export_head(head, tmp_path / "h", "hf-generate", hub_repo="a b/c")
     assert not (tmp_path / "v").exists() and not (tmp_path / "h").exists()
 
 
@@ -178,3 +201,34 @@ def test_on_smollm2_the_folder_streams_and_stops_as_generate_does(smollm2, shipp
     assert torch.equal(got, want) and want.shape[1] < batch["input_ids"].shape[1] + 48 and decoded == ["steps"]
     answer = tok.decode(got[0, batch["input_ids"].shape[1] :])
     assert capsys.readouterr().out == answer + "\n"  # TextStreamer ends the stream with a newline
+    # stop strings in the model's generation config (which `generate` merges into any config it is given)
+    options = dict(max_new_tokens=48, do_sample=False, tokenizer=tok)
+    folder = dict(custom_generate=str(out), trust_remote_code=True)
+    model.generation_config.stop_strings = ["\n"]
+    assert torch.equal(model.generate(**batch, **options, **folder), want)
+    config = copy.deepcopy(model.generation_config)
+    config.stop_strings = None
+    assert torch.equal(model.generate(**batch, generation_config=config, **options, **folder), want)
+    assert model.generation_config.stop_strings == ["\n"]  # as it was before the call
+    model.generation_config.stop_strings = None
+    # the tokenizer serves the stop strings only: its own end-of-sequence token stops nothing, as in `generate`
+    other = copy.deepcopy(tok)
+    other.eos_token = tok.convert_ids_to_tokens(int(want[0, batch["input_ids"].shape[1] + 2]))
+    options = dict(max_new_tokens=24, do_sample=False, tokenizer=other)
+    plain = model.generate(**batch, **options)
+    assert torch.equal(model.generate(**batch, **options, **folder), plain)
+    assert plain.shape[1] == batch["input_ids"].shape[1] + 24
+
+
+def test_an_overwrite_in_another_format_leaves_nothing_of_the_other_export(model_and_export, tmp_path):
+    """hf-generate over a vllm export removes its weights and token map; vllm over hf-generate removes head/ and
+    custom_generate/ (generate.py would still run the old head); files that are no export's stay."""
+    model, head, _ = model_and_export
+    out = tmp_path / "both"
+    export_head(head, out, "vllm", dtype=torch.float32)
+    (out / "NOTES.md").write_text("mine")
+    export_head(head, out, "hf-generate", dtype=torch.float32, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md", "config.json", "custom_generate", "head"]
+    export_head(head, out, "vllm", dtype=torch.float32, overwrite=True)
+    assert "custom_generate" not in {p.name for p in out.iterdir()} and (out / "NOTES.md").read_text() == "mine"
+    assert recognize_folder(out).format == "vllm" and not (out / "head").exists()

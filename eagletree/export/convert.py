@@ -25,6 +25,8 @@ def check_format(head, fmt: str, hub_repo: str | None = None) -> Layout:
     if hub_repo is not None and not layout.names_hub_repo:
         takers = [name for name in format_names() if any(lay.names_hub_repo for lay in format_layouts(name))]
         raise HeadError(f"format {fmt!r} names no Hub repository (--hub-repo {hub_repo!r}); that is for {takers}")
+    if hub_repo is not None:
+        layout.check_hub_repo(hub_repo)
     return layout
 
 

@@ -34,7 +34,7 @@ import torch
 from ..draft import DFlashHead, Eagle3Head, HeadError
 from .dflash import dflash_head
 from .gguf_file import FILE, as_export_config, layer_meta, marker, read_gguf, write_gguf
-from .layout import Layout
+from .layout import Layout, remove_entries, stale_entries
 from .shared import check_export_target, load_checked
 
 ARCH = "dflash"
@@ -121,7 +121,10 @@ class GGUFLayout(Layout):
     ) -> Path:
         embedding = None if target is None else self.embedding(target)
         meta = self.config(head, dtype, target, speculative_tokens)
-        return write_gguf(out, self.arch, meta, self.state(head, embedding), dtype, target, overwrite)
+        stale = stale_entries(out, self)
+        return remove_entries(
+            write_gguf(out, self.arch, meta, self.state(head, embedding), dtype, target, overwrite), stale
+        )
 
     def recognizes(self, config: dict) -> bool:
         return config.get("gguf", {}).get("general.architecture") == self.arch

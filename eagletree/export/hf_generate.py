@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from pprint import pformat
@@ -23,9 +24,12 @@ from pprint import pformat
 from ..decode.resources import COMPANION_FILES
 from ..draft import DraftHead, HeadError
 from ..files import building, publish
-from .layout import CONFIG, Layout
+from . import TOKEN_MAP
+from .gguf_file import FILE as GGUF_FILE
+from .layout import CONFIG, WEIGHTS, Layout, remove_entries, stale_entries
 
 HEAD = "head"  # the head's folder inside the export
+HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 FOLDER = "custom_generate"  # where transformers looks for generate.py
 REQUIREMENTS = ("eagletree>={eagletree}", "transformers>=5.17", "torch>=2.4")  # one bound a line: transformers' parser
 
@@ -53,10 +57,17 @@ class HfGenerate(Layout):
 
     format = "hf-generate"
     names_hub_repo = True
+    folders = (HEAD, FOLDER)
+    stale = (WEIGHTS, TOKEN_MAP, GGUF_FILE)  # an earlier export's files in other formats, which would describe it
     target_types = ()  # any decoder-only model transformers generates with: `check` asks nothing of the target
 
     def __init__(self, head_type: str, kind: str):
         self.heads, self.kind = (head_type,), kind
+
+    def check_hub_repo(self, hub_repo: str) -> None:
+        """HeadError unless `hub_repo` reads as a Hub repository id, OWNER/NAME (letters, digits, '-', '_', '.')."""
+        if not HUB_REPO.fullmatch(hub_repo):
+            raise HeadError(f"--hub-repo {hub_repo!r} is not a Hub repository id; expected OWNER/NAME")
 
     def check(self, head) -> None:
         """Nothing to refuse: the folder runs inside the user's own `generate`, on whatever target the head was
@@ -91,13 +102,12 @@ class HfGenerate(Layout):
             (tmp / FOLDER / "requirements.txt").write_text("\n".join(requirements()) + "\n")
             config = {FOLDER: export, "eagletree": {"format": self.format}}
             (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-        return publish(tmp, out, keep_others=True, replace=overwrite)
+        stale = stale_entries(out, self)
+        return remove_entries(publish(tmp, out, keep_others=True, replace=overwrite), stale)
 
 
 def export_settings(head, folder: Path, hub_repo: str | None) -> dict:
     """What generate.py needs: the head's kind and folder (absolute, and inside the Hub repository)."""
-    if hub_repo is not None and (hub_repo.count("/") != 1 or not all(hub_repo.split("/"))):
-        raise HeadError(f"--hub-repo {hub_repo!r} is not a Hub repository id; expected OWNER/NAME")
     return {"head_type": head.head_type, "folder": str(folder), "head": HEAD, "hub_repo": hub_repo, "tree": "auto"}
 
 

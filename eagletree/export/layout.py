@@ -7,6 +7,7 @@ A format module (eagle.py, vllm.py, ...) lists its layouts in `LAYOUTS`; a subcl
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ class Layout:
     target_types: tuple[str, ...] = ("llama",)  # the target model_types its engines load heads for
     loaders = ""  # "the ... loaders take Llama-architecture heads": the refusal of another target
     stale: tuple[str, ...] = ()  # files an overwrite removes: another layout's, which would describe another head
+    folders: tuple[str, ...] = ()  # folders it writes, which an overwrite in another format removes
     names_hub_repo = False  # its files name the Hub repository they are pushed to (`hub_repo`)
 
     def check(self, head) -> None:
@@ -38,6 +40,9 @@ class Layout:
         model_type = head.config.target["model_type"]
         if model_type not in self.target_types:
             raise HeadError(f"{self.loaders}; this head's target is {model_type!r}")
+
+    def check_hub_repo(self, hub_repo: str) -> None:
+        """HeadError unless `hub_repo` is a repository id this layout can name (for layouts that `names_hub_repo`)."""
 
     def state(self, head, embedding: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The exported weights; `embedding` is the target's input embedding (for a layout that carries it)."""
@@ -80,7 +85,34 @@ class Layout:
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
             self.write_companions(head, tmp)
-        published = publish(tmp, out, keep_others=True, replace=overwrite)
-        for name in self.stale:
-            (published / name).unlink(missing_ok=True)
-        return published
+        stale = stale_entries(out, self)
+        return remove_entries(publish(tmp, out, keep_others=True, replace=overwrite), stale)
+
+
+def stale_entries(out: Path, layout: Layout) -> list[str]:
+    """What writing `layout` over the folder `out` removes once published: the layout's `stale` files, and the
+    folders of the export there before when it was another format's (its config.json's eagletree marker says)."""
+    names = list(layout.stale)
+    try:
+        before = json.loads((Path(out) / CONFIG).read_text())["eagletree"]["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return names
+    if before != layout.format:
+        from .registry import format_layouts
+
+        try:
+            names += [name for other in format_layouts(before) for name in other.folders if name not in layout.folders]
+        except HeadError:  # a format this eagletree does not know: nothing of it is known to remove
+            pass
+    return names
+
+
+def remove_entries(folder: Path, names) -> Path:
+    """`folder` without the files and folders `names` (those absent are fine)."""
+    for name in names:
+        path = Path(folder) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return Path(folder)
