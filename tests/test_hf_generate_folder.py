@@ -232,3 +232,17 @@ def test_an_overwrite_in_another_format_leaves_nothing_of_the_other_export(model
     export_head(head, out, "vllm", dtype=torch.float32, overwrite=True)
     assert "custom_generate" not in {p.name for p in out.iterdir()} and (out / "NOTES.md").read_text() == "mine"
     assert recognize_folder(out).format == "vllm" and not (out / "head").exists()
+
+
+def test_a_text_generation_pipeline_takes_either_form(model_and_export, decoded):
+    from transformers import pipeline
+
+    from helpers import tiny_tokenizer
+
+    model, head, out = model_and_export
+    pipe = pipeline("text-generation", model=model, tokenizer=tiny_tokenizer())
+    options = dict(max_new_tokens=8, do_sample=False, return_tensors=True)
+    want = pipe("hello world", **options)[0]["generated_token_ids"]
+    assert pipe("hello world", **options, custom_generate=hf.decoding(head))[0]["generated_token_ids"] == want
+    got = pipe("hello world", **options, custom_generate=str(out), trust_remote_code=True)[0]["generated_token_ids"]
+    assert got == want and decoded == ["steps", "steps"]
