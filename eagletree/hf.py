@@ -25,6 +25,7 @@ strings into their stopping criterion, hands the streamer to the method and call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -198,12 +199,18 @@ def folder_generate(model, export: dict, **kwargs):
     streamer, tokenizer = kwargs.pop("streamer", None), kwargs.pop("tokenizer", None)
     method = functools.partial(folder_method(model, head, tree, export.get("options", {})), streamer=streamer)
     kwargs, strings = stop_strings_as_criteria(model, kwargs, tokenizer)
-    if not strings:
+    with model_config_without_stop_strings(model) if strings else contextlib.nullcontext():
         return GenerationMixin.generate(model, custom_generate=method, **kwargs)
-    saved = model.generation_config  # `generate` fills unset fields from it: its stop strings would come back
+
+
+@contextlib.contextmanager
+def model_config_without_stop_strings(model):
+    """The model's generation config without stop strings while the block runs (`generate` fills a config's unset
+    fields from it, so its stop strings would come back), restored after."""
+    saved = model.generation_config
     model.generation_config = without_stop_strings(saved)
     try:
-        return GenerationMixin.generate(model, custom_generate=method, **kwargs)
+        yield
     finally:
         model.generation_config = saved
 
@@ -273,9 +280,10 @@ def folder_method(model, head_dir: Path, tree: str, options: dict):
     """The decoding method for this model, head folder and settings, built once (the head loaded onto the model's
     device, the Decoder kept by the method; the last few kept) and built again when the head's files change."""
     from .decode.resources import COMPANION_FILES
+    from .draft.base import CONFIG, WEIGHTS
     from .loading import load_head
 
-    files = [head_dir / name for name in ("config.json", "model.safetensors", *COMPANION_FILES)]
+    files = [head_dir / name for name in (CONFIG, WEIGHTS, *COMPANION_FILES)]
     stamp = tuple(path.stat().st_mtime_ns if path.is_file() else None for path in files)
     dtype = next(model.parameters()).dtype
     key = (

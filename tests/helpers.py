@@ -252,3 +252,16 @@ def small_block_head(model, dtype=torch.float32, **kwargs):
             if isinstance(module, torch.nn.Linear):
                 module.weight.mul_(0.5)
     return head.to(dtype)
+
+
+class Collect:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.pieces, self.ended = [], False
+
+    def put(self, value):
+        self.pieces.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True

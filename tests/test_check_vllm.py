@@ -93,6 +93,8 @@ def test_engines_drafting_on_their_own_answers_are_allowed_the_sampling_noise_of
         for p in problems
     ), problems
     assert metrics.pooled_error([100, 50], [100, 50]) == pytest.approx((0.25 * 0.02) ** 0.5)
+    never = [[300, 100], [100, 0], [0, 0]]  # a position no pass reaches has no rate to judge
+    assert metrics.acceptance_problems(never, never, engine="llama.cpp", own_answers=True) == []
 
 
 def test_rates_of_few_passes_are_not_judged_but_few_drafting_passes_fail():

@@ -13,7 +13,7 @@ from eagletree import hf
 from eagletree.draft import EagleHead
 from eagletree.errors import InvalidValue
 
-from helpers import chi_square_p, eight_token_model, first_two_probs, tiny_model, tiny_tokenizer
+from helpers import Collect, chi_square_p, eight_token_model, first_two_probs, tiny_model, tiny_tokenizer
 
 EOS, PAD = 35, 0  # (the tiny model repeats token 35 in the first prompt's answer: it ends there)
 
@@ -54,19 +54,6 @@ def test_a_left_padded_batch_gives_each_prompt_its_answer_alone(model_and_head):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :]
         answer = got[row, width:]
         assert torch.equal(answer[: len(alone)], alone) and (answer[len(alone) :] == PAD).all()
-
-
-class Collect:
-    """A streamer that keeps what it is given."""
-
-    def __init__(self):
-        self.pieces, self.ended = [], False
-
-    def put(self, value):
-        self.pieces.append(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_the_method_streams_the_prompt_then_each_pass_s_tokens(model_and_head):

@@ -19,7 +19,7 @@ from eagletree.draft import EagleHead, HeadError
 from eagletree.errors import InvalidValue
 from eagletree.export.convert import export_head, import_folder, recognize_folder
 
-from helpers import tiny_model
+from helpers import Collect, tiny_model
 
 EOS, PAD = 35, 0
 CALIBRATION = json.dumps({"method": "temperature", "scale": 0.9, "bias": 0.1})
@@ -38,19 +38,6 @@ def model_and_export(tmp_path_factory):
     head = EagleHead.from_pretrained(saved, target_config=model.config)
     out = export_head(head, tmp_path_factory.mktemp("exports") / "tiny-trees", "hf-generate", dtype=torch.float32)
     return model, head, out
-
-
-class Collect:
-    """A streamer that keeps what it is given."""
-
-    def __init__(self):
-        self.pieces, self.ended = [], False
-
-    def put(self, value):
-        self.pieces.append(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_the_folder_holds_generate_py_its_requirements_and_the_head(model_and_export):

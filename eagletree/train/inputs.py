@@ -124,7 +124,8 @@ def has_assistant_text(conversations) -> bool:
 
 def assistant_tokens(tok, stream: Stream | GroupStream, cfg: TrainConfig, store=None, rank: int = 0, world: int = 1):
     """Assistant tokens of the first conversations in training order (to pick the draft vocabulary); from shard
-    groups, this process's share of them, read from its own groups only (`GroupStream.sample`)."""
+    groups, the share of process `rank` of `world`, read from its own groups only (`GroupStream.sample`; every
+    process reads the same conversations otherwise)."""
     if isinstance(stream, GroupStream):
         items = stream.sample(cfg.draft_vocab_sample, rank, world)
     else:

@@ -300,11 +300,9 @@ def _head_to_train(
 def _draft_vocab(cfg: TrainConfig, accelerator, vocab_size: int, tok, stream, store) -> torch.Tensor:
     """The draft vocabulary: the most frequent assistant tokens of the run's first conversations. From shard groups
     each process counts its own groups' share and the counts are summed, so no process reads another's shards."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    grouped = isinstance(stream, GroupStream)
-    tokens = assistant_tokens(tok, stream, cfg, store, *((rank, world) if grouped else (0, 1)))
-    counts = token_counts(tokens, vocab_size)
-    if grouped and world > 1:
+    world = accelerator.num_processes
+    counts = token_counts(assistant_tokens(tok, stream, cfg, store, accelerator.process_index, world), vocab_size)
+    if isinstance(stream, GroupStream) and world > 1:
         counts = accelerator.reduce(counts.to(accelerator.device), "sum").cpu()
     return draft_vocab_from_counts(counts, cfg.draft_vocab, vocab_size, always=special_ids(tok))
 

@@ -85,8 +85,10 @@ def acceptance_problems(
                 f"position {d}: per drafting pass {engine} accepts {pv:.3f}, eagletree {po:.3f}, "
                 f"more than {tolerance} apart"
             )
+        if min(v[0], o[0]) < min_reached:
+            continue
         noise = 2 * pooled_error(v, o) if own_answers else 0.0
-        if min(v[0], o[0]) >= min_reached and abs(v[1] / v[0] - o[1] / o[0]) > tolerance + noise:
+        if abs(v[1] / v[0] - o[1] / o[0]) > tolerance + noise:
             allowed = f"{tolerance} + {noise:.3f} (twice the sampling noise)" if own_answers else f"{tolerance}"
             problems.append(
                 f"position {d}: of the passes reaching it {engine} accepts {v[1] / v[0]:.3f} ({v[1]}/{v[0]}), "
