@@ -256,11 +256,12 @@ def _check_not_under_a_file(out: Path, option: str) -> None:
         raise WriteError(f"{option} {str(out)!r}: {str(parent)!r} is a file, so nothing can be written under it")
 
 
-def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = True) -> Path:
+def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = True, drop=()) -> Path:
     """Move the finished folder `tmp` to `final` at once, following the umask.
 
     An existing `final` is replaced as a whole; with `keep_others` its entries that `tmp` does not hold are
-    carried over (hard links, so no copy), i.e. only the files written in `tmp` are replaced. `final` is
+    carried over (hard links, so no copy), i.e. only the files written in `tmp` are replaced, except those named
+    in `drop` (gone with the old folder). `final` is
     never missing or half-written: `tmp`'s files are flushed to disk first, then the two folders are swapped
     atomically where the kernel can (Linux renameat2), else by two renames in a row. replace=False (a command
     without --overwrite): `final` must still be absent or empty, checked by the rename itself, so of two runs
@@ -281,7 +282,7 @@ def publish(tmp: Path, final: Path, keep_others: bool = True, replace: bool = Tr
             raise WriteError(f"{str(final)!r} is a file; expected a folder")
         if keep_others:
             for entry in final.iterdir():
-                if not (tmp / entry.name).exists() and not is_partial(entry):
+                if not (tmp / entry.name).exists() and not is_partial(entry) and entry.name not in drop:
                     _link_copy(entry, tmp / entry.name)
         if not any(final.iterdir()):
             os.replace(tmp, final)  # rename onto an empty folder

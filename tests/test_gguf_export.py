@@ -122,3 +122,19 @@ def test_an_eagle3_head_is_llama_cpps_eagle3_layout_with_q_and_k_permuted_for_it
     assert recognize_folder(out).heads == ("eagle3",)
     for key, value in head.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_an_overwrite_across_gguf_and_other_formats_keeps_nothing_of_the_earlier_export(tmp_path, target):
+    """gguf over a speculators/dflash export (config.json, weights, token map) keeps only model.gguf of the two;
+    a dflash export over the gguf one drops model.gguf; a file that is no export's stays throughout."""
+    head = block_head(target)
+    out = tmp_path / "both"
+    export_head(head, out, "dflash", dtype=torch.float32, target=target)
+    (out / "NOTES.md").write_text("mine")
+    assert {"config.json", "model.safetensors", "token_map.pt"} <= {p.name for p in out.iterdir()}
+    export_head(head, out, "gguf", dtype=torch.float32, target=target, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md", FILE]
+    assert recognize_folder(out).format == "gguf"
+    export_head(head, out, "dflash", dtype=torch.float32, target=target, overwrite=True)
+    assert FILE not in {p.name for p in out.iterdir()} and (out / "NOTES.md").read_text() == "mine"
+    assert recognize_folder(out).format == "dflash"

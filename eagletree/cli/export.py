@@ -25,9 +25,9 @@ def add_export_parsers(sub) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="write into a non-empty --out: replace config.json and "
-        "model.safetensors (and token_map.pt) there, keep the rest "
-        "of its files",
+        help="write into a non-empty --out: replace an earlier export there (config.json, model.safetensors, "
+        "token_map.pt, model.gguf, an hf-generate folder's head/ and custom_generate/: whatever this export does not "
+        "write again is removed), keep the rest of its files",
     )
     p.add_argument("--dtype", default="bf16", choices=list(EXPORT_DTYPES))
     p.add_argument(

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from ..draft import Eagle3Head, HeadError
-from . import TOKEN_MAP
 from .layout import Layout
 from .shared import (
     check_export_target,
@@ -52,7 +51,6 @@ class Eagle3Layout(Layout):
     fallback = True  # a foreign EAGLE-3 config without speculators' fields: EAGLE's, SGLang's or vLLM's
     loaders = "the EAGLE-3 loaders take Llama-architecture heads"
     prefix = "midlayer."  # where the layer's weights go (EAGLE's code's names)
-    stale = (TOKEN_MAP,)  # an earlier EAGLE-1/2 export's token map there would describe another head
 
     def state(self, head, embedding=None) -> dict[str, torch.Tensor]:
         """`eagle3_state` with the target's embedding, which EAGLE's code loads from the export."""

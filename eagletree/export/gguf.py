@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from ..draft import DFlashHead, Eagle3Head, HeadError
+from ..files import building
 from .dflash import dflash_head
 from .gguf_file import FILE, as_export_config, layer_meta, marker, read_gguf, write_gguf
-from .layout import Layout, remove_entries, stale_entries
+from .layout import Layout, publish_export
 from .shared import check_export_target, load_checked
 
 ARCH = "dflash"
@@ -121,10 +122,10 @@ class GGUFLayout(Layout):
     ) -> Path:
         embedding = None if target is None else self.embedding(target)
         meta = self.config(head, dtype, target, speculative_tokens)
-        stale = stale_entries(out, self)
-        return remove_entries(
-            write_gguf(out, self.arch, meta, self.state(head, embedding), dtype, target, overwrite), stale
-        )
+        state = self.state(head, embedding)
+        with building(out) as tmp:
+            write_gguf(tmp, self.arch, meta, state, dtype, target)
+        return publish_export(tmp, out, self, overwrite)
 
     def recognizes(self, config: dict) -> bool:
         return config.get("gguf", {}).get("general.architecture") == self.arch

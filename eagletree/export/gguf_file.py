@@ -11,35 +11,32 @@ import numpy as np
 import torch
 
 from ..draft import HeadError
-from ..files import building, publish
 from ..target import gguf_source
 
 FILE = "model.gguf"
 FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # llama.cpp's general.file_type
 
 
-def write_gguf(out: Path, arch: str, meta: dict, state: dict, dtype, target, overwrite: bool) -> Path:
-    """`out/model.gguf` of architecture `arch`: the keys `meta`, the target's tokenizer keys (those `meta` does not
-    set), the tensors `state`; built in a partial folder, then published atomically."""
+def write_gguf(folder: Path, arch: str, meta: dict, state: dict, dtype, target) -> None:
+    """`folder/model.gguf` of architecture `arch`: the keys `meta`, the target's tokenizer keys (those `meta` does
+    not set), the tensors `state`."""
     import gguf
 
     if dtype not in FILE_TYPES:
         raise HeadError(f"format 'gguf' writes f32, f16 or bf16, not {dtype}")
     tokenizer = _target_tokenizer(target)
-    with building(out) as tmp:
-        writer = gguf.GGUFWriter(str(tmp / FILE), arch)
-        for key, value in meta.items():
-            _add(writer, key, value)
-        for field in tokenizer:
-            if field.name not in meta:
-                _copy_field(writer, field)
-        for name, tensor in state.items():
-            _add_tensor(writer, name, tensor, dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return publish(tmp, out, keep_others=True, replace=overwrite)
+    writer = gguf.GGUFWriter(str(Path(folder) / FILE), arch)
+    for key, value in meta.items():
+        _add(writer, key, value)
+    for field in tokenizer:
+        if field.name not in meta:
+            _copy_field(writer, field)
+    for name, tensor in state.items():
+        _add_tensor(writer, name, tensor, dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def layer_meta(arch: str, head, layers: int, head_dim: int, dtype) -> dict:

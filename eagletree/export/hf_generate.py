@@ -23,10 +23,8 @@ from pprint import pformat
 
 from ..decode.resources import COMPANION_FILES
 from ..draft import DraftHead, HeadError
-from ..files import building, publish
-from . import TOKEN_MAP
-from .gguf_file import FILE as GGUF_FILE
-from .layout import CONFIG, WEIGHTS, Layout, remove_entries, stale_entries
+from ..files import building
+from .layout import CONFIG, Layout, publish_export
 
 HEAD = "head"  # the head's folder inside the export
 HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -58,7 +56,6 @@ class HfGenerate(Layout):
     format = "hf-generate"
     names_hub_repo = True
     folders = (HEAD, FOLDER)
-    stale = (WEIGHTS, TOKEN_MAP, GGUF_FILE)  # an earlier export's files in other formats, which would describe it
     target_types = ()  # any decoder-only model transformers generates with: `check` asks nothing of the target
 
     def __init__(self, head_type: str, kind: str):
@@ -102,8 +99,7 @@ class HfGenerate(Layout):
             (tmp / FOLDER / "requirements.txt").write_text("\n".join(requirements()) + "\n")
             config = {FOLDER: export, "eagletree": {"format": self.format}}
             (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-        stale = stale_entries(out, self)
-        return remove_entries(publish(tmp, out, keep_others=True, replace=overwrite), stale)
+        return publish_export(tmp, out, self, overwrite)
 
 
 def export_settings(head, folder: Path, hub_repo: str | None) -> dict:

@@ -7,7 +7,6 @@ A format module (eagle.py, vllm.py, ...) lists its layouts in `LAYOUTS`; a subcl
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -31,7 +30,6 @@ class Layout:
     fallback = False  # recognizes whatever of its kind of head no other layout does (EAGLE's own layouts)
     target_types: tuple[str, ...] = ("llama",)  # the target model_types its engines load heads for
     loaders = ""  # "the ... loaders take Llama-architecture heads": the refusal of another target
-    stale: tuple[str, ...] = ()  # files an overwrite removes: another layout's, which would describe another head
     folders: tuple[str, ...] = ()  # folders it writes, which an overwrite in another format removes
     names_hub_repo = False  # its files name the Hub repository they are pushed to (`hub_repo`)
 
@@ -85,34 +83,27 @@ class Layout:
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
             self.write_companions(head, tmp)
-        stale = stale_entries(out, self)
-        return remove_entries(publish(tmp, out, keep_others=True, replace=overwrite), stale)
+        return publish_export(tmp, out, self, overwrite)
 
 
-def stale_entries(out: Path, layout: Layout) -> list[str]:
-    """What writing `layout` over the folder `out` removes once published: the layout's `stale` files, and the
-    folders of the export there before when it was another format's (its config.json's eagletree marker says)."""
-    names = list(layout.stale)
+def publish_export(tmp: Path, out: Path, layout: Layout, overwrite: bool) -> Path:
+    """Publish the export built in `tmp` as the folder `out` (`files.publish`): whatever an earlier export there wrote
+    and this one does not (`replaced_entries`) goes with the old folder, in the same rename; other files stay."""
+    return publish(tmp, out, keep_others=True, replace=overwrite, drop=replaced_entries(out, tmp))
+
+
+def replaced_entries(out: Path, tmp: Path) -> set[str]:
+    """The entries of an earlier export in `out` that the new one in `tmp` does not write, which would describe
+    another head: every format's file names (config.json, model.safetensors, token_map.pt, model.gguf), and the
+    folders of the earlier export's format (its config.json's eagletree marker names it)."""
+    from . import TOKEN_MAP
+    from .gguf_file import FILE as GGUF_FILE
+    from .registry import format_layouts
+
+    names = {CONFIG, WEIGHTS, TOKEN_MAP, GGUF_FILE}
     try:
         before = json.loads((Path(out) / CONFIG).read_text())["eagletree"]["format"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return names
-    if before != layout.format:
-        from .registry import format_layouts
-
-        try:
-            names += [name for other in format_layouts(before) for name in other.folders if name not in layout.folders]
-        except HeadError:  # a format this eagletree does not know: nothing of it is known to remove
-            pass
-    return names
-
-
-def remove_entries(folder: Path, names) -> Path:
-    """`folder` without the files and folders `names` (those absent are fine)."""
-    for name in names:
-        path = Path(folder) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    return Path(folder)
+        names |= {name for other in format_layouts(before) for name in other.folders}
+    except (OSError, ValueError, KeyError, TypeError, HeadError):  # none, or a format this eagletree does not know
+        pass
+    return names - {entry.name for entry in Path(tmp).iterdir()}
