@@ -125,7 +125,7 @@ class GGUFLayout(Layout):
         state = self.state(head, embedding)
         with building(out) as tmp:
             write_gguf(tmp, self.arch, meta, state, dtype, target)
-        return publish_export(tmp, out, self, overwrite)
+        return publish_export(tmp, out, overwrite)
 
     def recognizes(self, config: dict) -> bool:
         return config.get("gguf", {}).get("general.architecture") == self.arch

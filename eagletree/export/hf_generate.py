@@ -99,7 +99,7 @@ class HfGenerate(Layout):
             (tmp / FOLDER / "requirements.txt").write_text("\n".join(requirements()) + "\n")
             config = {FOLDER: export, "eagletree": {"format": self.format}}
             (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-        return publish_export(tmp, out, self, overwrite)
+        return publish_export(tmp, out, overwrite)
 
 
 def export_settings(head, folder: Path, hub_repo: str | None) -> dict:

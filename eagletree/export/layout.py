@@ -83,10 +83,10 @@ class Layout:
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str))
             self.write_companions(head, tmp)
-        return publish_export(tmp, out, self, overwrite)
+        return publish_export(tmp, out, overwrite)
 
 
-def publish_export(tmp: Path, out: Path, layout: Layout, overwrite: bool) -> Path:
+def publish_export(tmp: Path, out: Path, overwrite: bool) -> Path:
     """Publish the export built in `tmp` as the folder `out` (`files.publish`): whatever an earlier export there wrote
     and this one does not (`replaced_entries`) goes with the old folder, in the same rename; other files stay."""
     return publish(tmp, out, keep_others=True, replace=overwrite, drop=replaced_entries(out, tmp))
